@@ -11,6 +11,8 @@ from typing import Any, Callable, Literal, Mapping
 
 import torch
 
+from suite.errors import UsageError
+
 Buffers = dict[str, torch.Tensor]
 Outputs = dict[str, torch.Tensor]
 
@@ -38,8 +40,9 @@ class Bitwise:
 class Tolerance:
     """Arm error vs a float64 truth <= k x the reference's own error + floor, per output.
 
-    Both errors are relative: the L2 norm of the difference over the truth's norm, and the
-    largest elementwise difference over the truth's largest magnitude.
+    Two relative errors are judged: over the whole tensor (L2 norm of the difference over
+    the truth's norm) and for the worst row (the same ratio per row of the last dimension),
+    so an error confined to small-magnitude rows is not hidden by the large ones.
     """
 
     k: float = 2.0
@@ -58,7 +61,8 @@ class Saboteur:
     description: str
     fn: Callable[[Buffers, Preset], Outputs]
     caught_by: Literal["parity", "determinism", "poison", "inputs"] = "parity"
-    nondeterministic: bool = False
+    # presets on which the sabotage can show at all (a no-op there proves nothing)
+    applies: Callable[[Preset], bool] = lambda preset: True
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,9 @@ class Gate:
     reference: Callable[[Buffers, Preset], Outputs]
     arm: Callable[[Buffers, Preset], Outputs]
     parity: Parity
+    required_buffers: tuple[str, ...] = ()  # names make_buffers produces and loaded buffers must hold
+    # the preset params that follow from loaded buffers themselves (shapes, dtypes)
+    buffer_params: Callable[[Buffers], dict[str, Any]] = lambda buffers: {}
     # float64 truth, required by Tolerance parity
     truth: Callable[[Buffers, Preset], Outputs] | None = None
     saboteurs: tuple[Saboteur, ...] = ()
@@ -127,12 +134,12 @@ class Gate:
             if p.name == name:
                 return p
         known = ", ".join(p.name for p in self.presets)
-        raise KeyError(f"gate {self.name!r} has no preset {name!r}; its presets are: {known}")
+        raise UsageError(f"gate {self.name!r} has no preset {name!r}; its presets are: {known}")
 
     def default_presets(self, device: torch.device) -> list[Preset]:
         if device.type == "cuda":
             return [p for p in self.presets if p.where == "cuda" and p.standard]
-        return [p for p in self.presets if p.where == "any"]
+        return [p for p in self.presets if p.where == "any" and p.standard]
 
     def __post_init__(self) -> None:
         if isinstance(self.parity, Tolerance) and self.truth is None:

@@ -1,0 +1,308 @@
+"""Committed figures per device, and judging a new run against them.
+
+`save_baseline` writes baselines/<device-slug>/<gate>.json from a passed run; `compare`
+judges a new run against those files with the NEW run's noise floor (the baseline's own
+spread says nothing about today's machine), and refuses a different class of machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, computed_field
+
+from suite.errors import UsageError
+from suite.harness.fingerprint import fingerprint_class
+from suite.harness.report import (
+    BenchResult,
+    Fingerprint,
+    GateResult,
+    RunReport,
+    markdown_table,
+    read_versioned_json,
+)
+
+BASELINE_SCHEMA_VERSION = 1
+# Below this change a timing is "same" even when the run's noise floor is tighter: a 1%
+# drift is not worth failing a build over.
+MIN_CHANGE = 0.02
+
+Role = Literal["reference", "arm", "peer"]
+EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
+
+
+class BaselineEntry(BaseModel):
+    preset: str
+    case: str
+    contender: str
+    role: Role
+    median_ms: float
+    round_medians_ms: list[float]
+    gbps: float | None = None
+    tflops: float | None = None
+    ceiling_fraction: float | None = None
+    noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
+
+
+class Baseline(BaseModel):
+    schema_version: int = BASELINE_SCHEMA_VERSION
+    gate: str
+    fingerprint: Fingerprint
+    fingerprint_class: dict[str, str | None]
+    run_id: str
+    command: str
+    created_utc: str
+    entries: list[BaselineEntry]
+
+
+class EntryComparison(BaseModel):
+    gate: str
+    preset: str
+    case: str
+    contender: str
+    role: Role
+    status: EntryStatus
+    baseline_ms: float | None = None
+    new_ms: float | None = None
+    ratio: float | None = None  # new / baseline; above 1 is slower
+    threshold: float | None = None  # relative change needed to count, from the new run's floor
+    note: str = ""
+
+
+class ComparisonReport(BaseModel):
+    run_id: str
+    baselines: dict[str, str]  # gate -> baseline file read
+    forced: bool = False
+    mismatches: dict[str, str] = {}  # gate -> how its baseline's fingerprint class differs
+    entries: list[EntryComparison]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def passed(self) -> bool:
+        """Only the arm's regressions fail: the reference and peers are for information."""
+        return not any(e.role == "arm" and e.status == "regressed" for e in self.entries)
+
+
+def baseline_path(baselines_dir: str | Path, device_slug: str, gate: str) -> Path:
+    return Path(baselines_dir) / device_slug / f"{gate}.json"
+
+
+def load_baseline(path: str | Path) -> Baseline:
+    return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline")
+
+
+def _entries(result: GateResult) -> list[BaselineEntry]:
+    return [
+        BaselineEntry(
+            preset=result.preset, case=bench.case, contender=c.name, role=c.role,
+            median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
+            tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
+        )
+        for bench in result.bench
+        for c in bench.contenders
+        if c.median_ms is not None
+    ]
+
+
+def _why_not_saved(result: GateResult) -> str:
+    where = f"{result.gate}/{result.preset}"
+    if result.status != "passed":
+        return f"{where}: {result.status}" + (f" ({result.reason})" if result.reason else "")
+    return f"{where}: " + (f"bench skipped ({result.bench_skipped})" if result.bench_skipped
+                           else "no bench results")
+
+
+def save_baseline(
+    report: RunReport, baselines_dir: str | Path, gates: list[str] | None = None
+) -> list[Path]:
+    """Write one baseline file per gate from the report's passed bench results.
+
+    Refuses a report in which a selected gate's parity failed (its timings belong to a wrong
+    arm), and one with nothing to save. Results that did not pass are left out. Each file is
+    replaced whole, so a baseline always comes from a single run.
+    """
+    ran = list(dict.fromkeys(r.gate for r in report.results))
+    if gates is not None:
+        unknown = [g for g in gates if g not in ran]
+        if unknown:
+            raise UsageError(
+                f"run {report.run_id} has no results for {', '.join(unknown)}; "
+                f"it ran: {', '.join(ran) or 'nothing'}"
+            )
+    selected = [r for r in report.results if gates is None or r.gate in gates]
+    if not selected:
+        raise UsageError(f"run {report.run_id} has no gate results, so no bench results to save")
+
+    wrong = [f"{r.gate}/{r.preset}" for r in selected if r.parity is not None and not r.parity.passed]
+    if wrong:
+        raise UsageError(
+            f"not saving a baseline from run {report.run_id}: parity failed for "
+            f"{', '.join(wrong)}, so its timings are of a wrong result. Fix the arm and re-run."
+        )
+
+    by_gate: dict[str, list[BaselineEntry]] = {}
+    for result in selected:
+        if result.status == "passed":
+            entries = _entries(result)
+            if entries:
+                by_gate.setdefault(result.gate, []).extend(entries)
+    empty = [g for g in dict.fromkeys(r.gate for r in selected) if g not in by_gate]
+    # Without a list of gates, save what passed; a gate asked for by name must be saved.
+    if not by_gate or (gates is not None and empty):
+        reasons = [_why_not_saved(r) for r in selected if r.gate in empty]
+        raise UsageError(
+            f"run {report.run_id} has no passed bench results to save for "
+            f"{', '.join(empty)}: " + "; ".join(reasons)
+            + ". Run the benches on the GPU and save from that run's report."
+        )
+
+    fp = report.fingerprint
+    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    written = []
+    for gate, entries in by_gate.items():
+        baseline = Baseline(
+            gate=gate, fingerprint=fp, fingerprint_class=fingerprint_class(fp),
+            run_id=report.run_id, command=report.command, created_utc=created, entries=entries,
+        )
+        path = baseline_path(baselines_dir, fp.device_slug, gate)
+        _write_atomic(path, baseline.model_dump_json(indent=2) + "\n")
+        written.append(path)
+    return written
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # A half-written baseline would be committed as garbage; replace the file in one step.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _class_difference(baseline: dict[str, str | None], new: dict[str, str | None]) -> str:
+    return "; ".join(
+        f"{key} {baseline.get(key)} (baseline) vs {new.get(key)} (this run)"
+        for key in sorted(set(baseline) | set(new))
+        if baseline.get(key) != new.get(key)
+    )
+
+
+def _judge(
+    gate: str, preset: str, bench: BenchResult, base: BaselineEntry, new_ms: float, note: str
+) -> EntryComparison:
+    ratio = new_ms / base.median_ms
+    # the new run's floor, as a log ratio, and never under the minimum worth reporting
+    threshold_log = max(math.log1p(bench.noise_floor), math.log1p(MIN_CHANGE))
+    change = math.log(ratio)
+    status: EntryStatus = (
+        "regressed" if change > threshold_log else "improved" if change < -threshold_log else "same"
+    )
+    return EntryComparison(
+        gate=gate, preset=preset, case=bench.case, contender=base.contender, role=base.role,
+        status=status, baseline_ms=base.median_ms, new_ms=new_ms, ratio=ratio,
+        threshold=math.expm1(threshold_log), note=note,
+    )
+
+
+def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -> ComparisonReport:
+    """Judge every timed entry of the run against the baseline of its gate on this device.
+
+    Entries of the run without a baseline are "new"; baseline entries of a gate and preset
+    the run measured but without that case or contender are "missing". Neither fails.
+    """
+    new_class = fingerprint_class(report.fingerprint)
+    results = [r for r in report.results if r.bench]
+    gates = list(dict.fromkeys(r.gate for r in results))
+
+    baselines: dict[str, Baseline] = {}
+    paths: dict[str, str] = {}
+    mismatches: dict[str, str] = {}
+    for gate in gates:
+        path = baseline_path(baselines_dir, report.fingerprint.device_slug, gate)
+        if not path.exists():
+            continue
+        baselines[gate] = load_baseline(path)
+        paths[gate] = str(path)
+        difference = _class_difference(baselines[gate].fingerprint_class, new_class)
+        if difference:
+            mismatches[gate] = difference
+    if mismatches and not force:
+        detail = "; ".join(f"{paths[g]}: {d}" for g, d in mismatches.items())
+        raise UsageError(
+            f"cannot compare run {report.run_id} with baselines from a different class of "
+            f"machine: {detail}. Re-measure on this setup and save a new baseline, or force the "
+            f"comparison (each entry is then marked)."
+        )
+
+    entries: list[EntryComparison] = []
+    for result in results:
+        baseline = baselines.get(result.gate)
+        note = f"fingerprint differs: {mismatches[result.gate]}" if result.gate in mismatches else ""
+        known = {
+            (e.case, e.contender): e for e in (baseline.entries if baseline else [])
+            if e.preset == result.preset
+        }
+        seen = set()
+        for bench in result.bench:
+            for c in bench.contenders:
+                if c.median_ms is None:
+                    continue
+                key = (bench.case, c.name)
+                seen.add(key)
+                if key in known:
+                    entries.append(_judge(result.gate, result.preset, bench, known[key], c.median_ms, note))
+                else:
+                    entries.append(EntryComparison(
+                        gate=result.gate, preset=result.preset, case=bench.case, contender=c.name,
+                        role=c.role, status="new", new_ms=c.median_ms,
+                        note=note or ("no baseline file" if baseline is None else "not in the baseline"),
+                    ))
+        for key, e in known.items():
+            if key not in seen:
+                entries.append(EntryComparison(
+                    gate=result.gate, preset=result.preset, case=e.case, contender=e.contender,
+                    role=e.role, status="missing", baseline_ms=e.median_ms,
+                    note=note or "in the baseline, not timed in this run",
+                ))
+    return ComparisonReport(
+        run_id=report.run_id, baselines=paths, forced=force, mismatches=mismatches, entries=entries
+    )
+
+
+def render_comparison(cmp: ComparisonReport) -> str:
+    regressed = [e for e in cmp.entries if e.role == "arm" and e.status == "regressed"]
+    verdict = "passed" if cmp.passed else f"**FAILED**: {len(regressed)} arm timing(s) regressed"
+    lines = [f"# Comparison of run {cmp.run_id} with baselines: {verdict}", ""]
+    for gate, path in cmp.baselines.items():
+        lines.append(f"- {gate}: {path}")
+    for gate, difference in cmp.mismatches.items():
+        lines.append(f"- forced past a fingerprint mismatch for {gate}: {difference}")
+    if cmp.baselines or cmp.mismatches:
+        lines.append("")
+
+    def ms(value: float | None) -> str:
+        return "—" if value is None else f"{value:.4f}"
+
+    rows = [
+        [e.gate, e.preset, e.case, e.contender, e.role, ms(e.baseline_ms), ms(e.new_ms),
+         "—" if e.ratio is None else f"{100 * (e.ratio - 1):+.1f}%",
+         "—" if e.threshold is None else f"±{100 * e.threshold:.1f}%",
+         f"**{e.status.upper()}**" if e.status == "regressed" and e.role == "arm" else e.status,
+         e.note]
+        for e in cmp.entries
+    ]
+    lines.append(markdown_table(
+        ["gate", "preset", "case", "contender", "role", "baseline ms", "new ms", "change",
+         "counts beyond", "status", "note"],
+        rows,
+    ))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,177 @@
+"""Saved buffers: one safetensors file plus a manifest that makes it checkable.
+
+`save_buffers` / `load_buffers` are the public API a training loop uses to dump its real
+tensors in the format gates read (`suite gate NAME --buffers DIR`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, Field, ValidationError
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from suite.errors import BadBuffers
+
+MANIFEST = "manifest.json"
+TENSORS = "buffers.safetensors"
+MANIFEST_VERSION = 1
+
+
+class TensorEntry(BaseModel):
+    shape: list[int]
+    dtype: str
+
+
+class BufferManifest(BaseModel):
+    manifest_version: int = MANIFEST_VERSION
+    gate: str | None = None  # None for tensors a training loop dumped on its own
+    preset: str | None = None
+    seed: int | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+    tensors: dict[str, TensorEntry]
+    sha256: dict[str, str]  # file name -> digest
+    created_utc: str
+    versions: dict[str, str]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Digest of a tensor's bytes, dtype and shape (for the inputs-unchanged check)."""
+    data = t.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"python": platform.python_version(), "torch": torch.__version__}
+    for package in ("triton", "suite"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def save_buffers(
+    tensors: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    *,
+    gate: str | None = None,
+    preset: str | None = None,
+    seed: int | None = None,
+    params: dict[str, Any] | None = None,
+) -> Path:
+    """Write `tensors` to out_dir/buffers.safetensors with out_dir/manifest.json.
+
+    Files are written under temporary names and renamed, so an interrupted save never
+    leaves a manifest that describes a half-written tensor file.
+    """
+    if not tensors:
+        raise BadBuffers("save_buffers got no tensors; pass a dict of name -> tensor")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    host = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as tmp:
+        tmp_tensors = Path(tmp) / TENSORS
+        save_file(host, str(tmp_tensors))
+        manifest = BufferManifest(
+            gate=gate,
+            preset=preset,
+            seed=seed,
+            params=dict(params or {}),
+            tensors={n: TensorEntry(shape=list(t.shape), dtype=str(t.dtype)) for n, t in host.items()},
+            sha256={TENSORS: file_sha256(tmp_tensors)},
+            created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            versions=_versions(),
+        )
+        tmp_manifest = Path(tmp) / MANIFEST
+        tmp_manifest.write_text(manifest.model_dump_json(indent=2))
+        os.replace(tmp_tensors, out / TENSORS)
+        os.replace(tmp_manifest, out / MANIFEST)
+    return out
+
+
+def read_manifest(directory: str | os.PathLike) -> BufferManifest:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise BadBuffers(
+            f"{directory} holds no {MANIFEST}; it is not a buffer directory. "
+            "Write one with `suite record GATE --preset P --out DIR` or suite.harness.buffers.save_buffers."
+        )
+    try:
+        return BufferManifest.model_validate(json.loads(path.read_text()))
+    except (json.JSONDecodeError, ValidationError) as exc:
+        raise BadBuffers(f"{path} is not a valid buffer manifest ({exc.__class__.__name__}: {exc}); record the buffers again") from exc
+
+
+def load_buffers(
+    directory: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    *,
+    expect_gate: str | None = None,
+    required: tuple[str, ...] = (),
+) -> tuple[dict[str, torch.Tensor], BufferManifest]:
+    """Load and verify a buffer directory: digest, tensor names, shapes, dtypes, gate."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest.manifest_version != MANIFEST_VERSION:
+        raise BadBuffers(
+            f"{directory}: manifest version {manifest.manifest_version}, this suite reads version "
+            f"{MANIFEST_VERSION}; record the buffers again with this suite"
+        )
+    if expect_gate and manifest.gate and manifest.gate != expect_gate:
+        raise BadBuffers(
+            f"{directory} was recorded for gate {manifest.gate!r}, not {expect_gate!r}; "
+            f"record buffers for it with `suite record {expect_gate} --out DIR`"
+        )
+    tensor_file = directory / TENSORS
+    if not tensor_file.is_file():
+        raise BadBuffers(f"{directory}: {TENSORS} is missing; record the buffers again")
+    digest = file_sha256(tensor_file)
+    if digest != manifest.sha256.get(TENSORS):
+        raise BadBuffers(
+            f"{tensor_file} is corrupt or was changed after recording: sha256 {digest[:16]}... "
+            f"does not match the manifest's {str(manifest.sha256.get(TENSORS))[:16]}...; record the buffers again"
+        )
+    try:
+        tensors = load_file(str(tensor_file), device=str(device))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise BadBuffers(f"{tensor_file} cannot be read as safetensors ({exc}); record the buffers again") from exc
+    if set(tensors) != set(manifest.tensors):
+        raise BadBuffers(
+            f"{directory}: the file holds {sorted(tensors)} but the manifest lists {sorted(manifest.tensors)}"
+        )
+    for name, entry in manifest.tensors.items():
+        t = tensors[name]
+        if list(t.shape) != entry.shape or str(t.dtype) != entry.dtype:
+            raise BadBuffers(
+                f"{directory}: tensor {name!r} is {str(t.dtype)}{list(t.shape)}, "
+                f"the manifest says {entry.dtype}{entry.shape}"
+            )
+    missing = [name for name in required if name not in tensors]
+    if missing:
+        raise BadBuffers(
+            f"{directory} lacks the tensors {missing} that gate {expect_gate!r} needs "
+            f"(it has {sorted(tensors)}); save them with save_buffers under those names"
+        )
+    return tensors, manifest

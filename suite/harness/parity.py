@@ -1,0 +1,303 @@
+"""Arm against reference: bitwise or within a tolerance tied to a float64 truth.
+
+Anti-cheat is part of every check: the arm's fresh allocations are poisoned (NaN for
+floats) so an unwritten element cannot pass as a zero, its inputs are hashed before and
+after, and it runs twice to prove it is deterministic unless the gate says why it is not.
+Failure messages start with the check that caught them: outputs, parity, poison,
+degenerate, determinism or inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from suite.harness.buffers import tensor_sha256
+from suite.harness.gate import Bitwise, Buffers, Gate, Outputs, Preset, Tolerance
+from suite.harness.report import ParityResult, TensorCheck
+
+CHUNK_ELEMENTS = 1 << 24  # bounds the float64 temporaries on large tensors
+
+_BITS_VIEW = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
+@contextmanager
+def poisoned_allocations() -> Iterator[None]:
+    """Fill every uninitialised allocation (torch.empty and friends) with NaN / max-int.
+
+    torch does this only in deterministic mode, which we enable warn-only: the arm's
+    algorithms are not changed, and warnings about ops lacking a deterministic version
+    are noise here.
+    """
+    was_enabled = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    was_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+
+
+def _ordered(bits: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Map sign-magnitude float bit patterns to integers in numeric order (ULP steps)."""
+    wide = bits.to(torch.int64)
+    magnitude = wide & ((1 << (nbits - 1)) - 1)
+    return torch.where(wide < 0, -magnitude, magnitude)
+
+
+def _same_layout(name: str, arm: torch.Tensor, other: torch.Tensor, what: str) -> str | None:
+    if arm.shape != other.shape:
+        return f"outputs: {name} has shape {list(arm.shape)}, the {what} has {list(other.shape)}"
+    if arm.dtype != other.dtype:
+        return f"outputs: {name} has dtype {arm.dtype}, the {what} has {other.dtype}"
+    return None
+
+
+def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorCheck:
+    """Compare bit patterns: -0.0 vs 0.0 and differing NaN payloads count as differences."""
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype))
+    layout = _same_layout(name, arm, ref, "reference")
+    if layout:
+        return TensorCheck(**base, passed=False, message=layout)
+    view = _BITS_VIEW.get(ref.dtype)
+    differing, first, max_ulp, unwritten = 0, None, 0, 0
+    flat_arm, flat_ref = arm.reshape(-1), ref.reshape(-1)
+    for start in range(0, flat_ref.numel(), CHUNK_ELEMENTS):
+        a, r = flat_arm[start : start + CHUNK_ELEMENTS], flat_ref[start : start + CHUNK_ELEMENTS]
+        if view is not None:
+            ab, rb = a.view(view), r.view(view)
+            unwritten += int((torch.isnan(a) & ~torch.isnan(r)).sum())
+        else:
+            ab, rb = a, r
+        diff = ab != rb
+        count = int(diff.sum())
+        if not count:
+            continue
+        if first is None:
+            first = start + int(diff.nonzero()[0, 0])
+        differing += count
+        if view is not None:
+            nbits = ref.element_size() * 8
+            distance = (_ordered(ab[diff], nbits).double() - _ordered(rb[diff], nbits).double()).abs()
+        else:
+            distance = (ab[diff].double() - rb[diff].double()).abs()
+        max_ulp = max(max_ulp, int(min(distance.max().item(), 2**62)))
+    if not differing:
+        return TensorCheck(**base, passed=True, differing=0, max_ulp=0)
+    index = list(torch.unravel_index(torch.tensor(first), ref.shape)) if ref.dim() else []
+    first_index = [int(i) for i in index]
+    message = f"parity: {differing} of {ref.numel()} elements differ, first at {first_index}, max {max_ulp} ULP"
+    if unwritten:
+        message = f"poison: {unwritten} elements NaN where the reference is not (unwritten output); " + message
+    return TensorCheck(
+        **base, passed=False, differing=differing, first_index=first_index, max_ulp=max_ulp, message=message
+    )
+
+
+@dataclass
+class _ErrorSums:
+    diff_sq: float = 0.0
+    truth_sq: float = 0.0
+    worst_row: float = 0.0
+
+
+def _relative_errors(out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor) -> tuple[float, float]:
+    """(whole-tensor relative L2 error, worst row's relative L2 error) over finite positions."""
+    cols = truth.shape[-1] if truth.dim() > 1 else max(truth.numel(), 1)
+    rows_per_chunk = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    o2, t2, f2 = (x.reshape(-1, cols) for x in (out, truth, finite))
+    sums = _ErrorSums()
+    for start in range(0, t2.shape[0], rows_per_chunk):
+        sl = slice(start, start + rows_per_chunk)
+        keep = f2[sl]
+        t = torch.where(keep, t2[sl].double(), 0.0)
+        d = torch.where(keep, o2[sl].double(), 0.0) - t
+        row_diff = d.square().sum(dim=1)
+        row_truth = t.square().sum(dim=1)
+        sums.diff_sq += float(row_diff.sum())
+        sums.truth_sq += float(row_truth.sum())
+        # a row whose truth is all zero must be reproduced exactly
+        row_rel = torch.where(row_truth > 0, (row_diff / row_truth.clamp_min(1e-300)).sqrt(), (row_diff > 0) * math.inf)
+        sums.worst_row = max(sums.worst_row, float(row_rel.max()) if row_rel.numel() else 0.0)
+    whole = math.sqrt(sums.diff_sq / sums.truth_sq) if sums.truth_sq > 0 else (0.0 if sums.diff_sq == 0 else math.inf)
+    return whole, sums.worst_row
+
+
+def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
+    values = t[finite]
+    return values.numel() > 1 and bool(values.min() == values.max())
+
+
+def tolerance_check(
+    name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float
+) -> TensorCheck:
+    """Arm's error against the float64 truth must be within k x the reference's own + floor."""
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype))
+    layout = _same_layout(name, arm, ref, "reference")
+    if layout is None and truth.shape != ref.shape:
+        layout = f"outputs: {name} truth has shape {list(truth.shape)}, the reference has {list(ref.shape)}"
+    if layout:
+        return TensorCheck(**base, passed=False, message=layout)
+    if ref.numel() == 0:
+        return TensorCheck(**base, passed=True, nonfinite_match=True, arm_rel_l2=0.0, ref_rel_l2=0.0)
+    problems = []
+    nan_a, nan_t = torch.isnan(arm), torch.isnan(truth)
+    unwritten = int((nan_a & ~nan_t).sum())
+    nonfinite_match = bool(torch.equal(nan_a, nan_t)) and bool(
+        torch.equal(torch.isposinf(arm), torch.isposinf(truth)) and torch.equal(torch.isneginf(arm), torch.isneginf(truth))
+    )
+    if unwritten:
+        problems.append(f"poison: {unwritten} elements NaN where the truth is finite (unwritten output)")
+    elif not nonfinite_match:
+        problems.append("parity: NaN/Inf positions differ from the truth's")
+    finite = torch.isfinite(truth) & torch.isfinite(arm) & torch.isfinite(ref)
+    arm_l2, arm_row = _relative_errors(arm, truth, finite)
+    ref_l2, ref_row = _relative_errors(ref, truth, finite)
+    limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
+    if arm_l2 > limit_l2:
+        problems.append(f"parity: {name} relative error {arm_l2:.3e} > limit {limit_l2:.3e} (reference {ref_l2:.3e})")
+    if arm_row > limit_row:
+        problems.append(
+            f"parity: {name} worst-row relative error {arm_row:.3e} > limit {limit_row:.3e} (reference {ref_row:.3e})"
+        )
+    if _is_constant(arm, finite) and not _is_constant(truth, finite):
+        problems.append(f"degenerate: {name} is constant where the truth is not")
+    return TensorCheck(
+        **base,
+        passed=not problems,
+        message="; ".join(problems),
+        arm_rel_l2=arm_l2,
+        ref_rel_l2=ref_l2,
+        limit_rel_l2=limit_l2,
+        arm_rel_max=arm_row,
+        ref_rel_max=ref_row,
+        limit_rel_max=limit_row,
+        nonfinite_match=nonfinite_match,
+    )
+
+
+@dataclass
+class Expected:
+    """What the arm is judged against, computed once per buffer set."""
+
+    reference: Outputs
+    truth: Outputs | None
+    input_digests: dict[str, str]
+
+
+def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
+    digests = {name: tensor_sha256(t) for name, t in buffers.items()}
+    reference = {n: t.detach() for n, t in gate.reference(buffers, preset).items()}
+    truth = None
+    if isinstance(gate.parity, Tolerance):
+        truth = {n: t.detach() for n, t in gate.truth(buffers, preset).items()}
+    if {name: tensor_sha256(t) for name, t in buffers.items()} != digests:
+        raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
+    return Expected(reference=reference, truth=truth, input_digests=digests)
+
+
+def _changed_inputs(buffers: Buffers, digests: dict[str, str]) -> list[str]:
+    return [name for name, t in buffers.items() if tensor_sha256(t) != digests[name]]
+
+
+def _run_poisoned(arm: Callable[[Buffers, Preset], Outputs], buffers: Buffers, preset: Preset) -> Outputs:
+    with poisoned_allocations():
+        return {n: t.detach() for n, t in arm(buffers, preset).items()}
+
+
+def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[TensorCheck], list[str]]:
+    failures = []
+    missing = sorted(set(expected.reference) - set(outputs))
+    extra = sorted(set(outputs) - set(expected.reference))
+    if missing or extra:
+        failures.append(f"outputs: arm returned {sorted(outputs)}, the reference {sorted(expected.reference)}")
+    checks = []
+    for name in sorted(set(expected.reference) & set(outputs)):
+        if isinstance(gate.parity, Bitwise):
+            check = bitwise_check(name, outputs[name], expected.reference[name])
+        else:
+            check = tolerance_check(
+                name, outputs[name], expected.reference[name], expected.truth[name], gate.parity.k, gate.parity.floor
+            )
+        checks.append(check)
+        if not check.passed:
+            failures.extend(check.message.split("; "))
+    return checks, failures
+
+
+def judge_arm(
+    gate: Gate,
+    preset: Preset,
+    buffers: Buffers,
+    expected: Expected,
+    arm: Callable[[Buffers, Preset], Outputs] | None = None,
+    nondeterministic: str | None = None,
+) -> tuple[ParityResult, Outputs]:
+    """Run the arm (or a saboteur) poisoned, judge it, prove it deterministic. Returns its outputs."""
+    arm = arm or gate.arm
+    outputs = _run_poisoned(arm, buffers, preset)
+    changed = _changed_inputs(buffers, expected.input_digests)
+    checks, failures = _compare(gate, outputs, expected)
+    if changed:
+        failures.append(f"inputs: the arm modified its input buffers {changed}")
+    deterministic = None
+    if nondeterministic is None:
+        again = _run_poisoned(arm, buffers, preset)
+        unequal = [n for n in sorted(outputs) if n in again and not bitwise_check(n, again[n], outputs[n]).passed]
+        deterministic = not unequal
+        if unequal:
+            failures.append(f"determinism: two runs on the same inputs differ in {unequal}")
+    mode = gate.parity
+    result = ParityResult(
+        mode=mode.kind,
+        k=getattr(mode, "k", None),
+        floor=getattr(mode, "floor", None),
+        passed=not failures,
+        tensors=checks,
+        inputs_unchanged=not changed,
+        poisoned=True,
+        deterministic=deterministic,
+        nondeterministic_reason=nondeterministic,
+        failures=failures,
+    )
+    return result, outputs
+
+
+def recheck(
+    gate: Gate, preset: Preset, buffers: Buffers, expected_digests: dict[str, str], first: Outputs
+) -> list[str]:
+    """After timing: inputs still intact and a fresh poisoned run reproduces the judged outputs.
+
+    Returns failure messages (empty when all is well). For a nondeterministic arm the fresh
+    run is compared with a tolerance rebuilt from the reference and truth.
+    """
+    failures = []
+    changed = _changed_inputs(buffers, expected_digests)
+    if changed:
+        failures.append(f"inputs: timing left the input buffers {changed} modified")
+        return failures
+    outputs = _run_poisoned(gate.arm, buffers, preset)
+    if gate.nondeterministic is None:
+        unequal = [n for n in sorted(first) if n not in outputs or not bitwise_check(n, outputs[n], first[n]).passed]
+        if unequal:
+            failures.append(f"parity: after timing the arm's {unequal} no longer match the judged outputs")
+    else:
+        expected = expected_outputs(gate, preset, buffers)
+        _, more = _compare(gate, outputs, expected)
+        failures.extend(f"{m} (after timing)" for m in more)
+    return failures

@@ -1,0 +1,207 @@
+"""Baselines: saving a run's figures, and judging a new run against them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from factories import (
+    make_bench,
+    make_bitwise_result,
+    make_could_not_run_result,
+    make_fingerprint,
+    make_report,
+    make_tolerance_result,
+)
+
+from suite.errors import UsageError
+from suite.harness.baseline import (
+    MIN_CHANGE,
+    compare,
+    load_baseline,
+    render_comparison,
+    save_baseline,
+)
+from suite.harness.fingerprint import fingerprint_class
+
+
+def rmsnorm_run(*, arm_ms: float = 0.25, reference_ms: float = 1.0, noise_floor: float = 0.01,
+                peers: dict | None = None, **report_kwargs):
+    """One rmsnorm result with one bench case; the same seeds give the same round medians."""
+    bench = make_bench("fwd", reference_ms=reference_ms, arm_ms=arm_ms, noise_floor=noise_floor,
+                       peers=peers, seed=7)
+    return make_report(results=[make_tolerance_result(benches=[bench])], skipped=[], **report_kwargs)
+
+
+def statuses(cmp) -> dict[tuple[str, str], str]:
+    return {(e.case, e.contender): e.status for e in cmp.entries}
+
+
+def test_save_then_compare_with_itself_is_all_same(tmp_path):
+    report = make_report()
+    paths = save_baseline(report, tmp_path)
+    assert paths == [tmp_path / "nvidia-h200" / "rmsnorm.json", tmp_path / "nvidia-h200" / "muon.json"]
+    assert sorted(p.name for p in (tmp_path / "nvidia-h200").iterdir()) == ["muon.json", "rmsnorm.json"]
+
+    baseline = load_baseline(paths[0])
+    assert baseline.gate == "rmsnorm" and baseline.run_id == report.run_id
+    assert baseline.command == report.command
+    assert baseline.fingerprint == report.fingerprint
+    assert baseline.fingerprint_class == fingerprint_class(report.fingerprint)
+    timed = {(e.preset, e.case, e.contender) for e in baseline.entries}
+    assert timed == {("medium", case, c) for case in ("fwd", "fwd+bwd")
+                     for c in ("reference", "arm", "torch_compile")}  # liger was unavailable
+    arm = next(e for e in baseline.entries if e.case == "fwd" and e.contender == "arm")
+    source = report.results[0].bench[0].contenders[1]
+    assert (arm.median_ms, arm.round_medians_ms, arm.gbps) == (source.median_ms, source.round_medians_ms, source.gbps)
+    assert arm.noise_floor == 0.01
+
+    cmp = compare(report, tmp_path)
+    assert cmp.passed
+    assert len(cmp.entries) == 8
+    assert {e.status for e in cmp.entries} == {"same"}
+    assert all(e.ratio == pytest.approx(1.0) for e in cmp.entries)
+
+
+def test_a_20_percent_slower_arm_with_a_1_percent_floor_regresses(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    slow = rmsnorm_run(arm_ms=0.25 * 1.2, noise_floor=0.01)
+    cmp = compare(slow, tmp_path)
+    assert not cmp.passed
+    assert statuses(cmp)[("fwd", "arm")] == "regressed"
+    assert statuses(cmp)[("fwd", "reference")] == "same"
+    arm = next(e for e in cmp.entries if e.contender == "arm")
+    assert arm.ratio == pytest.approx(1.2)
+    assert arm.threshold == pytest.approx(MIN_CHANGE)  # the 1% floor is under the minimum
+    md = render_comparison(cmp)
+    assert "**FAILED**: 1 arm timing(s) regressed" in md
+    assert "**REGRESSED**" in md and "+20.0%" in md
+
+
+def test_the_new_runs_noise_floor_decides(tmp_path):
+    save_baseline(rmsnorm_run(noise_floor=0.01), tmp_path)
+    # 4% slower is a regression against a 1% floor, but noise against a 5% floor
+    assert statuses(compare(rmsnorm_run(arm_ms=0.26, noise_floor=0.01), tmp_path))[("fwd", "arm")] == "regressed"
+    noisy = compare(rmsnorm_run(arm_ms=0.26, noise_floor=0.05), tmp_path)
+    assert noisy.passed and statuses(noisy)[("fwd", "arm")] == "same"
+    # under the 2% minimum even a tight floor calls it the same
+    tight = compare(rmsnorm_run(arm_ms=0.25 * 1.015, noise_floor=0.001), tmp_path)
+    assert statuses(tight)[("fwd", "arm")] == "same"
+
+
+def test_faster_arm_is_improved_and_a_slower_reference_does_not_fail(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    cmp = compare(rmsnorm_run(arm_ms=0.2, reference_ms=1.3), tmp_path)
+    assert statuses(cmp)[("fwd", "arm")] == "improved"
+    assert statuses(cmp)[("fwd", "reference")] == "regressed"
+    assert cmp.passed  # only the arm's regressions fail
+    assert "passed" in render_comparison(cmp).splitlines()[0]
+
+
+def test_new_and_missing_entries_do_not_fail(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    changed = rmsnorm_run(peers={"liger": 0.2})  # torch_compile gone, liger now timed
+    cmp = compare(changed, tmp_path)
+    assert cmp.passed
+    assert statuses(cmp)[("fwd", "liger")] == "new"
+    assert statuses(cmp)[("fwd", "torch_compile")] == "missing"
+    missing = next(e for e in cmp.entries if e.status == "missing")
+    assert missing.new_ms is None and missing.baseline_ms is not None
+
+    # a gate without any baseline file: everything is new
+    other = make_report(results=[make_bitwise_result()], skipped=[])
+    cmp = compare(other, tmp_path)
+    assert cmp.passed and {e.status for e in cmp.entries} == {"new"}
+    assert cmp.entries[0].note == "no baseline file"
+    assert cmp.baselines == {}
+
+
+def test_a_different_torch_minor_is_refused_unless_forced(tmp_path):
+    save_baseline(rmsnorm_run(fingerprint=make_fingerprint(torch="2.11.0+cu130")), tmp_path)
+    newer = rmsnorm_run(fingerprint=make_fingerprint(torch="2.12.1+cu130"))
+    with pytest.raises(UsageError) as err:
+        compare(newer, tmp_path)
+    message = str(err.value)
+    assert "torch 2.11 (baseline) vs 2.12 (this run)" in message
+    assert "rmsnorm.json" in message and "force" in message
+
+    cmp = compare(newer, tmp_path, force=True)
+    assert cmp.forced and "torch 2.11 (baseline) vs 2.12 (this run)" in cmp.mismatches["rmsnorm"]
+    assert all(e.note.startswith("fingerprint differs: torch 2.11") for e in cmp.entries)
+    assert "forced past a fingerprint mismatch" in render_comparison(cmp)
+
+
+def test_a_patch_release_or_new_driver_is_comparable(tmp_path):
+    save_baseline(rmsnorm_run(fingerprint=make_fingerprint(torch="2.11.0+cu130")), tmp_path)
+    patched = rmsnorm_run(fingerprint=make_fingerprint(torch="2.11.1+cu130", driver="590.1", git_sha="e" * 40))
+    assert compare(patched, tmp_path).mismatches == {}
+
+
+def test_save_refuses_a_run_whose_parity_failed(tmp_path):
+    report = make_report(results=[make_tolerance_result(parity_passed=False), make_bitwise_result()])
+    with pytest.raises(UsageError, match=r"parity failed for rmsnorm/medium"):
+        save_baseline(report, tmp_path)
+    assert not tmp_path.joinpath("nvidia-h200").exists()
+    # the passed gate alone may still be saved
+    assert save_baseline(report, tmp_path, ["muon"]) == [tmp_path / "nvidia-h200" / "muon.json"]
+
+
+def test_save_refuses_a_run_without_bench_results(tmp_path):
+    no_bench = make_tolerance_result(benches=[]).model_copy(update={"bench_skipped": "benches need CUDA"})
+    report = make_report(results=[no_bench, make_could_not_run_result()], skipped=[])
+    with pytest.raises(UsageError) as err:
+        save_baseline(report, tmp_path)
+    message = str(err.value)
+    assert "no passed bench results to save for rmsnorm, moe" in message
+    assert "rmsnorm/medium: bench skipped (benches need CUDA)" in message
+    assert "moe/medium: could_not_run (CUDA out of memory" in message
+
+    with pytest.raises(UsageError, match="has no gate results"):
+        save_baseline(make_report(results=[], skipped=[]), tmp_path)
+
+
+def test_save_leaves_out_results_that_did_not_pass(tmp_path):
+    slow = make_bitwise_result(benches=[make_bench("step", reference_ms=10.0, arm_ms=12.0, peers={})])
+    assert slow.status == "failed" and slow.parity.passed
+    report = make_report(results=[make_tolerance_result(), slow], skipped=[])
+    assert save_baseline(report, tmp_path) == [tmp_path / "nvidia-h200" / "rmsnorm.json"]
+    with pytest.raises(UsageError, match=r"muon/small: failed"):
+        save_baseline(report, tmp_path, ["muon"])
+
+
+def test_save_names_unknown_gates(tmp_path):
+    with pytest.raises(UsageError, match=r"no results for nope; it ran: rmsnorm, muon, moe"):
+        save_baseline(make_report(), tmp_path, ["nope"])
+
+
+def test_save_replaces_the_file_whole_and_leaves_no_temp_files(tmp_path):
+    save_baseline(rmsnorm_run(run_id="first"), tmp_path)
+    save_baseline(rmsnorm_run(run_id="second"), tmp_path)
+    folder = tmp_path / "nvidia-h200"
+    assert [p.name for p in folder.iterdir()] == ["rmsnorm.json"]
+    assert load_baseline(folder / "rmsnorm.json").run_id == "second"
+
+
+def test_load_baseline_errors_are_clear(tmp_path):
+    path = tmp_path / "rmsnorm.json"
+    path.write_text(json.dumps({"schema_version": 7, "gate": "rmsnorm"}))
+    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 1"):
+        load_baseline(path)
+    path.write_text(json.dumps({"schema_version": 1, "gate": "rmsnorm"}))
+    with pytest.raises(UsageError, match=r"not a valid baseline: .*fingerprint: Field required"):
+        load_baseline(path)
+
+
+def test_a_bad_baseline_file_stops_compare_with_its_name(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    (tmp_path / "nvidia-h200" / "rmsnorm.json").write_text("garbage")
+    with pytest.raises(UsageError, match=r"rmsnorm\.json is not a baseline: not valid JSON"):
+        compare(rmsnorm_run(), tmp_path)
+
+
+def test_comparison_report_serialises_its_verdict(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    cmp = compare(rmsnorm_run(arm_ms=0.4), tmp_path)
+    data = json.loads(cmp.model_dump_json())
+    assert data["passed"] is False
+    assert type(cmp).model_validate(data) == cmp

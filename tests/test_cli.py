@@ -1,0 +1,155 @@
+"""The CLI end to end on the CPU: commands, report directories and every exit code."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import gates
+import toygate
+from cli import app
+from suite.errors import ExitCode
+from suite.harness import runner as runner_module
+from suite.harness.report import GateResult
+
+cli = CliRunner()
+
+
+def invoke(*args):
+    return cli.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def report_dirs(root):
+    return sorted(d for d in root.iterdir() if not d.name.startswith("."))
+
+
+@pytest.fixture
+def reports(tmp_path):
+    return tmp_path / "reports"
+
+
+@pytest.fixture
+def toy_gates(monkeypatch):
+    """Register the toy gates next to the real ones."""
+    real_get = gates.get
+    toys = {"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE}
+    monkeypatch.setattr(gates, "GATE_MODULES", {**gates.GATE_MODULES, **{n: "toygate" for n in toys}})
+    monkeypatch.setattr(gates, "get", lambda name: toys[name] if name in toys else real_get(name))
+
+
+def test_list_shows_gates_presets_and_peers():
+    result = invoke("list", "--device", "cpu")
+    assert result.exit_code == 0
+    assert "rmsnorm" in result.output and "16384x4096" in result.output and "F.rms_norm" in result.output
+
+
+def test_gate_rmsnorm_on_cpu_passes_and_writes_a_whole_report(reports):
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    (run_dir,) = report_dirs(reports)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["benchmark.json", "junit.xml", "report.json", "report.md"]
+    report = json.loads((run_dir / "report.json").read_text())
+    (gate_result,) = report["results"]
+    assert gate_result["status"] == "passed" and gate_result["preset"] == "tiny"
+    assert len(gate_result["saboteurs"]) == 6 and all(s["caught"] for s in gate_result["saboteurs"])
+    assert report["fingerprint"]["device_slug"] == "cpu"
+
+
+def test_bench_on_cpu_is_skipped_not_failed(reports):
+    result = invoke("bench", "rmsnorm", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.OK
+    report = json.loads((report_dirs(reports)[0] / "report.json").read_text())
+    assert report["results"][0]["bench_skipped"] == "skipped: timing needs CUDA"
+
+
+def test_unknown_gate_and_preset_are_usage_errors(reports):
+    result = invoke("gate", "rmsnrom", "--reports", reports)
+    assert result.exit_code == ExitCode.USAGE and "Did you mean 'rmsnorm'" in result.output
+    result = invoke("gate", "rmsnorm", "--preset", "huge", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.USAGE and "tiny" in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_cuda_without_a_gpu_could_not_run(reports):
+    result = invoke("gate", "rmsnorm", "--device", "cuda", "--reports", reports)
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "no usable CUDA device" in result.output
+
+
+def test_gpu_preset_on_cpu_could_not_run(reports):
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--preset", "16384x4096", "--reports", reports)
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "needs CUDA" in result.output
+
+
+def test_failing_arm_exits_1(reports, toy_gates):
+    result = invoke("gate", "toy-wrong", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.FAILED and "relative error" in result.output
+
+
+def test_cuda_gate_named_on_cpu_could_not_run_but_run_lists_it(reports, toy_gates):
+    named = invoke("gate", "toy-cuda", "--device", "cpu", "--reports", reports)
+    assert named.exit_code == ExitCode.COULD_NOT_RUN and "needs CUDA" in named.output
+    monkey_gates = [gates.get("rmsnorm"), toygate.CUDA_GATE]
+    report = runner_module.Runner(runner_module.RunOptions(device=torch.device("cpu"), explicit=False)).run(
+        monkey_gates, "run"
+    )
+    assert report.exit_code == ExitCode.OK and [s.gate for s in report.skipped] == ["toy-cuda"]
+    strict = runner_module.Runner(
+        runner_module.RunOptions(device=torch.device("cpu"), explicit=False, strict=True)
+    ).run(monkey_gates, "run")
+    assert strict.exit_code == ExitCode.COULD_NOT_RUN
+
+
+def test_ambiguous_timing_exits_4(reports, monkeypatch):
+    def ambiguous(self, gate, preset):
+        return GateResult(gate=gate.name, arm=gate.arm_name, preset=preset.name, preset_params={}, device="cpu",
+                          status="ambiguous", reason="timing stayed ambiguous")
+
+    monkeypatch.setattr(runner_module.Runner, "_judge_and_time", ambiguous)
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.AMBIGUOUS
+
+
+def test_record_then_gate_on_saved_buffers_and_corruption(tmp_path, reports):
+    out = tmp_path / "buffers"
+    assert invoke("record", "rmsnorm", "--preset", "tiny-gemma", "--out", out, "--device", "cpu").exit_code == 0
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", out, "--reports", reports, "--no-sabotage")
+    assert result.exit_code == ExitCode.OK, result.output
+    report = json.loads((report_dirs(reports)[0] / "report.json").read_text())
+    gate_result = report["results"][0]
+    assert gate_result["preset"] == "tiny-gemma" and gate_result["buffers"]["source"] == "loaded"
+    assert gate_result["preset_params"]["offset"] == 1.0
+    data = bytearray((out / "buffers.safetensors").read_bytes())
+    data[-3] ^= 0x55
+    (out / "buffers.safetensors").write_bytes(bytes(data))
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", out, "--reports", reports)
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "corrupt" in result.output
+
+
+def test_training_loop_dump_needs_its_params(tmp_path, reports):
+    from suite.harness.buffers import save_buffers
+
+    x = torch.randn(6, 32).to(torch.bfloat16)
+    tensors = {"x": x, "weight": torch.ones(32), "dy": torch.randn(6, 32).to(torch.bfloat16) * 1e-3}
+    save_buffers(tensors, tmp_path / "dump")
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports)
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "eps" in result.output
+    save_buffers(tensors, tmp_path / "dump", params={"eps": 1e-5, "offset": 0.0})
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports, "--no-sabotage")
+    assert result.exit_code == ExitCode.OK, result.output
+
+
+def test_report_renders_again_and_env_runs(reports):
+    invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports, "--no-sabotage")
+    run_dir = report_dirs(reports)[0]
+    shown = invoke("report", run_dir)
+    assert shown.exit_code == 0 and "rmsnorm" in shown.output
+    assert invoke("report", run_dir, "--format", "junit").output.lstrip().startswith("<?xml")
+    assert invoke("report", run_dir, "--format", "pdf").exit_code == ExitCode.USAGE
+    assert invoke("env", "--device", "cpu").exit_code == 0
+
+
+def test_baseline_save_refuses_a_report_without_bench(reports, tmp_path):
+    invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports, "--no-sabotage")
+    result = invoke("baseline", "save", "--reports", reports, "--baselines", tmp_path / "baselines")
+    assert result.exit_code == ExitCode.USAGE

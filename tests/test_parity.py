@@ -1,0 +1,242 @@
+"""The parity module alone, on a toy gate (y = 3x, dx = 3 dy) with hand-made arms."""
+
+import pytest
+import torch
+
+from suite.harness import parity
+from suite.harness.gate import Bitwise, Gate, Preset, Tolerance
+
+PRESET = Preset("toy", {"rows": 8, "cols": 16}, where="any")
+
+
+def toy_buffers(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
+        "dy": torch.randn(8, 16, generator=gen).to(torch.bfloat16),
+    }
+
+
+def toy_reference(buffers, preset):
+    return {"y": (buffers["x"].float() * 3).to(torch.bfloat16), "dx": (buffers["dy"].float() * 3).to(torch.bfloat16)}
+
+
+def toy_truth(buffers, preset):
+    return {"y": buffers["x"].double() * 3, "dx": buffers["dy"].double() * 3}
+
+
+def toy_gate(arm=toy_reference, mode=Tolerance(k=2.0, floor=1e-6), nondeterministic=None):
+    return Gate(
+        name="toy",
+        summary="y = 3x",
+        arm_name="tests.toy",
+        needs_cuda=False,
+        presets=(PRESET,),
+        make_buffers=lambda preset, seed, device: toy_buffers(seed),
+        reference=toy_reference,
+        arm=arm,
+        truth=toy_truth,
+        parity=mode,
+        nondeterministic=nondeterministic,
+    )
+
+
+def judge(gate, buffers=None):
+    buffers = buffers or toy_buffers()
+    expected = parity.expected_outputs(gate, PRESET, buffers)
+    return parity.judge_arm(gate, PRESET, buffers, expected, nondeterministic=gate.nondeterministic)[0]
+
+
+# ---- bitwise ----
+
+
+def test_bitwise_identical_passes():
+    t = torch.randn(5, 7)
+    check = parity.bitwise_check("t", t, t.clone())
+    assert check.passed and check.differing == 0 and check.max_ulp == 0
+
+
+def test_bitwise_counts_signed_zero_as_a_difference():
+    check = parity.bitwise_check("t", torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))
+    assert not check.passed and check.differing == 1 and check.first_index == [0] and check.max_ulp == 0
+
+
+def test_bitwise_reports_first_index_and_ulp():
+    ref = torch.ones(3, 4, dtype=torch.bfloat16)
+    arm = ref.clone()
+    arm[1, 2] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).to(torch.bfloat16)  # rounds to 1: no diff
+    bits = arm.view(torch.int16)
+    bits[2, 1] += 3  # three bf16 ULPs above 1.0
+    bits[2, 3] -= 1
+    check = parity.bitwise_check("t", arm, ref)
+    assert check.differing == 2 and check.first_index == [2, 1] and check.max_ulp == 3
+
+
+def test_bitwise_ulp_across_zero_and_nan_payloads():
+    ref = torch.tensor([1e-45, float("nan")], dtype=torch.float32)
+    arm = torch.tensor([-1e-45, 0.0], dtype=torch.float32)
+    arm[1] = float("nan")
+    arm.view(torch.int32)[1] |= 1  # another NaN payload
+    check = parity.bitwise_check("t", arm, ref)
+    assert check.differing == 2
+    assert check.max_ulp >= 2  # -1 ulp to +1 ulp is two steps; the NaN payload differs too
+
+
+def test_bitwise_flags_unwritten_nan_as_poison():
+    ref = torch.zeros(4)
+    arm = ref.clone()
+    arm[3] = float("nan")
+    check = parity.bitwise_check("t", arm, ref)
+    assert not check.passed and check.message.startswith("poison:")
+
+
+def test_bitwise_rejects_dtype_and_shape_mismatch():
+    assert "dtype" in parity.bitwise_check("t", torch.zeros(2), torch.zeros(2, dtype=torch.float64)).message
+    assert "shape" in parity.bitwise_check("t", torch.zeros(2), torch.zeros(3)).message
+
+
+# ---- tolerance ----
+
+
+def _tol(arm, ref, truth):
+    return parity.tolerance_check("t", arm, ref, truth, k=2.0, floor=1e-6)
+
+
+def test_tolerance_passes_reference_quality_and_fails_worse():
+    truth = torch.randn(64, 32, dtype=torch.float64)
+    ref = truth.to(torch.bfloat16)
+    assert _tol(ref.clone(), ref, truth).passed
+    noisy = (truth * (1 + 0.05 * torch.randn_like(truth))).to(torch.bfloat16)
+    check = _tol(noisy, ref, truth)
+    assert not check.passed and check.arm_rel_l2 > check.limit_rel_l2
+
+
+def test_tolerance_catches_an_error_confined_to_one_small_row():
+    truth = torch.randn(64, 32, dtype=torch.float64)
+    truth[5] *= 1e-4  # a small-magnitude row: invisible to the whole-tensor norm
+    ref = truth.to(torch.bfloat16)
+    arm = ref.clone()
+    arm[5] *= 1.5
+    check = _tol(arm, ref, truth)
+    assert check.arm_rel_l2 <= check.limit_rel_l2  # the tensor-wide error hides it
+    assert not check.passed and "worst-row" in check.message
+
+
+def test_tolerance_requires_matching_nonfinite_positions():
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    truth[0, 0] = float("inf")
+    ref = truth.float()
+    arm = ref.clone()
+    arm[0, 0] = 1.0
+    check = _tol(arm, ref, truth)
+    assert not check.passed and check.nonfinite_match is False
+
+
+def test_tolerance_flags_nan_where_truth_is_finite_as_poison():
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    arm = truth.float()
+    arm[3, 7] = float("nan")
+    check = _tol(arm, truth.float(), truth)
+    assert not check.passed and check.message.startswith("poison:")
+
+
+def test_tolerance_rejects_constant_output():
+    truth = torch.randn(4, 8, dtype=torch.float64) * 1e-9  # tiny values: a zero output is "close"
+    check = parity.tolerance_check("t", torch.zeros(4, 8), truth.float(), truth, k=2.0, floor=1.0)
+    assert not check.passed and "degenerate" in check.message
+
+
+def test_tolerance_zero_truth_row_must_be_reproduced_exactly():
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    truth[2] = 0
+    arm = truth.float()
+    arm[2, 0] = 1e-30
+    check = _tol(arm, truth.float(), truth)
+    assert not check.passed and check.arm_rel_max == float("inf")
+
+
+# ---- poisoning and whole-arm judgement ----
+
+
+def test_poisoned_allocations_fill_nan_and_restore_state():
+    before = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    with parity.poisoned_allocations():
+        assert torch.isnan(torch.empty(16)).all()
+        assert (torch.empty(4, dtype=torch.int32) == torch.iinfo(torch.int32).max).all()
+    assert (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory) == before
+
+
+def test_judge_passes_a_correct_arm():
+    result = judge(toy_gate())
+    assert result.passed and result.inputs_unchanged and result.deterministic and result.poisoned
+
+
+def test_judge_catches_unwritten_output_through_poison():
+    def lazy(buffers, preset):
+        out = toy_reference(buffers, preset)
+        y = torch.empty_like(out["y"])
+        y[:-1] = out["y"][:-1]
+        return {"y": y, "dx": out["dx"]}
+
+    result = judge(toy_gate(lazy))
+    assert not result.passed and any(f.startswith("poison:") for f in result.failures)
+
+
+def test_judge_catches_modified_inputs():
+    def sloppy(buffers, preset):
+        out = toy_reference(buffers, preset)
+        buffers["dy"].mul_(2)
+        return out
+
+    result = judge(toy_gate(sloppy))
+    assert not result.inputs_unchanged and any(f.startswith("inputs:") for f in result.failures)
+
+
+def test_judge_catches_nondeterminism_unless_declared():
+    def jittery(buffers, preset):
+        out = toy_reference(buffers, preset)
+        noise = torch.randint(0, 2, out["y"].shape).to(torch.int16)
+        return {"y": (out["y"].view(torch.int16) ^ noise).view(torch.bfloat16), "dx": out["dx"]}
+
+    flagged = judge(toy_gate(jittery, mode=Bitwise()))
+    assert flagged.deterministic is False and any(f.startswith("determinism:") for f in flagged.failures)
+    declared = judge(toy_gate(toy_reference, nondeterministic="atomics in the reduction"))
+    assert declared.deterministic is None and declared.nondeterministic_reason == "atomics in the reduction"
+
+
+def test_judge_reports_missing_outputs():
+    result = judge(toy_gate(lambda b, p: {"y": toy_reference(b, p)["y"]}))
+    assert not result.passed and any(f.startswith("outputs:") for f in result.failures)
+
+
+def test_reference_that_modifies_inputs_is_a_gate_bug():
+    def bad_reference(buffers, preset):
+        buffers["x"].zero_()
+        return toy_reference(buffers, preset)
+
+    gate = toy_gate()
+    gate = Gate(**{**gate.__dict__, "reference": bad_reference})
+    with pytest.raises(RuntimeError, match="modified the input buffers"):
+        parity.expected_outputs(gate, PRESET, toy_buffers())
+
+
+def test_recheck_after_timing():
+    gate = toy_gate()
+    buffers = toy_buffers()
+    expected = parity.expected_outputs(gate, PRESET, buffers)
+    _, outputs = parity.judge_arm(gate, PRESET, buffers, expected)
+    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs) == []
+    buffers["x"].add_(1)  # what a timed arm writing into its input would leave behind
+    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs)[0].startswith("inputs:")
+
+
+def test_large_tensors_are_judged_in_chunks(monkeypatch):
+    monkeypatch.setattr(parity, "CHUNK_ELEMENTS", 64)
+    truth = torch.randn(40, 32, dtype=torch.float64)
+    ref = truth.float()
+    arm = ref.clone()
+    arm[39, 31] += 1.0
+    check = _tol(arm, ref, truth)
+    assert not check.passed
+    bits = parity.bitwise_check("t", arm, ref)
+    assert bits.differing == 1 and bits.first_index == [39, 31]

@@ -1,0 +1,368 @@
+"""The run report: JSON round trip, loading errors, and every rendering, on synthetic runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+from factories import (
+    make_bench,
+    make_bitwise_result,
+    make_could_not_run_result,
+    make_report,
+    make_tolerance_result,
+)
+
+import suite.harness.report as report_mod
+from suite.errors import ExitCode, UsageError
+from suite.harness.report import (
+    REPORT_FILES,
+    GateResult,
+    RunReport,
+    SkippedGate,
+    exit_code_meaning,
+    list_reports,
+    load_report,
+    render_junit,
+    render_markdown,
+    render_pytest_benchmark,
+    slugify,
+    to_json,
+    write_report,
+)
+
+
+def failing_report() -> RunReport:
+    """Failed parities (both modes), a missed saboteur, an ambiguous bench, a slow bench."""
+    rms = make_tolerance_result(
+        parity_passed=False,
+        saboteur_caught=False,
+        benches=[make_bench("fwd", seed=1), make_bench("fwd+bwd", ambiguous=True, seed=2)],
+    )
+    slow = make_bitwise_result(
+        parity_passed=False, benches=[make_bench("step", reference_ms=10.0, arm_ms=12.0, peers={})]
+    )
+    return make_report(results=[rms, slow, make_could_not_run_result()], skipped=[])
+
+
+# ---- JSON ----------------------------------------------------------------------------------
+
+
+def test_json_round_trip_is_equal(tmp_path):
+    report = make_report()
+    path = tmp_path / "report.json"
+    path.write_text(to_json(report))
+    assert load_report(path) == report
+    assert json.loads(to_json(report))["schema_version"] == report_mod.SCHEMA_VERSION
+
+
+def test_load_report_not_json_names_file_and_problem(tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text("{ not json")
+    with pytest.raises(UsageError, match=r"broken\.json is not a run report: not valid JSON .*line 1"):
+        load_report(path)
+
+
+def test_load_report_wrong_schema_version_says_both_versions(tmp_path):
+    data = json.loads(to_json(make_report()))
+    data["schema_version"] = 99
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as err:
+        load_report(path)
+    assert "schema_version 99" in str(err.value)
+    assert f"reads run reports of schema_version {report_mod.SCHEMA_VERSION}" in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_load_report_missing_field_is_summarised(tmp_path):
+    data = json.loads(to_json(make_report()))
+    del data["run_id"]
+    del data["results"][0]["parity"]["tensors"][1]["shape"]
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as err:
+        load_report(path)
+    message = str(err.value)
+    assert "partial.json is not a valid run report: 2 problem(s)" in message
+    assert "run_id: Field required" in message
+    assert "results.0.parity.tensors.1.shape: Field required" in message
+
+
+def test_load_report_missing_file_and_non_object(tmp_path):
+    with pytest.raises(UsageError, match="cannot read run report .*nowhere.json"):
+        load_report(tmp_path / "nowhere.json")
+    path = tmp_path / "list.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(UsageError, match="expected a JSON object, found list"):
+        load_report(path)
+
+
+def test_usage_error_maps_to_exit_code_2():
+    assert UsageError.exit_code == ExitCode.USAGE == 2
+
+
+# ---- Markdown ------------------------------------------------------------------------------
+
+
+def test_markdown_holds_the_key_figures():
+    report = make_report()
+    md = render_markdown(report)
+    rms = report.results[0]
+    fwd = rms.bench[0]
+    arm = next(c for c in fwd.contenders if c.role == "arm")
+    vs_ref = next(c for c in fwd.comparisons if c.against == "reference")
+
+    assert md.startswith("# Suite report: run")
+    assert "exit code: **3**: a gate could not run" in md
+    for figure in ("NVIDIA H200", "9.0", "580.82.07", "13.0", "2.11.0+cu130", "3.6.0", "3.12.3",
+                   "0123456789ab", "4275 GB/s", "685 TFLOP/s"):
+        assert figure in md, figure
+    # the summary row of every gate, the skipped one included
+    assert re.search(r"\| rmsnorm +\| medium +\| cuda:0 +\| passed +\| tolerance 3/3 tensors ok", md)
+    assert re.search(r"\| moe +\| medium +\| cuda:0 +\| \*\*COULD NOT RUN\*\*", md)
+    assert re.search(r"\| graph +\|.*skipped.*needs CUDA graphs", md)
+    # parity figures, anti-cheat checks, saboteurs, bench figures, noise floor, criteria
+    assert f"{rms.parity.tensors[0].arm_rel_l2:.3e}" in md
+    assert f"{rms.parity.tensors[0].limit_rel_l2:.3e}" in md
+    assert "inputs unchanged: yes" in md and "poisoned (NaN) before the arm ran: yes" in md
+    assert "| fp32_accumulate_skipped" in md and "caught" in md
+    assert f"{arm.median_ms:.4f}" in md and f"{arm.gbps:.0f}" in md
+    assert f"{vs_ref.speedup:.2f}x [{vs_ref.ci_low:.2f}, {vs_ref.ci_high:.2f}] faster" in md
+    assert f"{100 * arm.ceiling_fraction:.0f}%" in md
+    assert "noise floor (reference vs itself, same run): 1.0%" in md
+    assert "unavailable: liger-kernel is not installed" in md
+    assert "- PASS not slower than reference" in md
+    # bitwise table and a loaded buffer set
+    assert "| differing" in md and "max ULP" in md
+    assert "loaded from buffers/muon/small" in md
+    assert "reason: CUDA out of memory" in md
+
+
+def test_markdown_shows_failures_plainly():
+    md = render_markdown(failing_report())
+    assert "exit code: **1**: a gate failed" in md
+    assert "### Parity (tolerance: arm error <= 2 x reference error + 1e-06): **FAILED**" in md
+    assert "**MISSED**" in md
+    assert "### Bench fwd+bwd: RMSNorm fwd+bwd: **AMBIGUOUS**" in md
+    assert "- **FAIL** not slower than reference" in md
+    assert "| [3, 511]" in md  # bitwise first differing index
+    assert "fwd+bwd" in md and "AMBIGUOUS" in md
+
+
+def test_markdown_escapes_pipes_in_cells():
+    result = make_could_not_run_result(reason="compile error: a | b\nsecond line")
+    md = render_markdown(make_report(results=[result], skipped=[SkippedGate(gate="x", reason="p|q")]))
+    assert "p\\|q" in md
+    summary = [line for line in md.splitlines() if line.startswith("| x ")]
+    assert len(summary) == 1 and summary[0].count(" | ") == 5
+
+
+def test_exit_code_meanings_cover_every_code():
+    for code in ExitCode:
+        assert exit_code_meaning(code) != exit_code_meaning(99)
+    assert "ambiguous" in exit_code_meaning(4)
+
+
+# ---- JUnit ---------------------------------------------------------------------------------
+
+
+def _cases(root: ET.Element) -> dict[str, ET.Element]:
+    return {f"{c.get('classname')}::{c.get('name')}": c for c in root.iter("testcase")}
+
+
+def _assert_counts_consistent(root: ET.Element) -> None:
+    for node in [root, *root.iter("testsuite")]:
+        cases = list(node.iter("testcase"))
+        assert int(node.get("tests")) == len(cases)
+        for kind, attr in (("failure", "failures"), ("error", "errors"), ("skipped", "skipped")):
+            assert int(node.get(attr)) == sum(c.find(kind) is not None for c in cases), (node.get("name"), kind)
+
+
+def test_junit_of_a_mixed_run():
+    xml = render_junit(make_report())
+    assert xml.startswith('<?xml version="1.0" encoding="UTF-8"?>')
+    root = ET.fromstring(xml.split("\n", 1)[1])
+    assert root.tag == "testsuites"
+    assert [s.get("name") for s in root.iter("testsuite")] == ["rmsnorm", "muon", "moe", "graph"]
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("8", "0", "1", "1")
+    _assert_counts_consistent(root)
+    cases = _cases(root)
+    assert set(cases) == {
+        "rmsnorm.medium::parity", "rmsnorm.medium::saboteur:fp32_accumulate_skipped",
+        "rmsnorm.medium::bench:fwd", "rmsnorm.medium::bench:fwd+bwd",
+        "muon.small::parity", "muon.small::bench:step", "moe.medium::parity", "graph::parity",
+    }
+    assert "out of memory" in cases["moe.medium::parity"].find("error").get("message")
+    assert cases["graph::parity"].find("skipped") is not None
+
+
+def test_junit_failures_errors_and_ambiguous():
+    root = ET.fromstring(render_junit(failing_report()))
+    _assert_counts_consistent(root)
+    cases = _cases(root)
+    assert "relative error" in cases["rmsnorm.medium::parity"].find("failure").get("message")
+    assert cases["rmsnorm.medium::saboteur:fp32_accumulate_skipped"].find("failure") is not None
+    assert cases["rmsnorm.medium::bench:fwd"].find("failure") is None
+    assert cases["rmsnorm.medium::bench:fwd+bwd"].find("failure").get("message") == "ambiguous"
+    assert "not slower than reference" in cases["muon.small::bench:step"].find("failure").get("message")
+    assert "step 2, params differs" in cases["muon.small::parity"].find("failure").get("message")
+    # two parity failures, missed saboteur, ambiguous bench, slow bench; one could-not-run
+    assert (root.get("failures"), root.get("errors"), root.get("skipped")) == ("5", "1", "0")
+
+
+def test_junit_keeps_a_status_no_case_shows():
+    # out of memory after parity passed: CI must still see an error, as the exit code says 3
+    result = make_tolerance_result(benches=[])
+    result = result.model_copy(update={"status": "could_not_run", "reason": "CUDA out of memory in bench"})
+    root = ET.fromstring(render_junit(make_report(results=[result], skipped=[])))
+    cases = _cases(root)
+    assert cases["rmsnorm.medium::parity"].find("error") is None
+    assert cases["rmsnorm.medium::run"].find("error").get("message") == "CUDA out of memory in bench"
+    _assert_counts_consistent(root)
+
+
+def test_junit_bench_skipped_and_control_characters():
+    result = make_tolerance_result(benches=[])
+    result = result.model_copy(update={"bench_skipped": "benches need CUDA \x07"})
+    xml = render_junit(make_report(results=[result], skipped=[]))
+    cases = _cases(ET.fromstring(xml))
+    assert cases["rmsnorm.medium::bench"].find("skipped").get("message") == "benches need CUDA ?"
+
+
+# ---- pytest-benchmark JSON -----------------------------------------------------------------
+
+
+def test_pytest_benchmark_document_layout():
+    report = make_report()
+    doc = render_pytest_benchmark(report)
+    assert set(doc) == {"machine_info", "commit_info", "benchmarks", "datetime", "version"}
+    # rmsnorm fwd and fwd+bwd: reference, arm, torch_compile (liger unavailable); muon: 2
+    assert len(doc["benchmarks"]) == 8
+    bench = next(b for b in doc["benchmarks"] if b["name"] == "rmsnorm[medium-fwd-arm]")
+    arm = report.results[0].bench[0].contenders[1]
+    assert bench["group"] == "rmsnorm/medium/fwd"
+    assert bench["stats"]["data"] == pytest.approx([ms / 1e3 for ms in arm.round_medians_ms])
+    assert bench["stats"]["median"] == pytest.approx(arm.median_ms / 1e3)
+    assert bench["stats"]["rounds"] == len(arm.round_medians_ms)
+    assert bench["stats"]["iterations"] == 20
+    for field in ("min", "max", "mean", "stddev", "rounds", "median", "iqr", "q1", "q3",
+                  "iqr_outliers", "stddev_outliers", "outliers", "ld15iqr", "hd15iqr", "ops",
+                  "total", "iterations", "data"):
+        assert field in bench["stats"], field
+    assert doc["commit_info"]["id"] == report.fingerprint.git_sha
+    json.dumps(doc)  # plain JSON, nothing pydantic left inside
+
+
+def test_pytest_benchmark_compare_reads_it(tmp_path):
+    path = tmp_path / "benchmark.json"
+    path.write_text(json.dumps(render_pytest_benchmark(make_report()), indent=4))
+    # pytest-benchmark's own tool; its storage only warns on a file it cannot load, so the
+    # names in its table are the proof that it read ours
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_benchmark", "compare", "--group-by=group", str(path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stdout + done.stderr
+    for name in ("rmsnorm[medium-fwd-arm]", "rmsnorm[medium-fwd+bwd-torch_compile]",
+                 "muon[small-step-reference]"):
+        assert name in done.stdout, name
+    assert "rmsnorm/medium/fwd" in done.stdout
+
+
+def test_pytest_benchmark_storage_loads_it(tmp_path):
+    from pytest_benchmark.logger import Logger
+    from pytest_benchmark.storage.file import FileStorage
+
+    path = tmp_path / "0001_run.json"
+    path.write_text(json.dumps(render_pytest_benchmark(make_report())))
+    storage = FileStorage(tmp_path, logger=Logger(Logger.QUIET))
+    benches = list(storage.load_benchmarks(str(path)))
+    assert len(benches) == 8
+    assert all(b["ops"] > 0 and b["source"] is not None for b in benches)
+
+
+# ---- writing -------------------------------------------------------------------------------
+
+
+def test_write_report_publishes_exactly_four_files(tmp_path):
+    report = make_report(what="gate rmsnorm")
+    path = write_report(report, tmp_path / "reports", report.what)
+    assert path.parent == tmp_path / "reports"
+    assert re.fullmatch(r"20261130T120000Z_gate-rmsnorm", path.name)
+    assert sorted(p.name for p in path.iterdir()) == sorted(REPORT_FILES)
+    assert [p.name for p in (tmp_path / "reports").iterdir()] == [path.name]  # no temp dir left
+    assert load_report(path / "report.json") == report
+    ET.fromstring((path / "junit.xml").read_text())
+    assert json.loads((path / "benchmark.json").read_text())["benchmarks"]
+    assert (path / "report.md").read_text() == render_markdown(report)
+
+
+def test_write_report_adds_a_suffix_when_the_name_is_taken(tmp_path):
+    report = make_report()
+    first = write_report(report, tmp_path, "run")
+    second = write_report(report, tmp_path, "run")
+    assert second.name == first.name + "-2"
+    assert list_reports(tmp_path) == [first, second]
+
+
+@pytest.mark.parametrize("target", ["render_junit", "_write_file"])
+def test_a_crash_while_writing_leaves_no_report_dir(tmp_path, monkeypatch, target):
+    calls = []
+
+    def boom(*args, **kwargs):
+        calls.append(args)
+        if target == "render_junit" or len(calls) == 3:
+            raise RuntimeError("simulated crash")
+        return original(*args, **kwargs)
+
+    original = getattr(report_mod, target)
+    monkeypatch.setattr(report_mod, target, boom)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        write_report(make_report(), tmp_path, "run")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temp_dirs_are_cleaned_and_never_listed(tmp_path):
+    stale = tmp_path / ".tmp-dead-run"
+    fresh = tmp_path / ".tmp-live-run"
+    for d in (stale, fresh):
+        d.mkdir()
+        (d / "report.json").write_text("{}")
+    hour_ago = time.time() - 2 * report_mod.STALE_TMP_S
+    os.utime(stale, (hour_ago, hour_ago))
+    assert list_reports(tmp_path) == []
+    written = write_report(make_report(), tmp_path, "run")
+    assert not stale.exists()
+    assert fresh.exists()  # may belong to a run still writing
+    assert list_reports(tmp_path) == [written]
+
+
+@pytest.mark.parametrize("text, slug", [
+    ("gate rmsnorm", "gate-rmsnorm"),
+    ("bench all", "bench-all"),
+    ("NVIDIA H200", "nvidia-h200"),
+    ("NVIDIA GeForce RTX 5090", "nvidia-geforce-rtx-5090"),
+    ("  fwd+bwd / medium ", "fwd-bwd-medium"),
+    ("", ""),
+])
+def test_slugify(text, slug):
+    assert slugify(text) == slug
+
+
+def test_report_models_still_accept_minimal_results():
+    # other stages build results piece by piece; the renderings must cope with the sparse ones
+    bare = GateResult(gate="g", arm="a", preset="p", preset_params={}, device="cpu", status="failed",
+                      reason="arm raised ValueError")
+    report = make_report(results=[bare], skipped=[])
+    assert "arm raised ValueError" in render_markdown(report)
+    root = ET.fromstring(render_junit(report))
+    assert root.get("failures") == "1"
+    assert render_pytest_benchmark(report)["benchmarks"] == []

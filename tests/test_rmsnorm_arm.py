@@ -1,0 +1,232 @@
+"""The fused RMSNorm arm against a float64 truth and against the eager reference.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py), so shapes stay tiny.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.arms import rmsnorm as arm
+from suite.device_profile import RTX_SMEM_BYTES
+from suite.errors import CouldNotRun
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_l2(value: torch.Tensor, truth: torch.Tensor) -> float:
+    return ((value.double() - truth).norm() / truth.norm().clamp_min(1e-300)).item()
+
+
+def run(norm, x, weight, dy, eps=1e-6, offset=0.0):
+    """y, dx, dw of `norm`; x may be a view (its grad is taken as is)."""
+    x = x.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    y = norm(x, weight, eps, offset)
+    dx, dw = torch.autograd.grad(y, (x, weight), dy)
+    return y, dx, dw
+
+
+def check_against_truth(x, weight, dy, eps=1e-6, offset=0.0, floor=1e-6):
+    """Arm error vs float64 <= 2 x the same-dtype reference's error + floor, for y, dx and dw."""
+    got = run(arm.rms_norm, x, weight, dy, eps, offset)
+    ref = run(arm.rms_norm_reference, x, weight, dy, eps, offset)
+    truth = run(arm.rms_norm_reference, x.double(), weight.double(), dy.double(), eps, offset)
+    for name, g, r, t in zip(("y", "dx", "dw"), got, ref, truth):
+        expected_dtype = weight.dtype if name == "dw" else x.dtype
+        assert g.dtype == expected_dtype and g.shape == t.shape, (name, g.dtype, g.shape)
+        err, ref_err = rel_l2(g, t), rel_l2(r, t)
+        assert err <= 2 * ref_err + floor, f"{name}: arm error {err:.3e} vs reference {ref_err:.3e}"
+    return got
+
+
+def make(shape, dtype, seed=0, weight_dtype=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(DEVICE, weight_dtype or dtype)
+    dy = torch.randn(shape, generator=gen).to(DEVICE, dtype)
+    return x, weight, dy
+
+
+@pytest.mark.parametrize("n", [1, 7, 96, 130])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_float64(dtype, n):
+    # At n == 1, dx = g * rstd * eps / (x^2 + eps) cancels catastrophically; a larger eps keeps
+    # the comparison about the kernel rather than about fp32 cancellation noise.
+    eps = 1e-2 if n == 1 else 1e-6
+    check_against_truth(*make((2, 3, n), dtype), eps=eps)
+
+
+@pytest.mark.parametrize("n", [50, 100])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_looped_path(monkeypatch, dtype, n):
+    monkeypatch.setattr(arm, "MAX_FUSED_N", 32)
+    x, weight, dy = make((3, 70, n), dtype)
+    cfg = arm._launch_config(210, n, x.device)
+    assert cfg.looped and cfg.block_n < n
+    check_against_truth(x, weight, dy)
+
+
+def test_looped_path_makes_several_partials(monkeypatch):
+    monkeypatch.setattr(arm, "MAX_FUSED_N", 32)
+    x, weight, dy = make((210, 50), torch.float32)
+    _, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    assert partials.shape[0] > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_noncontiguous_x(dtype):
+    _, weight, dy = make((40, 96), dtype)
+    transposed = torch.randn(96, 40, device=DEVICE).to(dtype).t()  # last-dim stride 40: copied
+    check_against_truth(transposed, weight, dy)
+    sliced = torch.randn(40, 101, device=DEVICE).to(dtype)[:, 3:99]  # row stride 101: read in place
+    assert sliced.stride() == (101, 1)
+    check_against_truth(sliced, weight, dy)
+    permuted = torch.randn(3, 96, 4, device=DEVICE).to(dtype).permute(0, 2, 1)  # (3, 4, 96)
+    check_against_truth(permuted, weight, dy.reshape(3, 4, 320)[..., :96])
+
+
+def test_noncontiguous_dy():
+    x, weight, _ = make((40, 96), torch.bfloat16)
+    expanded = torch.randn(96, device=DEVICE).to(torch.bfloat16).expand(40, 96)  # row stride 0
+    check_against_truth(x, weight, expanded)
+    transposed = torch.randn(96, 40, device=DEVICE).to(torch.bfloat16).t()
+    check_against_truth(x, weight, transposed)
+    # y.sum() backward hands over a dy whose every stride is 0.
+    leaf = x.detach().requires_grad_()
+    arm.rms_norm(leaf, weight).float().sum().backward()
+    ref_leaf = x.detach().requires_grad_()
+    arm.rms_norm_reference(ref_leaf, weight).float().sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_offset_one(dtype):
+    x, weight, dy = make((2, 3, 96), dtype)
+    check_against_truth(x, weight - 1, dy, offset=1.0)  # zero-centred weight, scale near 1
+
+
+def test_fp32_weight_with_bf16_x():
+    x, weight, dy = make((2, 3, 130), torch.bfloat16, weight_dtype=torch.float32)
+    y, dx, dw = check_against_truth(x, weight, dy)
+    assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+
+
+def test_no_rows_launches_nothing(monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched a kernel for an empty input")
+
+    monkeypatch.setattr(arm, "_launch", no_launch)
+    x, weight, _ = make((0, 96), torch.bfloat16)
+    y, dx, dw = run(arm.rms_norm, x, weight, torch.empty_like(x))
+    assert y.shape == dx.shape == (0, 96)
+    assert dw.shape == (96,) and not dw.any()
+
+
+def test_deterministic():
+    x, weight, dy = make((200, 96), torch.bfloat16)
+    first, second = run(arm.rms_norm, x, weight, dy), run(arm.rms_norm, x, weight, dy)
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dw_partials_reduce_exactly(dtype):
+    x, weight, dy = make((200, 96), torch.float32)
+    _, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    dx, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    assert partials.dtype == torch.float32 and partials.shape[0] > 1
+    dw = arm.reduce_dw_partials(partials, dtype)
+    assert dw.dtype == dtype
+    exact = partials.double().sum(0)
+    # Any fp32 summation order is within (G - 1) ulps of the magnitudes summed, plus dtype rounding.
+    bound = partials.shape[0] * 2.0**-24 * partials.double().abs().sum(0) + exact.abs() * torch.finfo(dtype).eps
+    assert ((dw.double() - exact).abs() <= bound).all()
+
+
+def test_module_impls():
+    x, _, dy = make((2, 3, 96), torch.float32)
+    fused, eager = (arm.RMSNorm(96, impl=impl, device=DEVICE) for impl in ("fused", "eager"))
+    assert torch.equal(fused.weight, torch.ones(96, device=DEVICE))
+    torch.testing.assert_close(fused(x), eager(x))
+    assert "impl='fused'" in repr(fused) and "eps=1e-06" in repr(fused)
+    gemma = arm.RMSNorm(96, offset=1.0, device=DEVICE, dtype=torch.bfloat16)
+    assert gemma.weight.dtype == torch.bfloat16 and not gemma.weight.any()
+    gemma(x.bfloat16()).float().sum().backward()
+    assert gemma.weight.grad.dtype == torch.bfloat16
+
+
+def test_module_unknown_impl():
+    with pytest.raises(ValueError, match="impl must be"):
+        arm.RMSNorm(96, impl="liger")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_bad_dtype(dtype):
+    x = torch.ones(4, 8, device=DEVICE, dtype=dtype)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        arm.rms_norm(x, torch.ones(8, device=DEVICE))
+
+
+@pytest.mark.parametrize("weight_shape", [(7,), (8, 1), ()])
+def test_wrong_weight_shape(weight_shape):
+    with pytest.raises(ValueError, match="weight must be 1-D of size 8"):
+        arm.rms_norm(torch.ones(4, 8, device=DEVICE), torch.ones(weight_shape, device=DEVICE))
+
+
+def test_cpu_without_interpreter_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(CouldNotRun, match=r'needs a CUDA tensor.*RMSNorm\(impl="eager"\)'):
+        arm.rms_norm(torch.ones(4, 8), torch.ones(8))
+
+
+@pytest.mark.parametrize("n", [1, 96, 2048, 4096, 8192, 16384, 16385, 65536])
+def test_launch_config_fits_rtx(monkeypatch, n):
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    cfg = arm._launch_config(16384, n, torch.device(DEVICE))
+    assert cfg.looped == (n > 16384)
+    assert cfg.looped or cfg.block_n >= n
+    assert cfg.block_m * cfg.block_n * 4 <= RTX_SMEM_BYTES
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_more_than_2_31_elements():
+    n = 4096
+    rows = 2**31 // n + 8
+    if torch.cuda.mem_get_info()[0] < 4 * rows * n * 2 + 2**30:
+        pytest.skip("not enough free GPU memory for four 4 GiB tensors")
+    torch.manual_seed(0)
+    x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16()
+    y, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    tail = slice(rows - 16, rows)  # rows whose offsets pass 2**31
+    expected_rstd = torch.rsqrt(x[tail].float().pow(2).mean(-1) + 1e-6)
+    torch.testing.assert_close(rstd[tail], expected_rstd, rtol=1e-5, atol=0)
+    torch.testing.assert_close(y[tail], arm.rms_norm_reference(x[tail], weight), rtol=1.6e-2, atol=1e-2)
+    del y
+    dx, _ = arm.rms_norm_backward(x, x, weight, rstd, 0.0)  # dy = x: any dy will do
+    tail_x = x[tail].float().requires_grad_()
+    (expected_dx,) = torch.autograd.grad(arm.rms_norm_reference(tail_x, weight.float()), tail_x, x[tail].float())
+    torch.testing.assert_close(dx[tail].float(), expected_dx, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
+def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    monkeypatch.setattr(arm, "RECORD_COMPILED", True)
+    monkeypatch.setattr(arm, "_last_compiled", {})
+    x, weight, dy = make((64, n), torch.bfloat16)
+    run(arm.rms_norm, x, weight, dy)
+    expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_reduce_dw_partials_kernel"}
+    if n > arm.MAX_FUSED_N:
+        expected.add("_rms_norm_bwd_row_dot_kernel")
+    assert set(arm._last_compiled) == expected
+    for name, compiled in arm._last_compiled.items():
+        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

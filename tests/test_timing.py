@@ -1,0 +1,455 @@
+"""Timing statistics and the bench driver, on synthetic timings with known answers.
+
+A fake Timer draws each contender's call times from its own seeded lognormal, so every figure
+here is reproducible on the CPU; only the `cuda`-marked test touches real timings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from suite.harness.gate import BenchCase, PerfCriterion, Preset
+from suite.harness.report import Ceilings
+from suite.harness.timing import (
+    CudaTimer,
+    TimingPolicy,
+    bootstrap_ci,
+    copy_size,
+    judge,
+    measure_bench,
+    measure_ceilings,
+    noise_floor,
+    round_order,
+    steady,
+)
+
+PRESET = Preset(name="small", params={}, where="any")
+# cap 0: one warm-up batch per contender, so the draws (and so the figures) never depend on
+# how fast this machine is
+POLICY = TimingPolicy(warmup_cap_s=0.0)
+COLD_MS = 1000.0
+
+
+class FakeFn:
+    """A contender the fake timer recognises by name; never actually called."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self) -> None:
+        raise AssertionError("the fake timer does not call")
+
+
+class FakeTimer:
+    """Per-contender times base_ms * lognormal(0, sigma) from seeded generators. The first call
+    a contender ever gets, through either method, costs COLD_MS. Logs what it was asked."""
+
+    def __init__(self, dists: dict[str, tuple[float, float]], log: list | None = None) -> None:
+        self.dists = dists
+        self.rngs = {name: np.random.default_rng([7, i]) for i, name in enumerate(dists)}
+        self.log = [] if log is None else log
+        self.seen: set[str] = set()
+
+    def _draw(self, name: str, n: int) -> list[float]:
+        base, sigma = self.dists[name]
+        times = list(base * self.rngs[name].lognormal(0.0, sigma, n))
+        if name not in self.seen:
+            self.seen.add(name)
+            times[0] = COLD_MS
+        return times
+
+    def time_calls(self, fn, n, *, flush_l2, window):
+        self.log.append(("calls", fn.name, flush_l2, window))
+        return self._draw(fn.name, n)
+
+    def time_cold(self, fn):
+        self.log.append(("cold", fn.name))
+        return self._draw(fn.name, 1)[0]
+
+
+def make_case(**kw) -> BenchCase:
+    kw.setdefault("bytes", lambda preset: 400_000_000)
+    return BenchCase(name="fwd", description="synthetic", **kw)
+
+
+def make_contenders(*peers: str, unavailable: dict[str, str] | None = None) -> list:
+    rows = [("reference", "reference", FakeFn("reference"), None),
+            ("arm", "arm", FakeFn("arm"), None)]
+    rows += [(p, "peer", FakeFn(p), None) for p in peers]
+    rows += [(p, "peer", None, why) for p, why in (unavailable or {}).items()]
+    return rows
+
+
+def bench(dists, criterion=PerfCriterion(), *, case=None, contenders=None, ceilings=None,
+          policy=POLICY, log=None, progress=None):
+    timer = FakeTimer(dists, log)
+    result = measure_bench(case or make_case(), contenders or make_contenders(), PRESET,
+                           criterion, ceilings, policy, timer, progress)
+    return result, timer
+
+
+def against(result, name):
+    return next(c for c in result.comparisons if c.against == name)
+
+
+# ---- verdicts ----------------------------------------------------------------------------
+
+
+def test_arm_twice_as_fast_is_faster():
+    result, _ = bench({"reference": (1.0, 0.01), "arm": (0.5, 0.01)})
+    c = against(result, "reference")
+    assert c.verdict == "faster"
+    assert c.speedup == pytest.approx(2.0, rel=0.02)
+    assert c.ci_low <= 2.0 <= c.ci_high
+    assert result.rounds == POLICY.min_rounds  # decided at once: no escalation
+    assert result.passed and not result.ambiguous
+    assert [k.passed for k in result.criteria] == [True]
+    assert "faster" in result.criteria[0].detail and "2.0" in result.criteria[0].detail
+
+
+def test_equal_distributions_are_same():
+    result, _ = bench({"reference": (1.0, 0.01), "arm": (1.0, 0.01)})
+    c = against(result, "reference")
+    assert c.verdict == "same"
+    assert math.exp(-math.log1p(result.noise_floor)) <= c.ci_low <= c.ci_high
+    assert c.ci_high <= 1 + result.noise_floor
+    assert result.passed
+
+
+def test_slower_arm_fails_not_slower_than():
+    result, _ = bench({"reference": (1.0, 0.01), "arm": (1.5, 0.01)})
+    c = against(result, "reference")
+    assert c.verdict == "slower"
+    assert c.speedup == pytest.approx(1 / 1.5, rel=0.02)
+    check = result.criteria[0]
+    assert check.name == "not slower than reference" and not check.passed
+    assert "slower" in check.detail
+    assert not result.passed and not result.ambiguous
+
+
+def test_heavy_noise_small_difference_is_ambiguous_at_the_round_cap():
+    messages: list[str] = []
+    log: list = []
+    result, _ = bench({"reference": (1.0, 0.01), "arm": (0.99, 1.0)}, log=log,
+                      progress=messages.append)
+    assert against(result, "reference").verdict == "ambiguous"
+    assert result.rounds == POLICY.max_rounds
+    assert len(result.aa_log_ratios) == POLICY.max_rounds
+    arm = next(t for t in result.contenders if t.name == "arm")
+    assert len(arm.round_medians_ms) == POLICY.max_rounds
+    # escalated in steps of round_step
+    assert [m.rsplit(" ", 2)[-2] for m in messages if "extending" in m] == ["20", "30", "40"]
+    assert result.ambiguous and not result.passed
+    assert not result.criteria[0].passed and "ambiguous" in result.criteria[0].detail
+
+
+def test_ambiguous_against_an_unnamed_peer_does_not_escalate():
+    result, _ = bench({"reference": (1.0, 0.01), "arm": (0.5, 0.01), "noisy": (0.5, 0.5)},
+                      contenders=make_contenders("noisy"))
+    assert against(result, "noisy").verdict == "ambiguous"
+    assert result.rounds == POLICY.min_rounds
+    assert result.passed and not result.ambiguous
+
+
+@pytest.mark.parametrize(
+    "median, low, high, floor, verdict",
+    [
+        (2.0, 1.9, 2.1, math.log(1.01), "faster"),
+        (0.5, 0.45, 0.55, math.log(1.01), "slower"),
+        (1.0, 0.995, 1.004, math.log(1.01), "same"),
+        (1.0, 0.95, 1.05, math.log(1.01), "ambiguous"),  # CI wider than the floor
+        (1.004, 1.001, 1.02, math.log(1.005), "ambiguous"),  # clear of 1 but within the floor
+        (0.996, 0.98, 0.999, math.log(1.005), "ambiguous"),
+    ],
+)
+def test_judge(median, low, high, floor, verdict):
+    assert judge(median, low, high, floor) == verdict
+
+
+# ---- statistics --------------------------------------------------------------------------
+
+
+def test_noise_floor_is_the_quantile_of_absolute_log_ratios():
+    # |x| = 0.001 .. 0.020; linear 95th percentile: position 0.95 * 19 = 18.05 between the 19th
+    # and 20th smallest, 0.019 + 0.05 * 0.001
+    series = [(-1) ** i * 0.001 * (i + 1) for i in range(20)]
+    assert noise_floor(series, 0.95, 0.005) == pytest.approx(0.01905)
+    assert noise_floor(series, 1.0, 0.005) == pytest.approx(0.020)
+
+
+def test_noise_floor_respects_the_minimum():
+    assert noise_floor([0.001, -0.001, 0.0], 0.95, 0.005) == pytest.approx(math.log(1.005))
+
+
+def test_reported_floor_is_relative():
+    result, _ = bench({"reference": (1.0, 0.0), "arm": (0.5, 0.0)})
+    assert result.aa_log_ratios == [0.0] * POLICY.min_rounds
+    assert result.noise_floor == pytest.approx(POLICY.min_floor)
+
+
+def test_bootstrap_ci_collapses_on_constant_ratios():
+    low, high = bootstrap_ci([1.7] * 12, 2000, 0.95, np.random.default_rng(0))
+    assert low == pytest.approx(1.7) and high == pytest.approx(1.7)
+
+
+def test_bootstrap_ci_is_reproducible_under_a_seed():
+    ratios = np.random.default_rng(1).lognormal(0.0, 0.1, 25)
+    first = bootstrap_ci(ratios, 2000, 0.95, np.random.default_rng(3))
+    again = bootstrap_ci(ratios, 2000, 0.95, np.random.default_rng(3))
+    assert first == again
+    assert first[0] < np.median(ratios) < first[1]
+
+
+def test_bench_figures_are_reproducible():
+    dists = {"reference": (1.0, 0.05), "arm": (0.9, 0.05)}
+    assert bench(dists)[0] == bench(dists)[0]
+
+
+def test_steady():
+    assert steady(1.0, 1.019, 0.02)
+    assert steady(1.0, 0.981, 0.02)
+    assert not steady(1.0, 1.021, 0.02)
+
+
+def test_copy_size():
+    assert copy_size(100 << 30) == 1 << 30  # plenty free: the default
+    assert copy_size(4 << 30) == 512 << 20  # capped to 1/8 of free
+    assert copy_size((4 << 30) + 12345) == 512 << 20  # whole MiB
+
+
+# ---- ceilings ----------------------------------------------------------------------------
+
+CEILINGS = Ceilings(copy_gbps=1000.0, copy_bytes=2 << 30, gemm_bf16_tflops=500.0, gemm_n=8192)
+EXACT = {"reference": (1.0, 0.0), "arm": (0.5, 0.0)}  # arm: exactly 0.5 ms per call
+
+
+@pytest.mark.parametrize("need, passed", [(0.8, True), (0.8000001, False)])
+def test_copy_ceiling_fraction_boundary(need, passed):
+    # 400 MB in 0.5 ms = 800 GB/s = 0.8 of 1000 GB/s
+    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): need})
+    result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
+    arm = next(t for t in result.contenders if t.name == "arm")
+    assert arm.gbps == pytest.approx(800.0) and arm.ceiling_fraction == pytest.approx(0.8)
+    check = result.criteria[1]
+    assert check.passed is passed
+    assert "800.0 GB/s" in check.detail and "0.800" in check.detail
+    assert result.passed is passed
+
+
+@pytest.mark.parametrize("need, passed", [(0.6, True), (0.61, False)])
+def test_gemm_ceiling_fraction_boundary(need, passed):
+    # 150 GFLOP in 0.5 ms = 300 TFLOP/s = 0.6 of 500 TFLOP/s
+    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): need}, ceiling="gemm")
+    case = make_case(flops=lambda preset: 150_000_000_000)
+    result, _ = bench(EXACT, criterion, case=case, ceilings=CEILINGS)
+    arm = next(t for t in result.contenders if t.name == "arm")
+    assert arm.tflops == pytest.approx(300.0) and arm.ceiling_fraction == pytest.approx(0.6)
+    assert result.criteria[1].passed is passed
+
+
+def test_ceiling_fraction_without_ceilings_fails():
+    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): 0.1})
+    result, _ = bench(EXACT, criterion, ceilings=None)
+    assert not result.criteria[1].passed and "no ceilings" in result.criteria[1].detail
+    assert next(t for t in result.contenders if t.name == "arm").ceiling_fraction is None
+
+
+def test_ceiling_fraction_for_another_case_is_not_checked():
+    criterion = PerfCriterion(min_ceiling_fraction={("small", "bwd"): 0.99})
+    result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
+    assert len(result.criteria) == 1 and result.passed
+
+
+# ---- contenders, cold call, order --------------------------------------------------------
+
+
+def test_unavailable_peer_is_listed_and_not_timed():
+    criterion = PerfCriterion(not_slower_than=("reference", "liger"))
+    contenders = make_contenders(unavailable={"liger": "liger-kernel is not installed"})
+    result, timer = bench(EXACT, criterion, contenders=contenders)
+    liger = next(t for t in result.contenders if t.name == "liger")
+    assert liger.unavailable == "liger-kernel is not installed"
+    assert liger.cold_ms is None and liger.median_ms is None and liger.round_medians_ms == []
+    assert all(entry[1] != "liger" for entry in timer.log)
+    assert [c.against for c in result.comparisons] == ["reference"]
+    check = next(k for k in result.criteria if k.name == "not slower than liger")
+    assert check.passed and "skipped" in check.detail and "not installed" in check.detail
+    assert result.passed
+
+
+def test_cold_call_is_reported_alone_and_kept_out_of_the_medians():
+    result, timer = bench({"reference": (1.0, 0.01), "arm": (0.5, 0.01)})
+    for t in result.contenders:
+        assert t.cold_ms == COLD_MS
+        assert max(t.round_medians_ms) < 2.0
+    assert against(result, "reference").speedup == pytest.approx(2.0, rel=0.02)
+    # each contender's cold call comes before anything else it is asked to do
+    for name in ("reference", "arm"):
+        first = next(entry for entry in timer.log if entry[1] == name)
+        assert first[0] == "cold"
+    assert sum(entry[0] == "cold" for entry in timer.log) == 2
+
+
+def test_rounds_are_abba():
+    log: list = []
+    dists = {"reference": (1.0, 0.01), "arm": (0.5, 0.01), "p1": (0.8, 0.01), "p2": (0.9, 0.01)}
+    result, _ = bench(dists, contenders=make_contenders("p1", "p2"), log=log,
+                      progress=lambda message: log.append(("progress", message)))
+    marks = [i for i, entry in enumerate(log) if entry[0] == "progress" and "round" in entry[1]
+             and "extending" not in entry[1]]
+    assert len(marks) == result.rounds
+    for index, (start, stop) in enumerate(zip(marks, marks[1:] + [len(log)])):
+        order = [entry[1] for entry in log[start + 1:stop] if entry[0] == "calls"]
+        if index % 2 == 0:
+            assert order == ["reference", "arm", "p1", "p2", "reference"]
+        else:
+            assert order == ["reference", "p2", "p1", "arm", "reference"]
+    assert [c.against for c in result.comparisons] == ["reference", "p1", "p2"]
+    assert against(result, "p1").speedup == pytest.approx(1.6, rel=0.02)
+
+
+def test_round_order():
+    assert round_order("ref", ["a", "b"], 0) == ["ref", "a", "b", "ref"]
+    assert round_order("ref", ["a", "b"], 3) == ["ref", "b", "a", "ref"]
+
+
+@pytest.mark.parametrize("l2, flush", [("cold", True), ("warm", False)])
+def test_l2_flush_follows_the_case(l2, flush):
+    _, timer = bench(EXACT, case=make_case(l2=l2))
+    assert {entry[2] for entry in timer.log if entry[0] == "calls"} == {flush}
+
+
+class ScriptedTimer:
+    """Batch k of a contender has every call at script[k]; past the script, 1.0 ms."""
+
+    def __init__(self, script: list[float]) -> None:
+        self.script = script
+        self.batches: dict[str, int] = {}
+        self.windows: set[int] = set()
+
+    def time_calls(self, fn, n, *, flush_l2, window):
+        k = self.batches.get(fn.name, 0)
+        self.batches[fn.name] = k + 1
+        self.windows.add(window)
+        return [self.script[k] if k < len(self.script) else 1.0] * n
+
+    def time_cold(self, fn):
+        return 5.0
+
+
+def test_warm_up_runs_until_two_batch_medians_agree():
+    # medians 3, 2, 1.5, 1.0, 1.01: steady at the 5th batch (within 2% of the 4th)
+    timer = ScriptedTimer([3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
+    case = make_case(host_bound=True, window=4, l2="warm")
+    policy = TimingPolicy(warmup_cap_s=60.0)
+    result = measure_bench(case, make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
+    # 2 contenders x 5 batches x 10 timings x 4 calls a window
+    assert result.warmup_calls == 2 * 5 * 10 * 4
+    assert timer.windows == {4} and result.window == 4 and result.host_bound
+    assert all(t.median_ms == 1.0 for t in result.contenders)  # the 9.0 batch was never used
+
+
+def test_warm_up_stops_at_the_cap():
+    timer = ScriptedTimer([1.0, 2.0] * 100_000)  # never steady
+    policy = TimingPolicy(warmup_cap_s=0.05)
+    result = measure_bench(make_case(), make_contenders(), PRESET, PerfCriterion(), None,
+                           policy, timer)
+    assert 2 * 2 * 10 <= result.warmup_calls < 2 * 200_000 * 10
+
+
+# ---- misuse ------------------------------------------------------------------------------
+
+
+def test_unknown_criterion_name_is_refused_before_timing():
+    timer = FakeTimer(EXACT)
+    with pytest.raises(ValueError, match="nope"):
+        measure_bench(make_case(), make_contenders(), PRESET,
+                      PerfCriterion(not_slower_than=("reference", "nope")), None, POLICY, timer)
+    assert timer.log == []
+
+
+def test_unavailable_arm_is_refused():
+    contenders = [("reference", "reference", FakeFn("reference"), None),
+                  ("arm", "arm", None, "no triton")]
+    with pytest.raises(ValueError, match="no triton"):
+        measure_bench(make_case(), contenders, PRESET, PerfCriterion(), None, POLICY,
+                      FakeTimer(EXACT))
+
+
+def test_policy_refuses_a_single_round():
+    with pytest.raises(ValueError):
+        TimingPolicy(min_rounds=1)
+
+
+def test_cuda_timer_sequence_on_stand_ins(monkeypatch):
+    """CudaTimer's control flow with stand-ins for CUDA (the real run is the cuda test)."""
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            log.append("record")
+
+        def elapsed_time(self, end: "Event") -> float:
+            return 6.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: log.append("sync"))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    timer = CudaTimer("cuda")
+    monkeypatch.setattr(timer, "_flush_buffer",
+                        lambda: SimpleNamespace(zero_=lambda: log.append("flush")))
+
+    # 6 ms over a window of 3 calls: 2 ms per call
+    assert timer.time_calls(lambda: log.append("fn"), 2, flush_l2=True, window=3) == [2.0, 2.0]
+    one_pair = ["flush", "record", "fn", "fn", "fn", "record"]
+    assert log == ["sync", *one_pair, *one_pair, "sync"]
+
+    log.clear()
+    timer.time_calls(lambda: log.append("fn"), 1, flush_l2=False, window=1)
+    assert log == ["sync", "record", "fn", "record", "sync"]
+
+    log.clear()
+    assert timer.time_cold(lambda: log.append("fn")) >= 0
+    assert log == ["sync", "fn", "sync"]
+
+
+# ---- the real thing ----------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_single_copy_beats_double_copy_and_ceilings_are_plausible():
+    device = torch.device("cuda")
+    ceilings = measure_ceilings(device)
+    assert 0 < ceilings.copy_gbps < 100_000 and ceilings.copy_bytes > 0
+    assert 0 < ceilings.gemm_bf16_tflops < 100_000 and ceilings.gemm_n == 8192
+    assert measure_ceilings(device) is ceilings  # measured once per device
+
+    src = torch.randint(-(2**31), 2**31 - 1, (16 << 20,), dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)  # 64 MB each
+
+    def once():
+        dst.copy_(src)
+
+    def twice():
+        dst.copy_(src)
+        dst.copy_(src)
+
+    contenders = [("reference", "reference", twice, None), ("arm", "arm", once, None)]
+    case = BenchCase(name="copy", description="64 MB copy", bytes=lambda preset: 2 * src.nbytes)
+    preset = Preset(name="copy64", params={})
+    result = measure_bench(case, contenders, preset, PerfCriterion(), ceilings, TimingPolicy(),
+                           CudaTimer(device))
+    assert against(result, "reference").verdict == "faster"
+    assert result.passed
+    arm = next(t for t in result.contenders if t.name == "arm")
+    assert arm.cold_ms > 0 and arm.gbps > 0 and 0 < arm.ceiling_fraction < 2
