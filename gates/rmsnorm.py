@@ -256,8 +256,8 @@ def _fwd_bwd_bytes(preset: Preset) -> int:
 
 
 BENCHES = (
-    BenchCase("fwd", "forward, no autograd", bytes=_fwd_bytes),
-    BenchCase("fwd+bwd", "forward then autograd backward for dx and dW", bytes=_fwd_bwd_bytes),
+    BenchCase("fwd", "forward, no autograd", bytes=_fwd_bytes, graph=True),
+    BenchCase("fwd+bwd", "forward then autograd backward for dx and dW", bytes=_fwd_bwd_bytes, graph=True),
 )
 
 GATE = Gate(

@@ -8,8 +8,8 @@ the zero-centred-weight variant (Gemma). The backward, with g = dy * (offset + w
 
 dw is reduced in two deterministic stages, never with atomics: each backward program sums its
 own rows into one fp32 row of a [G, N] partials buffer, then a small kernel sums the G rows in
-a fixed order. The launch configuration is a pure function of the row length, the element size
-and the device, so a run reproduces its bits exactly.
+a fixed order. The launch configuration is a pure function of the shape and the device, so a
+run reproduces its bits exactly.
 """
 
 from __future__ import annotations
@@ -214,7 +214,8 @@ def _sm_count(index: int) -> int:
 
 
 def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> LaunchConfig:
-    # Cached, as host time per call counts at training sizes; the key holds everything it reads.
+    # Cached, as host time per call counts at training sizes. The key holds everything the
+    # heuristic reads, SUITE_PROFILE (read by smem_limit) included.
     return _cached_launch_config(
         n_rows, n_cols, device, MAX_FUSED_N, os.environ.get("SUITE_PROFILE"), _interpreting()
     )

@@ -88,6 +88,9 @@ class BenchCase:
     l2: Literal["cold", "warm"] = "cold"
     host_bound: bool = False  # time a window of calls with one event pair (dispatch included)
     window: int = 1
+    # time CUDA-graph replays of the call: device time, without the host's dispatch gaps
+    # (kernel benches whose Python launch cost would otherwise be what is measured)
+    graph: bool = False
 
 
 @dataclass(frozen=True)

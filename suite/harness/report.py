@@ -73,6 +73,7 @@ class ContenderTiming(BaseModel):
     name: str  # "reference", "arm" or a peer's name
     role: Literal["reference", "arm", "peer"]
     unavailable: str | None = None  # why it was not timed
+    method: str = "eager"  # "graph" when CUDA-graph replays were timed, else why not
     cold_ms: float | None = None  # the first call (compile, autotune, capture), timed alone
     median_ms: float | None = None  # median of the per-round medians
     round_medians_ms: list[float] = Field(default_factory=list)

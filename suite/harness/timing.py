@@ -118,6 +118,20 @@ class CudaTimer:
             torch.cuda.synchronize()
             return [start.elapsed_time(end) / window for start, end in pairs]
 
+    def capture(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """One call of fn captured in a CUDA graph; returns its replay."""
+        with torch.cuda.device(self.device):
+            # torch's recipe: warm up on a side stream so capture sees no first-use work
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            return graph.replay
+
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost
         with torch.cuda.device(self.device):
@@ -282,6 +296,15 @@ def measure_bench(
     for name in fns:
         say(f"cold call of {name}")
         cold[name] = timer.time_cold(fns[name])
+    methods = {name: "eager" for name in fns}
+    if case.graph and hasattr(timer, "capture"):
+        for name in fns:
+            say(f"capturing {name} in a CUDA graph")
+            try:
+                fns[name] = timer.capture(fns[name])
+                methods[name] = "graph"
+            except Exception as exc:  # timed eagerly instead, and the report says why
+                methods[name] = f"eager (capture failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     warmup_calls = 0
     for name in fns:
         say(f"warming up {name}")
@@ -332,7 +355,7 @@ def measure_bench(
         median_ms = float(np.median(series[name]))
         gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, criterion.ceiling)
         timings.append(ContenderTiming(
-            name=name, role=role, cold_ms=cold[name], median_ms=median_ms,
+            name=name, role=role, method=methods[name], cold_ms=cold[name], median_ms=median_ms,
             round_medians_ms=list(series[name]), gbps=gbps, tflops=tflops,
             ceiling_fraction=fraction))
 
