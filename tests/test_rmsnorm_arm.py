@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from suite.arms import rmsnorm as arm
+from suite.arms import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 from suite.errors import CouldNotRun
 
@@ -120,7 +121,7 @@ def test_no_rows_launches_nothing(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("launched a kernel for an empty input")
 
-    monkeypatch.setattr(arm, "_launch", no_launch)
+    monkeypatch.setattr(arm, "launch", no_launch)
     x, weight, _ = make((0, 96), torch.bfloat16)
     y, dx, dw = run(arm.rms_norm, x, weight, torch.empty_like(x))
     assert y.shape == dx.shape == (0, 96)
@@ -220,13 +221,13 @@ def test_more_than_2_31_elements():
 @pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
 def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    monkeypatch.setattr(arm, "RECORD_COMPILED", True)
-    monkeypatch.setattr(arm, "_last_compiled", {})
+    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
+    monkeypatch.setattr(triton_support, "compiled_kernels", {})
     x, weight, dy = make((1024, n), torch.bfloat16)  # rows enough for the tallest tile
     run(arm.rms_norm, x, weight, dy)
     expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_reduce_dw_partials_kernel"}
     if n > arm.MAX_FUSED_N:
         expected.add("_rms_norm_bwd_row_dot_kernel")
-    assert set(arm._last_compiled) == expected
-    for name, compiled in arm._last_compiled.items():
+    assert set(triton_support.compiled_kernels) == expected
+    for name, compiled in triton_support.compiled_kernels.items():
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

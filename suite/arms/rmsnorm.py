@@ -14,17 +14,16 @@ run reproduces its bits exactly.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
+from suite.arms.triton_support import interpreting, launch
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -42,10 +41,6 @@ INTERPRETER_MAX_PROGRAMS = 4
 # Stage 2 of dW: partial rows summed per step x columns per program.
 REDUCE_BLOCK_G = 32
 REDUCE_BLOCK_N = 128
-
-# Tests set RECORD_COMPILED to collect each kernel's compiled form (for its shared-memory use).
-RECORD_COMPILED = False
-_last_compiled: dict[str, object] = {}
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -202,10 +197,7 @@ def _prev_pow2(n: int) -> int:
 
 
 def _interpreting() -> bool:
-    # Both: the env says so, and triton read it when our kernels were decorated.
-    return os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(
-        _rms_norm_fwd_kernel, triton.runtime.JITFunction
-    )
+    return interpreting(_rms_norm_fwd_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,14 +214,14 @@ def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> LaunchConf
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_launch_config(n_rows, n_cols, device, max_fused_n, suite_profile, interpreting) -> LaunchConfig:
+def _cached_launch_config(n_rows, n_cols, device, max_fused_n, suite_profile, interpreted) -> LaunchConfig:
     # A whole fp32 tile must fit in shared memory, so that any layout conversion Triton stages
     # through it fits too: 16384 values on the RTX profile (99 KiB).
     max_tile = _prev_pow2(smem_limit(device) // 4)
     fused_limit = min(max_fused_n, max_tile)
     looped = n_cols > fused_limit
     block_n = min(LOOPED_BLOCK_N, _prev_pow2(fused_limit)) if looped else triton.next_power_of_2(n_cols)
-    if device.type == "cuda" and not interpreting:
+    if device.type == "cuda" and not interpreted:
         # Two backward programs fit an SM's registers up to TARGET_TILE-value tiles, one beyond.
         per_sm = 1 if not looped and block_n > TARGET_TILE else 2
         max_programs = per_sm * _sm_count(device.index)
@@ -250,37 +242,6 @@ def _cached_launch_config(n_rows, n_cols, device, max_fused_n, suite_profile, in
 # --------------------------------------------------------------------------------------------
 # Building blocks (a gate builds its saboteurs from these)
 # --------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _interpreter_rounds_bf16_like_gpu():
-    """Triton's interpreter (3.9) truncates fp32 -> bf16 where GPUs round to nearest even, which
-    would give interpreted bf16 outputs twice the GPU's rounding error."""
-    from triton.runtime import interpreter
-
-    truncating = interpreter.InterpreterBuilder.cast_impl
-
-    def rounding(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.array(src.data, dtype=np.float32)).to(torch.bfloat16)
-            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-        return truncating(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = rounding
-    try:
-        yield
-    finally:
-        interpreter.InterpreterBuilder.cast_impl = truncating
-
-
-def _launch(kernel, grid, *args, **meta) -> None:
-    if isinstance(kernel, triton.runtime.JITFunction):
-        compiled = kernel[grid](*args, **meta)
-        if RECORD_COMPILED:
-            _last_compiled[kernel.fn.__name__] = compiled
-    else:
-        with _interpreter_rounds_bf16_like_gpu():
-            kernel[grid](*args, **meta)
 
 
 def _require_runnable(t: torch.Tensor) -> None:
@@ -307,7 +268,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
         return y, rstd
     x2d, weight = _unit_col_stride(x2d), _unit_col_stride(weight)
     cfg = _launch_config(n_rows, n_cols, x2d.device)
-    _launch(
+    launch(
         _rms_norm_fwd_kernel, (triton.cdiv(n_rows, cfg.block_m),),
         x2d, weight, y, rstd, x2d.stride(0), n_rows, n_cols, float(eps), float(offset),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
@@ -332,14 +293,14 @@ def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tenso
     offset = float(offset)
     if cfg.looped:
         gx_sum = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-        _launch(
+        launch(
             _rms_norm_bwd_row_dot_kernel, (row_blocks,),
             dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )
     else:
         gx_sum = rstd  # unread when a stripe holds the whole row
-    _launch(
+    launch(
         _rms_norm_bwd_kernel, (n_stripes, n_parts),
         dy2d, x2d, weight, rstd, gx_sum, dx, partials,
         dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
@@ -355,7 +316,7 @@ def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.T
         return torch.zeros(n_cols, dtype=dtype, device=dw_partials.device)
     _require_runnable(dw_partials)
     dw = torch.empty(n_cols, dtype=dtype, device=dw_partials.device)
-    _launch(
+    launch(
         _reduce_dw_partials_kernel, (triton.cdiv(n_cols, REDUCE_BLOCK_N),),
         dw_partials.contiguous(), dw, n_parts, n_cols,
         BLOCK_G=REDUCE_BLOCK_G, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
