@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Run ON THE GPU MACHINE (device tool, carry [".whl"]): install the project, then either the
-# CUDA tests or suite commands, and copy the reports flat into $OUT so they come back.
+# Run ON THE GPU MACHINE (device tool, carry [".whl", ".git-sha"]): install the project, then
+# either the CUDA tests or suite commands, and copy the reports flat into $OUT so they come back.
+# The copy there has no git history: write `git rev-parse HEAD > .git-sha` here first so
+# reports record the commit they ran.
 #   bash scripts/device_check.sh tests [pytest args]
 #   bash scripts/device_check.sh suite run            (any suite command line)
 set -uo pipefail

@@ -127,3 +127,10 @@ def test_fingerprint_class_keeps_what_must_match():
     assert fingerprint_class(make_fingerprint(triton=None))["triton"] is None
     # patch versions, driver and clocks do not change the class
     assert fingerprint_class(make_fingerprint(torch="2.11.1", clocks={})) == fingerprint_class(make_fingerprint())
+
+
+def test_a_copied_tree_reports_its_stamped_sha(monkeypatch, tmp_path):
+    (tmp_path / ".git-sha").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    monkeypatch.setattr(fp_mod, "PROJECT_ROOT", tmp_path)
+    fp = fingerprint(torch.device("cpu"), "none")
+    assert fp.git_sha == "0123456789abcdef0123456789abcdef01234567" and fp.git_dirty is None

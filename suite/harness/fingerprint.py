@@ -72,8 +72,11 @@ def _package_version(*names: str) -> str | None:
 
 
 def _git(root: Path) -> tuple[str | None, bool | None]:
-    if not (root / ".git").exists():  # installed outside a checkout: no sha to claim
-        return None, None
+    if not (root / ".git").exists():
+        # a copy of the tree without its history (the GPU machine's): the sha it was copied
+        # at, when whoever copied it wrote one; otherwise no sha to claim
+        stamp = root / ".git-sha"
+        return (stamp.read_text().strip() or None, None) if stamp.is_file() else (None, None)
     sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
     if sha is None:
         return None, None
