@@ -147,6 +147,7 @@ class GateResult(BaseModel):
     bench_skipped: str | None = None
     buffers: BufferProvenance | None = None
     duration_s: float = 0.0
+    peak_memory_bytes: int | None = None  # CUDA: the most the gate held at once, bench included
 
 
 class SkippedGate(BaseModel):
@@ -482,7 +483,8 @@ def _result_section(result: GateResult) -> list[str]:
         "",
         f"- arm: `{result.arm}`; preset: "
         + (", ".join(f"{k}={v}" for k, v in result.preset_params.items()) or _DASH)
-        + f"; took {result.duration_s:.1f} s",
+        + f"; took {result.duration_s:.1f} s"
+        + (f"; peak GPU memory {result.peak_memory_bytes / 2**30:.2f} GiB" if result.peak_memory_bytes else ""),
     ]
     if result.reason:
         lines.append(f"- reason: {result.reason}")

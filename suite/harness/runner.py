@@ -171,6 +171,8 @@ class Runner:
     def _run_unit(self, gate: Gate, preset: Preset) -> GateResult:
         device = self.options.device
         start = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             if preset.where == "cuda" and device.type != "cuda":
                 raise CouldNotRun(f"preset {preset.name} of gate {gate.name} needs CUDA; use --preset tiny on the CPU")
@@ -187,9 +189,9 @@ class Runner:
         except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             result = self._could_not_run(gate, preset, f"{type(exc).__name__} while running: {detail}")
-        finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        if device.type == "cuda":
+            result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+            torch.cuda.empty_cache()
         result.duration_s = time.perf_counter() - start
         return result
 
