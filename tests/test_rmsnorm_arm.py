@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from suite.arms import rmsnorm as arm
 from suite.arms import triton_support
@@ -230,4 +231,33 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
         expected.add("_rms_norm_bwd_row_dot_kernel")
     assert set(triton_support.compiled_kernels) == expected
     for name, compiled in triton_support.compiled_kernels.items():
+        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
+def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
+    """Compile (not launch) every kernel for the RTX 50-series' sm_120 on this GPU and read
+    the shared memory the compiler gave each: the configs the RTX will really get."""
+    from triton.backends.compiler import GPUTarget
+
+    driver = triton.runtime.driver.active
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
+    kernels = {}
+
+    def compile_only(kernel, grid, *args, **meta):
+        kernel.device_caches.clear()  # forget the sm_90 builds: the target is part of the cache
+        kernels[kernel.fn.__name__] = kernel.warmup(*args, grid=grid, **meta)
+        kernel.device_caches.clear()
+
+    monkeypatch.setattr(arm, "launch", compile_only)
+    x, weight, dy = make((1024, n), torch.bfloat16)
+    y, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    arm.reduce_dw_partials(partials, weight.dtype)
+    assert "_rms_norm_bwd_kernel" in kernels
+    for name, compiled in kernels.items():
+        assert compiled.metadata.target.arch == 120, name
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
