@@ -240,3 +240,19 @@ def test_large_tensors_are_judged_in_chunks(monkeypatch):
     assert not check.passed
     bits = parity.bitwise_check("t", arm, ref)
     assert bits.differing == 1 and bits.first_index == [39, 31]
+
+
+def test_first_divergence_follows_the_reference_order():
+    steps = ["step02", "step10", "step03"]  # not sorted: the reference's order decides
+
+    def outputs(buffers, preset, drift_from=None):
+        out, x = {}, buffers["x"].float()
+        for i, name in enumerate(steps):
+            x = x * 1.5 + (1.0 if drift_from is not None and i >= drift_from else 0.0)
+            out[name] = x.clone()
+        return out
+
+    gate = Gate(**{**toy_gate(mode=Bitwise()).__dict__, "reference": outputs, "arm": lambda b, p: outputs(b, p, 1)})
+    result = judge(gate)
+    assert not result.passed and result.first_divergence.startswith("step10: parity:")
+    assert [t.name for t in result.tensors] == steps

@@ -227,7 +227,9 @@ def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[Ten
     if missing or extra:
         failures.append(f"outputs: arm returned {sorted(outputs)}, the reference {sorted(expected.reference)}")
     checks = []
-    for name in sorted(set(expected.reference) & set(outputs)):
+    # in the reference's order: a multi-step gate lists its outputs step by step, so the first
+    # failing check is the first divergence
+    for name in (n for n in expected.reference if n in outputs):
         if isinstance(gate.parity, Bitwise):
             check = bitwise_check(name, outputs[name], expected.reference[name])
         else:
@@ -263,6 +265,7 @@ def judge_arm(
         if unequal:
             failures.append(f"determinism: two runs on the same inputs differ in {unequal}")
     mode = gate.parity
+    first = next((c for c in checks if not c.passed), None)
     result = ParityResult(
         mode=mode.kind,
         k=getattr(mode, "k", None),
@@ -273,6 +276,7 @@ def judge_arm(
         poisoned=True,
         deterministic=deterministic,
         nondeterministic_reason=nondeterministic,
+        first_divergence=None if first is None else f"{first.name}: {first.message}",
         failures=failures,
     )
     return result, outputs

@@ -58,6 +58,7 @@ class ParityResult(BaseModel):
     deterministic: bool | None  # None when the gate declares the arm nondeterministic
     nondeterministic_reason: str | None = None
     recheck_after_timing: bool | None = None  # None when no timing ran
+    first_divergence: str | None = None  # the first failing output, in the reference's order
     failures: list[str] = Field(default_factory=list)
 
 
@@ -383,7 +384,14 @@ def _header(report: RunReport) -> list[str]:
     return lines
 
 
+# a multi-step gate checks thousands of outputs: beyond this many, list only the failing ones
+MAX_PARITY_ROWS = 40
+
+
 def _parity_section(parity: ParityResult) -> list[str]:
+    shown = parity.tensors
+    if len(shown) > MAX_PARITY_ROWS:
+        shown = [t for t in parity.tensors if not t.passed][:MAX_PARITY_ROWS]
     if parity.mode == "bitwise":
         title = "bitwise"
         headers = ["tensor", "shape", "dtype", "ok", "differing", "first index", "max ULP", "message"]
@@ -391,7 +399,7 @@ def _parity_section(parity: ParityResult) -> list[str]:
             [t.name, list(t.shape), t.dtype, _yes(t.passed), _f(t.differing, "d"),
              _DASH if t.first_index is None else list(t.first_index), _f(t.max_ulp, "d"),
              t.message]
-            for t in parity.tensors
+            for t in shown
         ]
     else:
         title = f"tolerance: arm error <= {parity.k:g} x reference error + {parity.floor:g}"
@@ -404,7 +412,7 @@ def _parity_section(parity: ParityResult) -> list[str]:
              _f(t.ref_rel_l2, ".3e"), _f(t.limit_rel_l2, ".3e"), _f(t.arm_rel_max, ".3e"),
              _f(t.ref_rel_max, ".3e"), _f(t.limit_rel_max, ".3e"), _yes(t.nonfinite_match),
              t.message]
-            for t in parity.tensors
+            for t in shown
         ]
     if parity.deterministic is None:
         deterministic = f"not required ({parity.nondeterministic_reason or 'declared nondeterministic'})"
@@ -415,6 +423,9 @@ def _parity_section(parity: ParityResult) -> list[str]:
         "",
         markdown_table(headers, rows),
         "",
+        f"- outputs checked: {len(parity.tensors)}, passed: {sum(t.passed for t in parity.tensors)}"
+        + ("" if shown is parity.tensors else f" (the table lists the failing ones, at most {MAX_PARITY_ROWS})"),
+        f"- first divergence: {parity.first_divergence or 'none'}",
         f"- inputs unchanged: {_yes(parity.inputs_unchanged)}",
         f"- outputs poisoned (NaN) before the arm ran: {_yes(parity.poisoned)}",
         f"- deterministic (two runs, same bits): {deterministic}",
