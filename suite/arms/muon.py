@@ -1,0 +1,297 @@
+"""Muon for matrices, AdamW for the rest, with a step that a CUDA graph can capture.
+
+Muon (Keller Jordan, 2024) steps a 2-D parameter along an orthogonalised momentum:
+
+    m = momentum * m + g
+    u = g + momentum * m        (Nesterov; u = m without)
+    O = newton_schulz(u)        about U V^T, the orthogonal polar factor of u
+    p = p * (1 - lr * weight_decay) - lr * scale * O
+
+newton_schulz runs the quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, in bf16 on the
+Frobenius-normalised input. Jordan's coefficients (3.4445, -4.7750, 2.0315) give up exact
+convergence for a steep start: after five steps every singular value lies in about [0.7, 1.2],
+which trains as well as the exact polar factor and costs only matmuls. `scale` sets the update
+size from the shape: "spectral" = sqrt(max(1, rows / cols)) (Jordan), "rms" = 0.2 * sqrt(max(rows,
+cols)), which gives the update AdamW's RMS of about 0.2 so that both kinds of group can share an lr.
+
+Vectors (norm gains, biases) and the matrices a user marks use_muon=False (embeddings, output
+heads) get AdamW: Adam moments with bias correction and decoupled weight decay.
+
+Capture. A CUDA graph replays its kernels with the scalars they had at capture, so a step that
+passes lr to a kernel as a python float keeps the capture's lr forever. With capturable=True each
+group's lr and weight_decay live in 0-d fp32 tensors on the group's device, which
+sync_hyperparameters() refills in place from the group's python floats (what LR schedulers set),
+and the AdamW step count is a device tensor, so no step reads a device value on the host.
+
+Bitwise contract. capturable=False runs the same tensor ops on the same dtypes; only its 0-d
+tensors are made afresh from the floats every step (torch.full, the same fill). Eager
+non-capturable, eager capturable and a replayed capture therefore agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+# Keller Jordan's quintic: maximal slope at zero, singular values left within about [0.7, 1.2].
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# Keeps the prescale finite for an all-zero update.
+NS_EPS = 1e-7
+SCALE_RULES = ("spectral", "rms")
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """About the orthogonal polar factor U V^T of the 2-D G; computed in bf16, returned in G's dtype."""
+    if G.dim() != 2:
+        raise ValueError(f"newton_schulz: G must be 2-D, got shape {tuple(G.shape)}")
+    a, b, c = NS_COEFFICIENTS
+    X = G.bfloat16()
+    # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
+    X = X / (X.norm() + NS_EPS)
+    # Iterate on the wide form: X X^T is then the smaller Gram matrix.
+    tall = G.size(0) > G.size(1)
+    if tall:
+        X = X.T
+    for _ in range(steps):
+        A = X @ X.T
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    if tall:
+        X = X.T
+    return X.to(G.dtype)
+
+
+def muon_scale(rows: int, cols: int, rule: str) -> float:
+    """Factor on the orthogonalised update of a rows x cols matrix under `rule`."""
+    if rule == "spectral":
+        return max(1.0, rows / cols) ** 0.5
+    if rule == "rms":
+        # An orthogonal rows x cols matrix has RMS 1 / sqrt(max(rows, cols)).
+        return 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f'muon_scale: rule must be one of {SCALE_RULES}, not {rule!r}')
+
+
+def _stream_capturing() -> bool:
+    # The CPU build cannot capture (and its query raises).
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def param_label(group: dict, position: int) -> str:
+    """A parameter's name for messages: its name when the optimizer was given named parameters."""
+    names = group.get("param_names")
+    if names:
+        return repr(names[position])
+    return f"params[{position}] (shape {tuple(group['params'][position].shape)})"
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon on the param groups with use_muon=True, AdamW on the others.
+
+    A group without "use_muon" gets Muon when every param in it is 2-D, AdamW otherwise; mark
+    embeddings and output heads use_muon=False. Every hyperparameter can be overridden per group.
+    group["lr"] and group["weight_decay"] stay python floats, so torch LR schedulers work as usual.
+
+    capturable=True keeps lr and weight_decay in device tensors (see the module docstring); an eager
+    step refreshes them itself, a capture wrapper calls sync_hyperparameters() before each replay.
+
+    Subclasses change the per-parameter update by overriding muon_update, orthogonalize or
+    adamw_update; each receives lr and decay (= 1 - lr * weight_decay) as 0-d fp32 device tensors.
+    """
+
+    # The hyperparameters a captured step reads from device tensors, hence may change between replays.
+    live_hyperparameters = ("lr", "weight_decay")
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, scale: str = "spectral", ns_steps: int = 5,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, capturable: bool = False):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
+                        ns_steps=ns_steps, betas=betas, eps=eps, capturable=capturable)
+        # Device copies of the live hyperparameters by group index; kept out of param_groups so
+        # that state_dict never saves them and a load never restores stale ones.
+        self._device_hyperparameters: dict[int, dict[str, torch.Tensor]] = {}
+        super().__init__(params, defaults)
+
+    # ----------------------------------------------------------------------------------------
+    # Groups
+    # ----------------------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        try:
+            self._resolve_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()  # leave the optimizer as it was
+            raise
+
+    def _resolve_group(self, index: int, group: dict) -> None:
+        """Infer use_muon when absent, then validate the group."""
+        params = group["params"]
+        where = f"Muon: param group {index}"
+        if "use_muon" not in group:
+            # A group mixing shapes is most likely "everything else", which AdamW handles.
+            group["use_muon"] = all(p.dim() == 2 for p in params)
+        if not isinstance(group["use_muon"], bool):
+            raise ValueError(f"{where}: use_muon must be True or False, not {group['use_muon']!r}")
+        if group["use_muon"]:
+            for position, p in enumerate(params):
+                if p.dim() != 2:
+                    raise ValueError(
+                        f"{where} has use_muon=True but {param_label(group, position)} is {p.dim()}-D: "
+                        f"Muon orthogonalises matrices only; put it in a group with use_muon=False (AdamW)"
+                    )
+        for key in ("lr", "weight_decay"):
+            if not (_is_number(group[key]) and group[key] >= 0):
+                raise ValueError(
+                    f"{where}: {key} must be a python number >= 0, not {group[key]!r} (with capturable=True "
+                    f"Muon keeps its own device copy; LR schedulers set python floats)"
+                )
+        if not (_is_number(group["momentum"]) and 0 <= group["momentum"] < 1):
+            raise ValueError(f"{where}: momentum must be in [0, 1), not {group['momentum']!r}")
+        if group["scale"] not in SCALE_RULES:
+            raise ValueError(f"{where}: scale must be one of {SCALE_RULES}, not {group['scale']!r}")
+        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+            raise ValueError(f"{where}: ns_steps must be an int >= 1, not {group['ns_steps']!r}")
+        betas = group["betas"]
+        if not (len(betas) == 2 and all(_is_number(beta) and 0 <= beta < 1 for beta in betas)):
+            raise ValueError(f"{where}: betas must be two numbers in [0, 1), not {betas!r}")
+        if not (_is_number(group["eps"]) and group["eps"] >= 0):
+            raise ValueError(f"{where}: eps must be a number >= 0, not {group['eps']!r}")
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{where} holds params on {sorted(map(str, devices))}: a group's lr tensor lives on one "
+                f"device, so split the group by device"
+            )
+
+    # ----------------------------------------------------------------------------------------
+    # Hyperparameters on the device
+    # ----------------------------------------------------------------------------------------
+
+    def sync_hyperparameters(self, keys: Iterable[str] | None = None) -> None:
+        """Copy every capturable group's host values of `keys` (default: all live ones) into its
+        device tensors, in place: a captured graph keeps reading the same tensors. Call it outside
+        any capture; non-capturable groups have nothing to sync."""
+        keys = self.live_hyperparameters if keys is None else tuple(keys)
+        unknown = set(keys) - set(self.live_hyperparameters)
+        if unknown:
+            raise ValueError(
+                f"Muon.sync_hyperparameters: {sorted(unknown)} are not live; live are {self.live_hyperparameters}"
+            )
+        for index, group in enumerate(self.param_groups):
+            if not (group["capturable"] and group["params"]):
+                continue
+            tensors = self._device_hyperparameters.get(index)
+            if tensors is None:
+                device = group["params"][0].device
+                tensors = {key: torch.zeros((), dtype=torch.float32, device=device)
+                           for key in self.live_hyperparameters}
+                self._device_hyperparameters[index] = tensors
+            for key in keys:
+                tensors[key].fill_(group[key])
+
+    def _step_scalars(self, index: int, group: dict, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lr, 1 - lr * weight_decay) as 0-d fp32 tensors on the group's device."""
+        if group["capturable"]:
+            tensors = self._device_hyperparameters.get(index)
+            if tensors is None:
+                raise RuntimeError(
+                    f"Muon: param group {index} has no device hyperparameters yet; call "
+                    f"sync_hyperparameters() (or run one eager step) before capturing"
+                )
+            lr, weight_decay = tensors["lr"], tensors["weight_decay"]
+        elif capturing:
+            raise RuntimeError(
+                f"Muon: param group {index} has capturable=False, so a CUDA graph would keep the lr and "
+                f"weight_decay of the capture forever; construct Muon(..., capturable=True)"
+            )
+        else:
+            # The same fill as sync_hyperparameters, so both modes multiply by the same bits.
+            device = group["params"][0].device
+            lr = torch.full((), group["lr"], dtype=torch.float32, device=device)
+            weight_decay = torch.full((), group["weight_decay"], dtype=torch.float32, device=device)
+        return lr, 1 - lr * weight_decay
+
+    # ----------------------------------------------------------------------------------------
+    # Step
+    # ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        capturing = _stream_capturing()
+        if not capturing:
+            # Under capture the host values must not be baked in: the wrapper syncs before replays.
+            self.sync_hyperparameters()
+        for index, group in enumerate(self.param_groups):
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            lr, decay = self._step_scalars(index, group, capturing)
+            update = self.muon_update if group["use_muon"] else self.adamw_update
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("Muon does not support sparse gradients; use dense embeddings")
+                update(p, p.grad, self.state[p], group, lr, decay)
+        return loss
+
+    def muon_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
+                    lr: torch.Tensor, decay: torch.Tensor) -> None:
+        """One Muon step of the matrix p, in place."""
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        buf = state["momentum_buffer"]
+        momentum = group["momentum"]
+        buf.mul_(momentum).add_(grad)
+        update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+        p.mul_(decay)
+        p.sub_(self.orthogonalize(update, group) * lr)
+
+    def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """scale * newton_schulz(update), a new tensor: the direction a Muon step takes."""
+        rows, cols = update.shape
+        return newton_schulz(update, group["ns_steps"]).mul_(muon_scale(rows, cols, group["scale"]))
+
+    def adamw_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
+                     lr: torch.Tensor, decay: torch.Tensor) -> None:
+        """One AdamW step of p, in place; bias correction is computed on the device."""
+        if not state:
+            # A device step count in both modes: the same bias-correction kernels, captured or not.
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+        beta1, beta2 = group["betas"]
+        step.add_(1)
+        p.mul_(decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(group["eps"])
+        p.sub_(exp_avg.div(denom).mul_(lr / bias_correction1))
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+    # ----------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # capturable says how this optimizer runs, not what it learned: a checkpoint keeps it.
+        capturable = [group["capturable"] for group in self.param_groups]
+        super().load_state_dict(state_dict)
+        for index, (group, flag) in enumerate(zip(self.param_groups, capturable)):
+            group["capturable"] = flag
+            self._resolve_group(index, group)
+        # The base class moves "step" to the param's device only for groups saved as capturable;
+        # both modes compute bias correction there.
+        for p, state in self.state.items():
+            if "step" in state:
+                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)

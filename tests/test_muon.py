@@ -1,0 +1,333 @@
+"""The Muon reference optimizer on the CPU: Newton-Schulz, scale rules, the Muon and AdamW updates
+against independent re-implementations, group inference, and the capturable mode's bitwise
+equality with the plain one (the GPU side of that contract is in test_graph_capture_arm.py)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+
+from suite.arms.muon import NS_COEFFICIENTS, Muon, muon_scale, newton_schulz
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern (so -0.0 vs 0.0 and NaN payloads count)."""
+    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    differ = (bits(a) != bits(b)).sum().item()
+    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ in bits"
+
+
+def assert_states_bitwise(opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer) -> None:
+    params_a = [p for g in opt_a.param_groups for p in g["params"]]
+    params_b = [p for g in opt_b.param_groups for p in g["params"]]
+    for index, (pa, pb) in enumerate(zip(params_a, params_b)):
+        assert_bitwise(pa, pb, f"param {index}")
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys(), (index, sa.keys(), sb.keys())
+        for key in sa:
+            assert_bitwise(sa[key], sb[key], f"param {index} state {key!r}")
+
+
+SHAPES = {"wide": (16, 24), "tall": (24, 16), "square": (20, 20), "gain": (24,), "bias": (16,)}
+
+
+def make_params(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen).requires_grad_() for shape in SHAPES.values()]
+
+
+def clone_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+def make_grads(params: list[torch.Tensor], steps: int, seed: int = 1) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(steps)]
+
+
+def set_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+
+def groups(params: list[torch.Tensor]) -> list[dict]:
+    """Matrices and vectors in separate groups, use_muon left to inference."""
+    return [{"params": [p for p in params if p.dim() == 2]}, {"params": [p for p in params if p.dim() != 2]}]
+
+
+# --------------------------------------------------------------------------------------------
+# Newton-Schulz and the scale rules
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 64), (48, 48)])
+def test_newton_schulz_singular_values_near_one(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    O = newton_schulz(G)
+    assert O.shape == G.shape and O.dtype == G.dtype
+    singular = torch.linalg.svdvals(O.double())
+    assert singular.min() > 0.5 and singular.max() < 1.5, singular
+    # It approximates the polar factor U V^T, not just any matrix with such singular values.
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = U @ Vh
+    cosine = (O.double() * polar).sum() / (O.double().norm() * polar.norm())
+    assert cosine > 0.95, cosine
+
+
+def test_newton_schulz_tall_is_transposed_wide():
+    G = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(newton_schulz(G), newton_schulz(G.T.contiguous()).T, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_newton_schulz_keeps_dtype(dtype):
+    G = torch.randn(8, 12).to(dtype)
+    O = newton_schulz(G, steps=3)
+    assert O.dtype == dtype and O.shape == (8, 12)
+
+
+def test_newton_schulz_of_zero_is_zero():
+    assert torch.count_nonzero(newton_schulz(torch.zeros(6, 4))) == 0
+
+
+def test_newton_schulz_rejects_non_matrix():
+    with pytest.raises(ValueError, match="2-D"):
+        newton_schulz(torch.randn(3, 4, 5))
+
+
+def test_scale_rules():
+    assert muon_scale(64, 32, "spectral") == pytest.approx(math.sqrt(2))
+    assert muon_scale(32, 64, "spectral") == 1.0
+    assert muon_scale(64, 32, "rms") == pytest.approx(0.2 * 8)
+    assert muon_scale(32, 64, "rms") == pytest.approx(0.2 * 8)
+    with pytest.raises(ValueError, match="spectral"):
+        muon_scale(4, 4, "frobenius")
+
+
+# --------------------------------------------------------------------------------------------
+# The updates against independent re-implementations
+# --------------------------------------------------------------------------------------------
+
+
+def newton_schulz_float64(G: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = NS_COEFFICIENTS
+    X = G.double() / G.double().norm()
+    if X.shape[0] > X.shape[1]:
+        return newton_schulz_float64(G.T, steps).T
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def muon_float64(p0, grads, lr, momentum, nesterov, weight_decay, rule, ns_steps):
+    p = p0.double().clone()
+    m = torch.zeros_like(p)
+    rows, cols = p.shape
+    scale = max(1, rows / cols) ** 0.5 if rule == "spectral" else 0.2 * max(rows, cols) ** 0.5
+    for g in grads:
+        g = g.double()
+        m = momentum * m + g
+        u = g + momentum * m if nesterov else m
+        p = p * (1 - lr * weight_decay) - lr * scale * newton_schulz_float64(u, ns_steps)
+    return p, m
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("rule", ["spectral", "rms"])
+@pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
+def test_muon_update_matches_float64_reimplementation(shape, rule, nesterov):
+    gen = torch.Generator().manual_seed(2)
+    p0 = torch.randn(shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen) for _ in range(4)]
+    p = p0.clone().requires_grad_()
+    kwargs = dict(lr=0.05, momentum=0.9, nesterov=nesterov, weight_decay=0.1, scale=rule, ns_steps=5)
+    opt = Muon([p], **kwargs)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    p_ref, m_ref = muon_float64(p0, grads, kwargs["lr"], kwargs["momentum"], nesterov, kwargs["weight_decay"],
+                                rule, kwargs["ns_steps"])
+    # The momentum buffer is plain fp32 arithmetic; the step carries Newton-Schulz's bf16 error.
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"].double(), m_ref, rtol=1e-6, atol=1e-6)
+    change, change_ref = (p.detach().double() - p0.double()), (p_ref - p0.double())
+    rel = (change - change_ref).norm() / change_ref.norm()
+    assert rel < 0.03, f"Muon step differs from the float64 re-implementation by {rel:.3e} (relative)"
+
+
+def test_adamw_groups_match_torch_adamw():
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(24,), (16,), (10, 12)]  # a matrix marked use_muon=False (an embedding) too
+    params = [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
+    torch_params = clone_params(params)
+    hyper = dict(lr=3e-3, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+    muon = Muon([{"params": params, "use_muon": False}], **hyper)
+    adamw = torch.optim.AdamW(torch_params, foreach=False, **hyper)
+    for _ in range(6):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        set_grads(params, grads)
+        set_grads(torch_params, grads)
+        muon.step()
+        adamw.step()
+    for p, q in zip(params, torch_params):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(muon.state[p]["exp_avg_sq"], adamw.state[q]["exp_avg_sq"], rtol=1e-6, atol=0)
+        assert muon.state[p]["step"].item() == adamw.state[q]["step"].item() == 6
+
+
+def test_subclass_overrides_the_direction():
+    class SignMuon(Muon):
+        def orthogonalize(self, update, group):
+            return update.sign()
+
+    p = torch.zeros(4, 6, requires_grad=True)
+    p.grad = torch.randn(4, 6)
+    SignMuon([p], lr=0.5, nesterov=False).step()
+    assert set(p.detach().abs().unique().tolist()) == {0.5}
+
+
+# --------------------------------------------------------------------------------------------
+# Groups
+# --------------------------------------------------------------------------------------------
+
+
+def test_group_inference():
+    matrix, vector = torch.zeros(4, 4, requires_grad=True), torch.zeros(4, requires_grad=True)
+    opt = Muon([{"params": [matrix]}, {"params": [vector]}, {"params": [matrix.new_zeros(2, 2), vector.new_zeros(3)]},
+                {"params": [torch.zeros(5, 5)], "use_muon": False}], lr=0.1)
+    assert [g["use_muon"] for g in opt.param_groups] == [True, False, False, False]
+
+
+def test_muon_group_with_a_vector_is_refused_and_rolled_back():
+    opt = Muon([torch.zeros(4, 4)], lr=0.1)
+    with pytest.raises(ValueError, match=r"use_muon=True but params\[1\] \(shape \(4,\)\) is 1-D.*use_muon=False"):
+        opt.add_param_group({"params": [torch.zeros(3, 3), torch.zeros(4)], "use_muon": True})
+    assert len(opt.param_groups) == 1
+
+
+def test_refusal_names_named_parameters():
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="'bias' is 1-D"):
+        Muon([{"params": list(model.named_parameters()), "use_muon": True}], lr=0.1)
+
+
+@pytest.mark.parametrize("bad", [
+    {"lr": -1.0}, {"lr": torch.tensor(0.1)}, {"weight_decay": -0.1}, {"momentum": 1.0}, {"scale": "frobenius"},
+    {"ns_steps": 0}, {"betas": (0.9, 1.0)}, {"eps": -1.0}, {"use_muon": "yes"},
+])
+def test_bad_hyperparameters_are_refused(bad):
+    with pytest.raises(ValueError, match="Muon: param group 0"):
+        Muon([{"params": [torch.zeros(3, 3)], **bad}], lr=0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# capturable=True on the CPU, checkpoints, LR schedulers
+# --------------------------------------------------------------------------------------------
+
+
+def warmup_then_flat(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+def run(params, capturable, grads, start=0, opt=None, scheduler=None):
+    """Steps start..len(grads) with a LambdaLR warm-up and weight decay raised at step 5."""
+    opt = opt or Muon(groups(params), lr=0.02, weight_decay=0.01, capturable=capturable)
+    scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_flat)
+    for step in range(start, len(grads)):
+        if step == 5:
+            for group in opt.param_groups:
+                group["weight_decay"] = 0.2
+        set_grads(params, grads[step])
+        opt.step()
+        scheduler.step()
+    return opt, scheduler
+
+
+def test_capturable_on_cpu_is_bitwise_equal_to_plain():
+    params = make_params()
+    grads = make_grads(params, 10)
+    plain, _ = run(params, False, grads)
+    capturable_params = clone_params(make_params())
+    captured, _ = run(capturable_params, True, grads)
+    assert_states_bitwise(plain, captured)
+    # The device copies follow the host floats the scheduler and the test set.
+    for index, group in enumerate(captured.param_groups):
+        assert isinstance(group["lr"], float)
+        live = captured._device_hyperparameters[index]
+        assert live["lr"].dtype == torch.float32 and live["lr"].device.type == "cpu"
+        assert live["weight_decay"].item() == pytest.approx(0.2)
+
+
+def test_sync_hyperparameters_fills_in_place():
+    opt = Muon([torch.zeros(3, 3)], lr=0.1, capturable=True)
+    opt.sync_hyperparameters()
+    lr = opt._device_hyperparameters[0]["lr"]
+    opt.param_groups[0]["lr"] = 0.25
+    opt.sync_hyperparameters(["lr"])
+    assert opt._device_hyperparameters[0]["lr"] is lr and lr.item() == 0.25
+    with pytest.raises(ValueError, match="not live"):
+        opt.sync_hyperparameters(["momentum"])
+
+
+@pytest.mark.parametrize("saved_capturable,loaded_capturable", [(False, False), (True, True), (False, True)])
+def test_state_dict_round_trip_continues_bitwise(saved_capturable, loaded_capturable):
+    grads = make_grads(make_params(), 10)
+    whole_params = make_params()
+    whole, _ = run(whole_params, saved_capturable, grads)
+
+    first_params = make_params()
+    first, first_scheduler = run(first_params, saved_capturable, grads[:6])
+    buffer = io.BytesIO()
+    torch.save({"optimizer": first.state_dict(), "scheduler": first_scheduler.state_dict()}, buffer)
+    buffer.seek(0)
+    checkpoint = torch.load(buffer)
+    saved_groups = checkpoint["optimizer"]["param_groups"]
+    assert not any(isinstance(v, torch.Tensor) for g in saved_groups for v in g.values())
+
+    resumed_params = clone_params(first_params)
+    resumed = Muon(groups(resumed_params), lr=0.02, weight_decay=0.01, capturable=loaded_capturable)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(resumed, warmup_then_flat)
+    resumed.load_state_dict(checkpoint["optimizer"])
+    scheduler.load_state_dict(checkpoint["scheduler"])
+    assert all(g["capturable"] is loaded_capturable for g in resumed.param_groups)
+    gain = resumed.param_groups[1]["params"][0]
+    assert resumed.state[gain]["step"].item() == 6
+    run(resumed_params, loaded_capturable, grads, start=6, opt=resumed, scheduler=scheduler)
+    assert_states_bitwise(whole, resumed)
+
+
+def make_scheduler(name: str, opt: torch.optim.Optimizer):
+    lr_scheduler = torch.optim.lr_scheduler
+    if name == "lambda":
+        return lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+    if name == "cosine":
+        return lr_scheduler.CosineAnnealingLR(opt, T_max=6, eta_min=1e-3)
+    if name == "linear":
+        return lr_scheduler.LinearLR(opt, start_factor=0.125, total_iters=4)
+    warmup = lr_scheduler.LinearLR(opt, start_factor=0.125, total_iters=3)
+    return lr_scheduler.SequentialLR(opt, [warmup, lr_scheduler.CosineAnnealingLR(opt, T_max=5)], milestones=[3])
+
+
+@pytest.mark.parametrize("name", ["lambda", "cosine", "linear", "sequential"])
+def test_lr_schedulers_drive_the_device_lr(name):
+    params = make_params()
+    opt = Muon(groups(params), lr=0.02, capturable=True)
+    sgd = torch.optim.SGD([torch.zeros(1)], lr=0.02)  # the same schedule on a torch optimizer
+    scheduler, reference = make_scheduler(name, opt), make_scheduler(name, sgd)
+    for step, grads in enumerate(make_grads(params, 8)):
+        set_grads(params, grads)
+        opt.step()
+        sgd.step()
+        for index, group in enumerate(opt.param_groups):
+            assert isinstance(group["lr"], float) and group["lr"] == sgd.param_groups[0]["lr"], step
+            live = opt._device_hyperparameters[index]["lr"]
+            assert live.item() == torch.tensor(group["lr"], dtype=torch.float32).item(), step
+        scheduler.step()
+        reference.step()
