@@ -153,3 +153,12 @@ def test_baseline_save_refuses_a_report_without_bench(reports, tmp_path):
     invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports, "--no-sabotage")
     result = invoke("baseline", "save", "--reports", reports, "--baselines", tmp_path / "baselines")
     assert result.exit_code == ExitCode.USAGE
+
+
+def test_default_presets_larger_than_the_card_are_listed_not_run(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (14.5 * 2**30, 16 * 2**30))
+    plan = runner_module.Runner(runner_module.RunOptions(device=torch.device("cuda"), explicit=False))
+    units, skipped, refused = plan.plan([gates.get("rmsnorm")])
+    assert [p.name for _, p in units] == ["16384x4096", "32768x2048", "8192x8192"]
+    assert len(skipped) == 1 and "4096x65536" in skipped[0].reason and "14.5 GiB free" in skipped[0].reason
+    assert not refused

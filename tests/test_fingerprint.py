@@ -34,7 +34,14 @@ def test_cpu_fingerprint():
         assert isinstance(fp.git_dirty, bool)
 
 
-def test_cpu_fingerprint_never_raises_when_every_command_fails(monkeypatch):
+@pytest.fixture
+def checkout_without_stamp(monkeypatch, tmp_path):
+    """A checkout (it has .git) with no .git-sha stamp, so a failing git leaves no sha."""
+    (tmp_path / ".git").mkdir()
+    monkeypatch.setattr(fp_mod, "PROJECT_ROOT", tmp_path)
+
+
+def test_cpu_fingerprint_never_raises_when_every_command_fails(monkeypatch, checkout_without_stamp):
     def no_commands(*args, **kwargs):
         raise FileNotFoundError("no such program")
 
@@ -44,7 +51,7 @@ def test_cpu_fingerprint_never_raises_when_every_command_fails(monkeypatch):
     assert fp.profile == "rtx"
 
 
-def test_a_hanging_command_is_given_up(monkeypatch):
+def test_a_hanging_command_is_given_up(monkeypatch, checkout_without_stamp):
     def hangs(args, **kwargs):
         raise subprocess.TimeoutExpired(args, kwargs.get("timeout"))
 
@@ -129,7 +136,10 @@ def test_fingerprint_class_keeps_what_must_match():
     assert fingerprint_class(make_fingerprint(torch="2.11.1", clocks={})) == fingerprint_class(make_fingerprint())
 
 
-def test_a_copied_tree_reports_its_stamped_sha(monkeypatch, tmp_path):
+@pytest.mark.parametrize("history", ["none", "empty .git"])
+def test_a_copied_tree_reports_its_stamped_sha(monkeypatch, tmp_path, history):
+    if history == "empty .git":  # the GPU machine's copy: a repository with no commits
+        subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     (tmp_path / ".git-sha").write_text("0123456789abcdef0123456789abcdef01234567\n")
     monkeypatch.setattr(fp_mod, "PROJECT_ROOT", tmp_path)
     fp = fingerprint(torch.device("cpu"), "none")

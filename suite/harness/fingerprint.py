@@ -72,14 +72,12 @@ def _package_version(*names: str) -> str | None:
 
 
 def _git(root: Path) -> tuple[str | None, bool | None]:
-    if not (root / ".git").exists():
+    sha = _run(["git", "rev-parse", "HEAD"], cwd=root) if (root / ".git").exists() else None
+    if sha is None:
         # a copy of the tree without its history (the GPU machine's): the sha it was copied
         # at, when whoever copied it wrote one; otherwise no sha to claim
         stamp = root / ".git-sha"
         return (stamp.read_text().strip() or None, None) if stamp.is_file() else (None, None)
-    sha = _run(["git", "rev-parse", "HEAD"], cwd=root)
-    if sha is None:
-        return None, None
     status = _run(["git", "status", "--porcelain"], cwd=root)
     return sha.strip(), None if status is None else bool(status.strip())
 

@@ -123,6 +123,14 @@ class Runner:
             if gate.needs_cuda and device.type != "cuda":
                 reason = f"gate {gate.name} needs CUDA ({gate.summary}); this run's device is {device.type}"
             presets = [] if reason else self._presets(gate)
+            if presets and device.type == "cuda" and not self.options.presets:
+                # a default preset larger than the card's free memory is listed, not attempted
+                free, _ = torch.cuda.mem_get_info(device)
+                for preset in [p for p in presets if p.memory_bytes > free]:
+                    skipped.append(SkippedGate(gate=gate.name, reason=(
+                        f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the "
+                        f"{_mib(free)} free on this GPU; name it with --preset to try anyway")))
+                presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
                 reason = f"gate {gate.name} has none of the presets {self.options.presets}"
             if reason is None:
