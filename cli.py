@@ -46,7 +46,7 @@ SabotageOpt = Annotated[
 
 
 def _fail(exc: SuiteError) -> None:
-    err.print(f"[bold red]error:[/] {exc}")
+    err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
     raise typer.Exit(int(exc.exit_code))
 
 

@@ -14,6 +14,7 @@ from suite.harness.gate import Gate
 
 GATE_MODULES = {
     "rmsnorm": "gates.rmsnorm",
+    "graph-capture": "gates.graph_capture",
 }
 
 

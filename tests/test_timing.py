@@ -253,6 +253,15 @@ def test_gemm_ceiling_fraction_boundary(need, passed):
     assert result.criteria[1].passed is passed
 
 
+@pytest.mark.parametrize("least, passed", [(2.0, True), (2.01, False)])
+def test_min_speedup_boundary(least, passed):
+    criterion = PerfCriterion(min_speedup={("small", "fwd"): least})  # the arm is exactly 2x
+    result, _ = bench(EXACT, criterion)
+    check = next(c for c in result.criteria if c.name.startswith("speedup over the reference"))
+    assert check.passed is passed and "2.000x" in check.detail
+    assert result.passed is passed
+
+
 def test_ceiling_fraction_without_ceilings_fails():
     criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): 0.1})
     result, _ = bench(EXACT, criterion, ceilings=None)

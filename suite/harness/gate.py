@@ -91,12 +91,14 @@ class BenchCase:
     # time CUDA-graph replays of the call: device time, without the host's dispatch gaps
     # (kernel benches whose Python launch cost would otherwise be what is measured)
     graph: bool = False
+    calls_per_round: int | None = None  # overrides the run's policy (long host-bound steps)
 
 
 @dataclass(frozen=True)
 class PerfCriterion:
     """When a bench passes: never slower than the reference or the named peers beyond the
-    noise floor, and at least the given fraction of the measured ceiling.
+    noise floor, at least the given fraction of the measured ceiling, at least the given
+    speedup over the reference.
 
     `min_ceiling_fraction` maps (preset name, case name) to the fraction of copy bandwidth
     (memory-bound cases) or bf16 GEMM rate (compute-bound cases) the arm must reach.
@@ -104,6 +106,8 @@ class PerfCriterion:
 
     not_slower_than: tuple[str, ...] = ("reference",)
     min_ceiling_fraction: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    # (preset name, case name) -> the least median speedup of the arm over the reference
+    min_speedup: Mapping[tuple[str, str], float] = field(default_factory=dict)
     ceiling: Literal["copy", "gemm"] = "copy"
 
 

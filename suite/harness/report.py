@@ -81,6 +81,7 @@ class ContenderTiming(BaseModel):
     gbps: float | None = None
     tflops: float | None = None
     ceiling_fraction: float | None = None  # of measured copy bandwidth or bf16 GEMM rate
+    gpu_busy_ms: float | None = None  # host-bound benches: kernel time per call, beside the wall time
 
 
 class Comparison(BaseModel):
@@ -464,7 +465,11 @@ def _bench_section(bench: BenchResult) -> list[str]:
         )
         rows.append([
             c.name, c.role, _f(c.cold_ms, ".3f"), _f(c.median_ms, ".4f"), _f(c.gbps, ".0f"),
-            _f(c.tflops, ".1f"), _pct(c.ceiling_fraction, 0), speedup, "",
+            _f(c.tflops, ".1f"), _pct(c.ceiling_fraction, 0), speedup,
+            "; ".join(note for note in (
+                None if c.method == "eager" else f"timed: {c.method}",
+                None if c.gpu_busy_ms is None else f"GPU busy {c.gpu_busy_ms:.4f} ms of the step",
+            ) if note),
         ])
     status = "AMBIGUOUS" if bench.ambiguous else ("passed" if bench.passed else "FAILED")
     how = f"host-bound, window of {bench.window} calls" if bench.host_bound else "device time"

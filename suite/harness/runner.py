@@ -5,6 +5,7 @@ from these results only and written atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -301,6 +302,9 @@ class Runner:
             for peer in gate.peers:
                 contenders.append(_peer_contender(gate, case, peer, buffers, preset, device))
             self.progress.status(f"{gate.name} [{preset.name}] bench {case.name}")
+            policy = self.options.policy
+            if case.calls_per_round:
+                policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round)
             result.bench.append(
                 measure_bench(
                     case,
@@ -308,7 +312,7 @@ class Runner:
                     preset,
                     gate.perf,
                     self._ceilings,
-                    self.options.policy,
+                    policy,
                     timer,
                     progress=lambda text: self.progress.status(f"{gate.name} [{preset.name}] {case.name}: {text}"),
                 )

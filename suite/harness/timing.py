@@ -132,6 +132,21 @@ class CudaTimer:
                 fn()
             return graph.replay
 
+    def busy_ms(self, fn: Callable[[], Any], window: int) -> float:
+        """Device time per call: the kernels' own durations summed over a window (torch's
+        profiler), so the gaps host dispatch leaves between kernels are not in it."""
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(window):
+                    fn()
+                torch.cuda.synchronize()
+        kernels_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+        return kernels_us / 1e3 / window
+
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost
         with torch.cuda.device(self.device):
@@ -359,6 +374,13 @@ def measure_bench(
             round_medians_ms=list(series[name]), gbps=gbps, tflops=tflops,
             ceiling_fraction=fraction))
 
+    if case.host_bound and hasattr(timer, "busy_ms"):
+        # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
+        for timing in timings:
+            if timing.unavailable is None:
+                say(f"device busy time of {timing.name}")
+                timing.gpu_busy_ms = timer.busy_ms(fns[timing.name], window)
+
     floor_rel = math.expm1(floor_log)
     checks, ambiguous = _check_criteria(
         case, preset, criterion, contenders, comparisons, timings, ceilings, floor_rel, alias)
@@ -400,6 +422,13 @@ def _check_criteria(
             detail += " (still ambiguous at the round cap; never a pass)"
         checks.append(CriterionCheck(name=title, passed=c.verdict in ("faster", "same"),
                                      detail=detail, ambiguous=c.verdict == "ambiguous"))
+
+    least = criterion.min_speedup.get((preset.name, case.name))
+    if least is not None:
+        c = against[alias["reference"]]
+        checks.append(CriterionCheck(
+            name=f"speedup over the reference >= {least:g}x", passed=c.speedup >= least,
+            detail=f"arm vs {alias['reference']}: speedup {_fmt_ratio(c)}; needs >= {least:g}x"))
 
     need = criterion.min_ceiling_fraction.get((preset.name, case.name))
     if need is not None:

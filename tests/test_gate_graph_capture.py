@@ -1,0 +1,96 @@
+"""Gate `graph-capture`: its pieces on the CPU, the whole gate and its saboteurs on the GPU."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import gates
+from cli import app
+from gates import graph_capture as gc
+from suite.errors import ExitCode
+from suite.harness import parity
+
+GATE = gates.get("graph-capture")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_presets_match_the_issue_shapes():
+    medium = GATE.preset("medium")
+    shapes = gc._shapes(medium)
+    assert sum(len(s) == 2 for s in shapes.values()) == 168 and len(shapes) == 216
+    assert medium.params["params"] == 24 * 16 * 1024 * 1024 + 48 * 1024
+    assert all(p.params["steps"] >= 20 for p in GATE.presets)
+    assert [p.name for p in GATE.default_presets(torch.device("cuda"))] == ["dispatch-bound", "medium", "large"]
+
+
+def test_buffers_hold_initial_params_and_k_gradient_sets():
+    preset = GATE.preset("tiny")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    names = gc._names(buffers)
+    assert len(names) == 2 * 9
+    assert all(f"grad{k:02d}/{n}" in buffers for k in range(preset.params["steps"]) for n in names)
+    assert GATE.buffer_params(buffers) == {"steps": 20, "params": preset.params["params"]}
+    assert not torch.equal(buffers["grad00/layers.0.wq"], buffers["grad01/layers.0.wq"])
+
+
+def test_schedule_swings_at_least_eightfold():
+    factor = gc._schedule(20)
+    values = [factor(k) for k in range(20)]
+    assert max(values) / min(values) >= 8 - 1e-9 and values[0] == pytest.approx(0.125)
+
+
+def test_checksum_sees_one_bit_and_a_swap():
+    t = torch.randn(64, 32)
+    base = gc.checksum(t)
+    flipped = t.clone()
+    flipped.view(torch.int32)[3, 4] ^= 1
+    swapped = t.clone()
+    swapped[0, 0], swapped[0, 1] = t[0, 1], t[0, 0]
+    assert gc.checksum(flipped) != base and gc.checksum(swapped) != base
+    assert gc.checksum(t.clone()) == base
+
+
+def test_cpu_run_names_the_cuda_need():
+    runner = CliRunner()
+    named = runner.invoke(app, ["gate", "graph-capture", "--device", "cpu", "--reports", "/tmp/suite-test-reports"])
+    assert named.exit_code == ExitCode.COULD_NOT_RUN and "needs CUDA" in named.output
+
+
+def test_run_on_cpu_lists_it_as_skipped(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", "--device", "cpu", "--reports", str(tmp_path)])
+    assert result.exit_code == ExitCode.OK, result.output
+    (run_dir,) = [d for d in tmp_path.iterdir() if not d.name.startswith(".")]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [s["gate"] for s in report["skipped"]] == ["graph-capture"]
+
+
+@pytest.fixture(scope="module")
+def judged_tiny():
+    preset = GATE.preset("tiny")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cuda"))
+    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_captured_step_is_bitwise_eager_in_every_scenario(judged_tiny):
+    preset, buffers, expected = judged_tiny
+    result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
+    assert result.passed, result.failures[:5]
+    prefixes = {name.split("/")[0] for name in outputs}
+    assert prefixes == {"muon-constant", "muon-schedule", "muon-wd-change", "muon-resume",
+                        "adamw-constant", "adamw-schedule", "adamw-resume"}
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
+def test_every_saboteur_fails_the_gate_with_its_first_divergence(judged_tiny, saboteur):
+    preset, buffers, expected = judged_tiny
+    copies = {n: t.clone() for n, t in buffers.items()}
+    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
+    assert not result.passed and any(f.startswith("parity") for f in result.failures)
+    assert "/step" in result.first_divergence  # names the step and tensor where it began
