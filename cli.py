@@ -6,11 +6,13 @@ Thin on purpose: parse, call the runner, print, set the exit code (README: "Exit
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -61,7 +63,9 @@ class _RichProgress:
         self.task = self.bar.add_task("starting", total=total)
 
     def status(self, text: str) -> None:
-        self.bar.update(self.task, description=text)
+        self.bar.update(self.task, description=escape(text))
+        if not self.bar.console.is_terminal:  # a log (CI, a remote run) gets each step as a line
+            self.bar.console.print(f"{time.strftime('%H:%M:%S')} {text}", soft_wrap=True, markup=False)
 
     def advance(self) -> None:
         self.bar.advance(self.task)
@@ -147,13 +151,13 @@ def _print_summary(report) -> None:
         caught = sum(s.caught for s in r.saboteurs)
         saboteurs = f"{caught}/{len(r.saboteurs)} caught" if r.saboteurs else "-"
         bench = _bench_summary(r) if r.parity else (r.reason or "")
-        table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", parity, saboteurs, bench)
+        table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", parity, saboteurs, escape(bench))
     for s in report.skipped:
-        table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", s.reason)
+        table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", escape(s.reason))
     console.print(table)
     for r in report.results:
         if r.status != "passed" and r.reason:
-            console.print(f"[bold]{r.gate} [{r.preset}][/]: {r.reason}")
+            console.print(f"[bold]{escape(r.gate)} {escape(f'[{r.preset}]')}[/]: {escape(r.reason)}")
 
 
 @app.command("list")
@@ -300,7 +304,7 @@ def baseline_compare(
         result = compare(load_report(_report_path(report, reports)), baselines, force=force)
     except SuiteError as exc:
         _fail(exc)
-    console.print(render_comparison(result), markup=False)
+    sys.stdout.write(render_comparison(result) + "\n")
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 

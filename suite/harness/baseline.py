@@ -182,6 +182,7 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a baseline is a committed file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
