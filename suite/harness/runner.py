@@ -122,7 +122,7 @@ class Runner:
         for gate in gates:
             reason = None
             if gate.needs_cuda and device.type != "cuda":
-                reason = f"gate {gate.name} needs CUDA ({gate.summary}); this run's device is {device.type}"
+                reason = f"gate {gate.name} needs CUDA; this run's device is {device.type}"
             presets = [] if reason else self._presets(gate)
             if presets and device.type == "cuda" and not self.options.presets:
                 # a default preset larger than the card's free memory is listed, not attempted
