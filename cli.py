@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from suite.errors import ExitCode, SuiteError, UsageError
+from suite.errors import CouldNotRun, ExitCode, SuiteError, UsageError
 
 app = typer.Typer(
     help="Gated parity-and-benchmark suite: prove a fast path matches its reference, then time it.",
@@ -119,29 +119,16 @@ def _execute(
         path = write_report(report, reports, what)
     except SuiteError as exc:
         _fail(exc)
+    except OSError as exc:  # --reports is a file, a read-only place, a full disk
+        _fail(CouldNotRun(f"cannot write the report under {reports}: {exc}"))
     _print_summary(report)
     console.print(f"report: {path}")
     raise typer.Exit(report.exit_code)
 
 
-def _bench_summary(result) -> str:
-    if result.bench_skipped and not result.bench:
-        return result.bench_skipped
-    parts = []
-    for bench in result.bench:
-        arm = next(c for c in bench.contenders if c.name == "arm")
-        versus = {c.against: c for c in bench.comparisons}
-        ref = versus.get("reference")
-        text = f"{bench.case}: {arm.median_ms:.3f} ms"
-        if arm.ceiling_fraction is not None:
-            text += f" ({arm.ceiling_fraction:.0%} of ceiling)"
-        if ref:
-            text += f", {ref.speedup:.2f}x vs ref ({ref.verdict})"
-        parts.append(text)
-    return "; ".join(parts)
-
-
 def _print_summary(report) -> None:
+    from suite.harness.report import bench_summary
+
     table = Table(title=f"suite {report.what}: exit {report.exit_code} ({ExitCode(report.exit_code).name.lower()})")
     for column in ("gate", "preset", "status", "parity", "saboteurs", "bench"):
         table.add_column(column)
@@ -150,7 +137,7 @@ def _print_summary(report) -> None:
         parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
         caught = sum(s.caught for s in r.saboteurs)
         saboteurs = f"{caught}/{len(r.saboteurs)} caught" if r.saboteurs else "-"
-        bench = _bench_summary(r) if r.parity else (r.reason or "")
+        bench = bench_summary(r) if r.parity else (r.reason or "")
         table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", parity, saboteurs, escape(bench))
     for s in report.skipped:
         table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", escape(s.reason))
@@ -255,7 +242,10 @@ def record(
     except SuiteError as exc:
         _fail(exc)
     tensors = chosen.make_buffers(p, seed, resolved)
-    path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params))
+    try:
+        path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params))
+    except OSError as exc:
+        _fail(CouldNotRun(f"cannot write buffers into {out}: {exc}"))
     console.print(f"recorded {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())} into {path}")
 
 
@@ -305,6 +295,9 @@ def baseline_compare(
     except SuiteError as exc:
         _fail(exc)
     sys.stdout.write(render_comparison(result) + "\n")
+    judged = [e for e in result.entries if e.role == "arm" and e.status in ("same", "regressed", "improved")]
+    if not judged:  # a comparison that compared nothing must not read as a pass
+        _fail(CouldNotRun(f"nothing compared: no arm figure of this report has a baseline under {baselines}"))
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 

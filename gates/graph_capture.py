@@ -32,6 +32,7 @@ from suite.harness.gate import (
     Preset,
     Saboteur,
 )
+from suite.harness.parity import bits_checksum
 
 MUON_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-4, 0.01
 SCENARIOS = ("constant", "schedule", "wd-change", "resume")
@@ -52,8 +53,9 @@ def _shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
 
 def _preset(name: str, layers: int, d: int, steps: int = 20, standard: bool = True, note: str = "") -> Preset:
     n = sum(math.prod(s) for s in _shapes(Preset(name, dict(layers=layers, d=d))).values())
-    # fp32: initial params and K grad sets, then two runs' params, grads and Muon/AdamW state
-    memory = 4 * n * (steps + 1 + 2 * 4) + (1 << 30)
+    # fp32: initial params and K grad sets; the final params of every scenario (7) for the
+    # reference and for the arm's two runs; a run's params, grads and optimizer state
+    memory = 4 * n * (steps + 1 + 3 * 7 + 4) + (1 << 30)
     return Preset(name, dict(layers=layers, d=d, steps=steps, params=n), where="cuda",
                   standard=standard, memory_bytes=memory, note=note)
 
@@ -86,17 +88,6 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
 
 
 # ---- the training loop every scenario runs ----
-
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def checksum(t: torch.Tensor) -> torch.Tensor:
-    """Position-weighted sum of the bit patterns: any changed bit, or two swapped values, moves it."""
-    key = (t.numel(), t.device)
-    if key not in _WEIGHTS:
-        _WEIGHTS[key] = torch.arange(t.numel(), device=t.device, dtype=torch.int64) % 65521 + 1
-    return (t.detach().reshape(-1).view(torch.int32).to(torch.int64) * _WEIGHTS[key]).sum()
-
 
 def _names(buffers: Buffers) -> list[str]:
     return [k.removeprefix("param/") for k in buffers if k.startswith("param/")]
@@ -160,7 +151,7 @@ def _train(kind: str, scenario: str, buffers: Buffers, preset: Preset, wrap: Wra
         if schedule is not None:
             schedule.step()
         for n, p in params.items():
-            outputs[f"{prefix}/step{step:02d}/{n}"] = checksum(p)
+            outputs[f"{prefix}/step{step:02d}/{n}"] = bits_checksum(p)
         if step == steps // 2 - 1 and scenario == "wd-change":
             for group in stepper.param_groups:
                 group["weight_decay"] = 10 * WEIGHT_DECAY
@@ -251,10 +242,10 @@ def _muon_flops(preset: Preset) -> int:
 BENCHES = (
     # Muon: read p, g, m; write p, m (fp32) = 20 B/param; the Newton-Schulz GEMMs dominate
     BenchCase("muon-step", "one Muon(+AdamW) optimizer step, dispatch included", bytes=_step_bytes(20),
-              flops=_muon_flops, l2="warm", host_bound=True, window=5, calls_per_round=3),
+              flops=_muon_flops, l2="warm", host_bound=True, window=5, calls_per_round=3, cold_calls=4, peers=()),
     # AdamW: read p, g, m, v; write p, m, v (fp32) = 28 B/param
     BenchCase("adamw-step", "one AdamW optimizer step, dispatch included", bytes=_step_bytes(28),
-              l2="warm", host_bound=True, window=10, calls_per_round=3),
+              l2="warm", host_bound=True, window=10, calls_per_round=3, cold_calls=4),
 )
 
 GATE = Gate(

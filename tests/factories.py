@@ -166,7 +166,7 @@ def make_tolerance_result(
     ]
     parity = ParityResult(
         mode="tolerance", k=2.0, floor=1e-6, passed=all(t.passed for t in tensors), tensors=tensors,
-        inputs_unchanged=True, poisoned=True, deterministic=True, recheck_after_timing=True,
+        inputs_unchanged=True, deterministic=True, recheck_after_timing=True,
         failures=[t.message for t in tensors if not t.passed],
     )
     saboteurs = [SaboteurResult(
@@ -207,7 +207,7 @@ def make_bitwise_result(
         )
     parity = ParityResult(
         mode="bitwise", passed=parity_passed, tensors=[tensor], inputs_unchanged=True,
-        poisoned=True, deterministic=True, recheck_after_timing=True,
+        deterministic=True, recheck_after_timing=True,
         failures=[] if parity_passed else [tensor.message],
     )
     if benches is None:

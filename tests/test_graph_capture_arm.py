@@ -4,6 +4,7 @@ mid-run, release), and each saboteur caught by that comparison."""
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -231,6 +232,16 @@ def test_new_grad_or_new_storage_after_capture_is_refused():
     up = captured.param_groups[0]["params"][0]
     up.data = up.data.clone()
     with pytest.raises(CaptureError, match="'up.weight' of param group 0 was given new storage"):
+        captured._check_replay(record)
+
+
+def test_replaced_optimizer_state_is_refused():
+    captured = stepped_muon()
+    record = captured._prepare_capture()
+    captured._check_replay(record)
+    # a checkpoint loaded into the inner optimizer: new state tensors
+    captured.optimizer.load_state_dict(copy.deepcopy(captured.optimizer.state_dict()))
+    with pytest.raises(CaptureError, match="optimizer state of .* was replaced after capture"):
         captured._check_replay(record)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
+from suite.harness import timing
 from suite.harness.report import Ceilings
 from suite.harness.timing import (
     CudaTimer,
@@ -462,3 +463,24 @@ def test_cuda_single_copy_beats_double_copy_and_ceilings_are_plausible():
     assert result.passed
     arm = next(t for t in result.contenders if t.name == "arm")
     assert arm.cold_ms > 0 and arm.gbps > 0 and 0 < arm.ceiling_fraction < 2
+
+
+def _cmp(speedup, low, high, floor_log):
+    from suite.harness.report import Comparison
+
+    return Comparison(against="x", speedup=speedup, ci_low=low, ci_high=high,
+                      verdict=timing.judge(speedup, low, high, floor_log))
+
+
+def test_not_slower_is_one_sided():
+    floor = math.log1p(0.02)
+    assert timing.not_slower(_cmp(1.03, 0.999, 1.10, floor), floor) == "pass"  # ambiguous two-sided
+    assert timing.not_slower(_cmp(1.0, 0.97, 1.03, floor), floor) == "undecided"
+    assert timing.not_slower(_cmp(0.90, 0.88, 0.92, floor), floor) == "fail"
+
+
+def test_at_least_needs_the_whole_ci():
+    floor = math.log1p(0.02)
+    assert timing.at_least(_cmp(2.0, 1.9, 2.1, floor), 1.8) == "pass"
+    assert timing.at_least(_cmp(2.0, 1.7, 2.3, floor), 1.8) == "undecided"
+    assert timing.at_least(_cmp(1.5, 1.4, 1.6, floor), 1.8) == "fail"

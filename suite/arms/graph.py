@@ -88,6 +88,7 @@ class _Capture:
     param_ptrs: list[int]
     # The grad each param's captured update reads, held so its memory is not reused; None: not in the graph.
     grads: list[torch.Tensor | None]
+    state_ptrs: list[dict[str, int]]  # each param's optimizer-state tensors the graph reads and writes
     frozen: list[dict[str, Any]]  # each group's values that the graph read as host numbers
     # torch Adam/AdamW with a live lr: the tensor each group's step reads (None for an empty group).
     lr_tensors: list[torch.Tensor | None] | None
@@ -279,11 +280,15 @@ class CapturedOptimizer:
             slots=slots,
             param_ptrs=[p.data_ptr() for _, _, p in slots],
             grads=[None if id(p) in self._excluded else p.grad for _, _, p in slots],
+            state_ptrs=[self._state_ptrs(p) for _, _, p in slots],
             frozen=[{key: _snapshot(value) for key, value in group.items() if key not in self._unchecked_keys}
                     for group in groups],
             lr_tensors=(None if self._syncs_itself or not self.live_lr
                         else [group["lr"] if group["params"] else None for group in groups]),
         )
+
+    def _state_ptrs(self, p: torch.Tensor) -> dict[str, int]:
+        return {key: value.data_ptr() for key, value in self.optimizer.state.get(p, {}).items() if torch.is_tensor(value)}
 
     def _check_replay(self, record: _Capture) -> None:
         """Raise if the graph would now read or write anything other than what the step would."""
@@ -297,7 +302,14 @@ class CapturedOptimizer:
             current = {key: value for key, value in group.items() if key not in self._unchecked_keys}
             if current.keys() != frozen.keys() or not all(_same(frozen[key], current[key]) for key in frozen):
                 self._raise_frozen_change(index, frozen, current)
-        for (g, i, p), param_ptr, grad in zip(record.slots, record.param_ptrs, record.grads):
+        for (g, i, p), param_ptr, grad, state_ptrs in zip(record.slots, record.param_ptrs, record.grads,
+                                                           record.state_ptrs):
+            if self._state_ptrs(p) != state_ptrs:
+                raise CaptureError(
+                    f"CapturedOptimizer: the optimizer state of {_where(groups, g, i)} was replaced after capture "
+                    f"(a load_state_dict on the inner optimizer?), but the graph reads and writes the old "
+                    f"tensors; load through CapturedOptimizer.load_state_dict (it re-captures) or call release()"
+                )
             if p.data_ptr() != param_ptr:
                 raise CaptureError(
                     f"CapturedOptimizer: parameter {_where(groups, g, i)} was given new storage "

@@ -182,6 +182,8 @@ def _write_atomic(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a baseline is a committed file
         os.replace(tmp, path)
     except BaseException:

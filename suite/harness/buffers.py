@@ -52,14 +52,6 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def tensor_sha256(t: torch.Tensor) -> str:
-    """Digest of a tensor's bytes, dtype and shape (for the inputs-unchanged check)."""
-    data = t.detach().contiguous().cpu()
-    digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return digest.hexdigest()
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -128,5 +128,13 @@ def fingerprint_class(fp: Fingerprint) -> dict[str, str | None]:
         "compute_capability": fp.compute_capability,
         "torch": _major_minor(fp.torch),
         "triton": _major_minor(fp.triton),
-        "profile": fp.profile,
+        "profile": _profile_in_effect(fp),
     }
+
+
+def _profile_in_effect(fp: Fingerprint) -> str:
+    # "auto" (as reports before the runner recorded the resolved profile say) means rtx on a
+    # compute-capability-12 card and none elsewhere
+    if fp.profile != "auto":
+        return fp.profile
+    return "rtx" if (fp.compute_capability or "").startswith("12.") else "none"

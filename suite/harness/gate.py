@@ -92,6 +92,8 @@ class BenchCase:
     # (kernel benches whose Python launch cost would otherwise be what is measured)
     graph: bool = False
     calls_per_round: int | None = None  # overrides the run's policy (long host-bound steps)
+    cold_calls: int = 1  # calls the cold figure covers (a captured step captures on call 4)
+    peers: tuple[str, ...] | None = None  # the gate's peers timed in this case (None: all)
 
 
 @dataclass(frozen=True)

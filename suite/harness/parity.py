@@ -17,7 +17,6 @@ from typing import Callable, Iterator
 
 import torch
 
-from suite.harness.buffers import tensor_sha256
 from suite.harness.gate import Bitwise, Buffers, Gate, Outputs, Preset, Tolerance
 from suite.harness.report import ParityResult, TensorCheck
 
@@ -35,9 +34,10 @@ _BITS_VIEW = {
 def poisoned_allocations() -> Iterator[None]:
     """Fill every uninitialised allocation (torch.empty and friends) with NaN / max-int.
 
-    torch does this only in deterministic mode, which we enable warn-only: the arm's
-    algorithms are not changed, and warnings about ops lacking a deterministic version
-    are noise here.
+    torch does this only in deterministic mode, which we enable warn-only. That mode can pick
+    other implementations for a few ops (index_add_, scatter_add_, CUDA cumsum), so only the
+    first arm run (and the reference) is poisoned: the second, the determinism check, runs in
+    normal mode and must give the same bits, which exposes any such difference.
     """
     was_enabled = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
@@ -51,6 +51,23 @@ def poisoned_allocations() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
+
+
+def bits_checksum(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted int64 sum of a tensor's bit patterns, as a 0-d tensor on its device
+    (no host sync): any changed bit, or two swapped values, moves it."""
+    flat = t.detach().reshape(-1)
+    words = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), CHUNK_ELEMENTS):
+        chunk = words[start : start + CHUNK_ELEMENTS].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+        total += (chunk * weights).sum()
+    return total
+
+
+def _input_digests(buffers: Buffers) -> dict[str, tuple]:
+    return {name: (t.dtype, tuple(t.shape), int(bits_checksum(t))) for name, t in buffers.items()}
 
 
 def _ordered(bits: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -197,22 +214,24 @@ class Expected:
 
     reference: Outputs
     truth: Outputs | None
-    input_digests: dict[str, str]
+    input_digests: dict[str, tuple]
 
 
 def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
-    digests = {name: tensor_sha256(t) for name, t in buffers.items()}
-    reference = {n: t.detach() for n, t in gate.reference(buffers, preset).items()}
+    digests = _input_digests(buffers)
+    # the reference runs in the same (poisoned) mode as the arm's judged run
+    reference = _run_poisoned(gate.reference, buffers, preset)
     truth = None
     if isinstance(gate.parity, Tolerance):
         truth = {n: t.detach() for n, t in gate.truth(buffers, preset).items()}
-    if {name: tensor_sha256(t) for name, t in buffers.items()} != digests:
+    if _input_digests(buffers) != digests:
         raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
     return Expected(reference=reference, truth=truth, input_digests=digests)
 
 
 def _changed_inputs(buffers: Buffers, digests: dict[str, str]) -> list[str]:
-    return [name for name, t in buffers.items() if tensor_sha256(t) != digests[name]]
+    now = _input_digests(buffers)
+    return [name for name in buffers if now[name] != digests[name]]
 
 
 def _run_poisoned(arm: Callable[[Buffers, Preset], Outputs], buffers: Buffers, preset: Preset) -> Outputs:
@@ -259,7 +278,7 @@ def judge_arm(
         failures.append(f"inputs: the arm modified its input buffers {changed}")
     deterministic = None
     if nondeterministic is None:
-        again = _run_poisoned(arm, buffers, preset)
+        again = {n: t.detach() for n, t in arm(buffers, preset).items()}  # normal mode: what is timed
         unequal = [n for n in sorted(outputs) if n in again and not bitwise_check(n, again[n], outputs[n]).passed]
         deterministic = not unequal
         if unequal:
@@ -273,7 +292,6 @@ def judge_arm(
         passed=not failures,
         tensors=checks,
         inputs_unchanged=not changed,
-        poisoned=True,
         deterministic=deterministic,
         nondeterministic_reason=nondeterministic,
         first_divergence=None if first is None else f"{first.name}: {first.message}",
@@ -283,9 +301,9 @@ def judge_arm(
 
 
 def recheck(
-    gate: Gate, preset: Preset, buffers: Buffers, expected_digests: dict[str, str], first: Outputs
+    gate: Gate, preset: Preset, buffers: Buffers, expected_digests: dict[str, tuple], first: Outputs
 ) -> list[str]:
-    """After timing: inputs still intact and a fresh poisoned run reproduces the judged outputs.
+    """After timing: inputs still intact and a fresh run reproduces the judged outputs.
 
     Returns failure messages (empty when all is well). For a nondeterministic arm the fresh
     run is compared with a tolerance rebuilt from the reference and truth.
@@ -295,7 +313,7 @@ def recheck(
     if changed:
         failures.append(f"inputs: timing left the input buffers {changed} modified")
         return failures
-    outputs = _run_poisoned(gate.arm, buffers, preset)
+    outputs = {n: t.detach() for n, t in gate.arm(buffers, preset).items()}
     if gate.nondeterministic is None:
         unequal = [n for n in sorted(first) if n not in outputs or not bitwise_check(n, outputs[n], first[n]).passed]
         if unequal:

@@ -54,7 +54,6 @@ class ParityResult(BaseModel):
     passed: bool
     tensors: list[TensorCheck]
     inputs_unchanged: bool
-    poisoned: bool  # the arm's fresh allocations were NaN-filled before it ran
     deterministic: bool | None  # None when the gate declares the arm nondeterministic
     nondeterministic_reason: str | None = None
     recheck_after_timing: bool | None = None  # None when no timing ran
@@ -322,15 +321,21 @@ def _parity_summary(result: GateResult) -> str:
     return text
 
 
-def _bench_summary(result: GateResult) -> str:
-    if result.bench_skipped:
+def bench_summary(result: GateResult) -> str:
+    """One line per gate result: each case's arm time, fraction of the ceiling and speedup."""
+    if result.bench_skipped and not result.bench:
         return f"skipped: {result.bench_skipped}"
     parts = []
     for bench in result.bench:
+        arm = next((c for c in bench.contenders if c.role == "arm"), None)
         vs_ref = next((c for c in bench.comparisons if c.against == "reference"), None)
         text = bench.case
+        if arm is not None and arm.median_ms is not None:
+            text += f" {arm.median_ms:.4g} ms"
+            if arm.ceiling_fraction is not None:
+                text += f" ({arm.ceiling_fraction:.0%} of ceiling)"
         if vs_ref is not None:
-            text += f" {vs_ref.speedup:.2f}x vs reference ({vs_ref.verdict})"
+            text += f", {vs_ref.speedup:.2f}x vs reference ({vs_ref.verdict})"
         if bench.ambiguous:
             text += " AMBIGUOUS"
         elif not bench.passed:
@@ -428,7 +433,6 @@ def _parity_section(parity: ParityResult) -> list[str]:
         + ("" if shown is parity.tensors else f" (the table lists the failing ones, at most {MAX_PARITY_ROWS})"),
         f"- first divergence: {parity.first_divergence or 'none'}",
         f"- inputs unchanged: {_yes(parity.inputs_unchanged)}",
-        f"- outputs poisoned (NaN) before the arm ran: {_yes(parity.poisoned)}",
         f"- deterministic (two runs, same bits): {deterministic}",
         f"- parity rechecked after timing: {_yes(parity.recheck_after_timing, 'not run (no timing)')}",
     ]
@@ -523,7 +527,7 @@ def _result_section(result: GateResult) -> list[str]:
 def render_markdown(report: RunReport) -> str:
     lines = _header(report)
     summary = [
-        [r.gate, r.preset, r.device, _status(r.status), _parity_summary(r), _bench_summary(r)]
+        [r.gate, r.preset, r.device, _status(r.status), _parity_summary(r), bench_summary(r)]
         for r in report.results
     ] + [[s.gate, _DASH, _DASH, "skipped", _DASH, s.reason] for s in report.skipped]
     lines += [

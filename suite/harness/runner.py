@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from suite.device_profile import active_profile
 from suite.errors import BadBuffers, CouldNotRun, UsageError, combine
 from suite.harness import parity
 from suite.harness.buffers import load_buffers
@@ -108,16 +109,22 @@ class Runner:
             # the real preset is built from the manifest once the buffers are loaded
             return [Preset("recorded", {}, where="any")]
         if opts.presets:
+            if opts.explicit:
+                return [gate.preset(name) for name in opts.presets]  # an unknown name is a UsageError
             known = {p.name for p in gate.presets}
-            wanted = [name for name in opts.presets if name in known]
-            if not wanted and opts.explicit:
-                gate.preset(opts.presets[0])  # raises UsageError naming the known presets
-            return [gate.preset(name) for name in wanted]
+            return [gate.preset(name) for name in opts.presets if name in known]
         return gate.default_presets(opts.device)
 
     def plan(self, gates: list[Gate]) -> tuple[list[tuple[Gate, Preset]], list[SkippedGate], list[GateResult]]:
         """Which (gate, preset) pairs run; what is skipped (all) or cannot run (named)."""
         device = self.options.device
+        if self.options.presets:
+            known = {p.name for gate in gates for p in gate.presets}
+            unknown = [name for name in self.options.presets if name not in known]
+            if unknown:
+                raise UsageError(
+                    f"no gate of this run has the preset(s) {unknown}; the presets are: {', '.join(sorted(known))}"
+                )
         units, skipped, refused = [], [], []
         for gate in gates:
             reason = None
@@ -130,7 +137,7 @@ class Runner:
                 for preset in [p for p in presets if p.memory_bytes > free]:
                     skipped.append(SkippedGate(gate=gate.name, reason=(
                         f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the "
-                        f"{_mib(free)} free on this GPU; name it with --preset to try anyway")))
+                        f"{_mib(free)} free on this GPU")))
                 presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
                 reason = f"gate {gate.name} has none of the presets {self.options.presets}"
@@ -159,7 +166,7 @@ class Runner:
             command=command or shlex.join(["suite", *sys.argv[1:]]),
             started_utc=started.isoformat(timespec="seconds"),
             finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            fingerprint=fingerprint(self.options.device, os.environ.get("SUITE_PROFILE", "auto")),
+            fingerprint=fingerprint(self.options.device, active_profile(self.options.device)),
             ceilings=self._ceilings,
             results=results,
             skipped=skipped,
@@ -193,6 +200,8 @@ class Runner:
                         f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}; pick a smaller preset (suite list)"
                     )
             result = self._judge_and_time(gate, preset)
+        except UsageError:
+            raise  # the command line was wrong: exit 2, not a result
         except (CouldNotRun, torch.OutOfMemoryError) as exc:
             result = self._could_not_run(gate, preset, _first_line(exc))
         except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
@@ -268,14 +277,22 @@ class Runner:
         return result
 
     def _sabotage(self, gate, preset, buffers, expected, saboteur) -> SaboteurResult:
-        # a saboteur may write into its inputs: give it copies so the real buffers stay intact
-        copies = {name: t.clone() for name, t in buffers.items()}
-        verdict, _ = parity.judge_arm(gate, preset, copies, expected, arm=saboteur.fn)
+        # one that writes into its inputs gets copies, so the real buffers stay intact
+        writes_inputs = saboteur.caught_by == "inputs"
+        given = {name: t.clone() for name, t in buffers.items()} if writes_inputs else buffers
+        verdict, _ = parity.judge_arm(gate, preset, given, expected, arm=saboteur.fn)
+        if not writes_inputs and not verdict.inputs_unchanged:
+            raise CouldNotRun(
+                f"saboteur {saboteur.name} of gate {gate.name} modified the input buffers; declare it "
+                "caught_by='inputs' so it runs on copies"
+            )
         return SaboteurResult(
             name=saboteur.name,
             description=saboteur.description,
             expected_check=saboteur.caught_by,
-            caught=not verdict.passed,
+            # caught by the check it is meant to trip: failing for another reason would mean
+            # the gate's defence against this fault is untested
+            caught=any(f.startswith(saboteur.caught_by) for f in verdict.failures),
             failures=verdict.failures,
         )
 
@@ -285,7 +302,7 @@ class Runner:
             result.bench_skipped = f"gate {gate.name} declares no bench"
             return
         if device.type != "cuda":
-            result.bench_skipped = "skipped: timing needs CUDA"
+            result.bench_skipped = "timing needs CUDA"
             return
         if not result.parity.passed:
             result.bench_skipped = "parity failed: an arm that fails parity is not timed"
@@ -300,7 +317,8 @@ class Runner:
                 ("arm", "arm", gate.bench_callable(case, "arm", buffers, preset), None),
             ]
             for peer in gate.peers:
-                contenders.append(_peer_contender(gate, case, peer, buffers, preset, device))
+                if case.peers is None or peer.name in case.peers:
+                    contenders.append(_peer_contender(gate, case, peer, buffers, preset, device))
             self.progress.status(f"{gate.name} [{preset.name}] bench {case.name}")
             policy = self.options.policy
             if case.calls_per_round:
