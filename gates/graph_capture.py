@@ -242,7 +242,7 @@ def _muon_flops(preset: Preset) -> int:
 BENCHES = (
     # Muon: read p, g, m; write p, m (fp32) = 20 B/param; the Newton-Schulz GEMMs dominate
     BenchCase("muon-step", "one Muon(+AdamW) optimizer step, dispatch included", bytes=_step_bytes(20),
-              flops=_muon_flops, l2="warm", host_bound=True, window=5, calls_per_round=3, cold_calls=4, peers=()),
+              flops=_muon_flops, l2="warm", host_bound=True, window=2, calls_per_round=3, cold_calls=4, peers=()),
     # AdamW: read p, g, m, v; write p, m, v (fp32) = 28 B/param
     BenchCase("adamw-step", "one AdamW optimizer step, dispatch included", bytes=_step_bytes(28),
               l2="warm", host_bound=True, window=10, calls_per_round=3, cold_calls=4),

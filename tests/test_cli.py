@@ -163,3 +163,33 @@ def test_default_presets_larger_than_the_card_are_listed_not_run(monkeypatch):
     assert [p.name for _, p in units] == ["16384x4096", "32768x2048", "8192x8192"]
     assert len(skipped) == 1 and "4096x65536" in skipped[0].reason and "14.5 GiB free" in skipped[0].reason
     assert not refused
+
+
+def test_any_unknown_preset_is_a_usage_error(reports):
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--preset", "tiny", "--preset", "tinny", "--reports", reports)
+    assert result.exit_code == ExitCode.USAGE and "tinny" in result.output
+    result = invoke("gate", "all", "--device", "cpu", "--preset", "tinny", "--reports", reports)
+    assert result.exit_code == ExitCode.USAGE
+
+
+def test_buffers_recorded_for_another_preset_is_a_usage_error(tmp_path, reports):
+    out = tmp_path / "buffers"
+    invoke("record", "rmsnorm", "--preset", "tiny-fp32", "--out", out, "--device", "cpu")
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", out, "--preset", "tiny", "--reports", reports)
+    assert result.exit_code == ExitCode.USAGE and "--preset tiny-fp32" in result.output
+
+
+def test_unwritable_reports_could_not_run(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--no-sabotage", "--reports", blocker)
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "cannot write the report" in result.output
+
+
+def test_compare_that_compares_nothing_is_not_a_pass(reports, tmp_path):
+    from factories import make_report
+    from suite.harness.report import write_report
+
+    path = write_report(make_report(), reports, "bench")
+    result = invoke("baseline", "compare", path, "--baselines", tmp_path / "none")
+    assert result.exit_code == ExitCode.COULD_NOT_RUN and "nothing compared" in result.output
