@@ -3,7 +3,8 @@ against the same optimizer stepped eagerly, bit for bit, over K saved gradient s
 
 A transformer-shaped parameter set (per layer: wq, wk, wv, wo of d x d, w1, w3 of 4d x d,
 w2 of d x 4d, two norm vectors) is trained from saved initial parameters through K saved
-gradient sets in four scenarios, for Muon (matrices) + AdamW (vectors) and for torch AdamW:
+gradient sets in four scenarios, for Muon (matrices) + AdamW (vectors) and for torch AdamW
+(foreach, torch's default, and fused):
 constant lr; warm-up + cosine lr through a torch LR scheduler (an 8x swing); weight decay
 changed mid-run (Muon: torch AdamW reads it as a host number, so the wrapper refuses that
 change, which tests prove); and a state_dict saved at K/2, loaded into fresh optimizers,
@@ -101,8 +102,9 @@ def _optimizer(kind: str, params: dict[str, torch.Tensor], captured: bool) -> to
                     lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=captured)
     # eager and captured AdamW differ only in the graph: both capturable, both with a tensor lr
     lr = torch.tensor(ADAMW_LR, device=matrices[0].device)
+    implementation = {"adamw": dict(foreach=True), "adamw-fused": dict(fused=True)}[kind]
     return torch.optim.AdamW(matrices + vectors, lr=lr, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95),
-                             foreach=False, capturable=True)
+                             capturable=True, **implementation)
 
 
 def _schedule(steps: int) -> Callable[[int], float]:
@@ -166,7 +168,7 @@ def _train(kind: str, scenario: str, buffers: Buffers, preset: Preset, wrap: Wra
 
 def _all_scenarios(buffers: Buffers, preset: Preset, wrap: Wrap | None, swap_grads: bool = False) -> Outputs:
     outputs: Outputs = {}
-    for kind, scenarios in (("muon", SCENARIOS), ("adamw", ADAMW_SCENARIOS)):
+    for kind, scenarios in (("muon", SCENARIOS), ("adamw", ADAMW_SCENARIOS), ("adamw-fused", ADAMW_SCENARIOS)):
         for scenario in scenarios:
             outputs.update(_train(kind, scenario, buffers, preset, wrap, swap_grads))
     return outputs
@@ -204,11 +206,15 @@ def _bench_optimizer(case: str, impl: str, params: list[torch.Tensor]) -> Any:
         if impl == "arm":
             return CapturedOptimizer(Muon(groups, lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=True))
     else:
+        # eager vs captured of one optimizer, torch's fused AdamW (the fastest eager one);
+        # torch's default (foreach), its capture and the for-loop beside them
         adamw = dict(lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95))
         builders = {
-            "reference": lambda: torch.optim.AdamW(params, foreach=True, **adamw),
-            "arm": lambda: CapturedOptimizer(torch.optim.AdamW(params, capturable=True, **adamw)),
-            "AdamW fused": lambda: torch.optim.AdamW(params, fused=True, **adamw),
+            "reference": lambda: torch.optim.AdamW(params, fused=True, **adamw),
+            "arm": lambda: CapturedOptimizer(torch.optim.AdamW(params, fused=True, capturable=True, **adamw)),
+            "AdamW foreach": lambda: torch.optim.AdamW(params, foreach=True, **adamw),
+            "AdamW foreach captured": lambda: CapturedOptimizer(
+                torch.optim.AdamW(params, foreach=True, capturable=True, **adamw)),
             "AdamW for-loop": lambda: torch.optim.AdamW(params, foreach=False, **adamw),
         }
         if impl in builders:
@@ -261,7 +267,9 @@ GATE = Gate(
     parity=Bitwise(),
     saboteurs=SABOTEURS,
     peers=(
-        Peer("AdamW fused", note="torch.optim.AdamW(fused=True), in the adamw-step bench"),
+        Peer("AdamW foreach", note="torch.optim.AdamW(foreach=True), torch's default, in the adamw-step bench"),
+        Peer("AdamW foreach captured",
+             note="CapturedOptimizer(AdamW(foreach=True, capturable=True)), in the adamw-step bench"),
         Peer("AdamW for-loop", note="torch.optim.AdamW(foreach=False), in the adamw-step bench"),
     ),
     benches=BENCHES,

@@ -71,7 +71,8 @@ def test_captured_step_is_bitwise_eager_in_every_scenario(judged_tiny):
     assert result.passed, result.failures[:5]
     prefixes = {name.split("/")[0] for name in outputs}
     assert prefixes == {"muon-constant", "muon-schedule", "muon-wd-change", "muon-resume",
-                        "adamw-constant", "adamw-schedule", "adamw-resume"}
+                        "adamw-constant", "adamw-schedule", "adamw-resume",
+                        "adamw-fused-constant", "adamw-fused-schedule", "adamw-fused-resume"}
 
 
 @pytest.mark.cuda

@@ -484,3 +484,19 @@ def test_at_least_needs_the_whole_ci():
     assert timing.at_least(_cmp(2.0, 1.9, 2.1, floor), 1.8) == "pass"
     assert timing.at_least(_cmp(2.0, 1.7, 2.3, floor), 1.8) == "undecided"
     assert timing.at_least(_cmp(1.5, 1.4, 1.6, floor), 1.8) == "fail"
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_garbage_collector_is_off_inside_a_timed_window_and_restored_after(enabled_before):
+    import gc
+
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        with timing._collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled_before
+        with pytest.raises(KeyError), timing._collector_paused():
+            raise KeyError("a failing call inside the window")
+        assert gc.isenabled() is enabled_before
+    finally:
+        gc.enable()

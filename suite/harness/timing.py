@@ -7,11 +7,13 @@ report's `BenchResult`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -76,6 +78,20 @@ class Timer(Protocol):
         ...
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside a timed window (as timeit does): a full
+    collection in a process holding torch costs tens of ms, which would land in whichever
+    host-bound step it interrupts and show up as noise."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class CudaTimer:
     """Times with CUDA event pairs on the current stream of `device`."""
 
@@ -108,14 +124,15 @@ class CudaTimer:
             # device time, and a window of host-bound steps, whose device sits idle waiting for
             # the host, measures dispatch included.
             torch.cuda.synchronize()
-            for start, end in pairs:
-                if flush is not None:
-                    flush.zero_()
-                start.record()
-                for _ in range(window):
-                    fn()
-                end.record()
-            torch.cuda.synchronize()
+            with _collector_paused():
+                for start, end in pairs:
+                    if flush is not None:
+                        flush.zero_()
+                    start.record()
+                    for _ in range(window):
+                        fn()
+                    end.record()
+                torch.cuda.synchronize()
             return [start.elapsed_time(end) / window for start, end in pairs]
 
     def capture(self, fn: Callable[[], Any]) -> Callable[[], Any]:
