@@ -270,3 +270,26 @@ def test_bits_checksum_sees_one_bit_and_a_swap(monkeypatch):
     assert parity.bits_checksum(t.clone()) == base
     assert parity.bits_checksum(torch.zeros(3, dtype=torch.bool)) == 0
     assert parity._input_digests({"t": t}) != parity._input_digests({"t": t.reshape(32, 64)})
+
+
+def test_a_gate_with_thousands_of_outputs_keeps_its_report_short():
+    names = [f"step{i:04d}" for i in range(500)]
+
+    def outputs(buffers, preset, drift_from=None):
+        x = buffers["x"].float()
+        return {n: x + (1.0 if drift_from is not None and i >= drift_from else 0.0) for i, n in enumerate(names)}
+
+    gate = Gate(**{**toy_gate(mode=Bitwise()).__dict__, "reference": outputs,
+                   "arm": lambda b, p: outputs(b, p, drift_from=400)})
+    result = judge(gate)
+    assert not result.passed and result.first_divergence.startswith("step0400: parity:")
+    assert result.counts() == (500, 400) and result.outputs_checked == 500
+    assert len(result.tensors) == parity.KEPT_CHECKS and not any(t.passed for t in result.tensors)
+    assert result.tensors[0].name == "step0400"
+    assert len(result.failures) == parity.KEPT_FAILURES + 1
+    assert result.failures[-1] == f"parity: {100 - parity.KEPT_FAILURES} more outputs differ (first 20 listed)"
+
+    passing = judge(Gate(**{**gate.__dict__, "arm": outputs}))
+    assert passing.passed and passing.counts() == (500, 500) and passing.tensors == []
+    few = judge(toy_gate(mode=Bitwise()))
+    assert few.outputs_checked is None and few.counts() == (len(few.tensors), len(few.tensors))

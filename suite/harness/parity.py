@@ -239,12 +239,34 @@ def _run_poisoned(arm: Callable[[Buffers, Preset], Outputs], buffers: Buffers, p
         return {n: t.detach() for n, t in arm(buffers, preset).items()}
 
 
+# A multi-step gate judges tens of thousands of outputs; the report keeps every check up to this
+# many, else the first failing ones, and at most KEPT_FAILURES per-output failure messages.
+KEPT_CHECKS = 64
+KEPT_FAILURES = 20
+
+
+def _preview(names: list[str], shown: int = 8) -> str:
+    """A list of output names short enough for a report line."""
+    if len(names) <= shown:
+        return str(names)
+    return f"{names[:shown]} and {len(names) - shown} more"
+
+
+def _trimmed(checks: list[TensorCheck]) -> tuple[list[TensorCheck], dict[str, int]]:
+    if len(checks) <= KEPT_CHECKS:
+        return checks, {}
+    failing = [c for c in checks if not c.passed]
+    counts = {"outputs_checked": len(checks), "outputs_passed": len(checks) - len(failing)}
+    return failing[:KEPT_CHECKS], counts
+
+
 def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[TensorCheck], list[str]]:
     failures = []
     missing = sorted(set(expected.reference) - set(outputs))
     extra = sorted(set(outputs) - set(expected.reference))
     if missing or extra:
-        failures.append(f"outputs: arm returned {sorted(outputs)}, the reference {sorted(expected.reference)}")
+        failures.append(f"outputs: the arm lacks {_preview(missing)} and adds {_preview(extra)} (against the "
+                        f"reference's {len(expected.reference)} outputs)")
     checks = []
     # in the reference's order: a multi-step gate lists its outputs step by step, so the first
     # failing check is the first divergence
@@ -256,8 +278,12 @@ def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[Ten
                 name, outputs[name], expected.reference[name], expected.truth[name], gate.parity.k, gate.parity.floor
             )
         checks.append(check)
-        if not check.passed:
-            failures.extend(check.message.split("; "))
+    failing = [c for c in checks if not c.passed]
+    for check in failing[:KEPT_FAILURES]:
+        failures.extend(check.message.split("; "))
+    if len(failing) > KEPT_FAILURES:
+        failures.append(f"parity: {len(failing) - KEPT_FAILURES} more outputs differ (first "
+                        f"{KEPT_FAILURES} listed)")
     return checks, failures
 
 
@@ -282,15 +308,17 @@ def judge_arm(
         unequal = [n for n in sorted(outputs) if n in again and not bitwise_check(n, again[n], outputs[n]).passed]
         deterministic = not unequal
         if unequal:
-            failures.append(f"determinism: two runs on the same inputs differ in {unequal}")
+            failures.append(f"determinism: two runs on the same inputs differ in {_preview(unequal)}")
     mode = gate.parity
     first = next((c for c in checks if not c.passed), None)
+    kept, counts = _trimmed(checks)
     result = ParityResult(
         mode=mode.kind,
         k=getattr(mode, "k", None),
         floor=getattr(mode, "floor", None),
         passed=not failures,
-        tensors=checks,
+        tensors=kept,
+        **counts,
         inputs_unchanged=not changed,
         deterministic=deterministic,
         nondeterministic_reason=nondeterministic,
@@ -317,7 +345,7 @@ def recheck(
     if gate.nondeterministic is None:
         unequal = [n for n in sorted(first) if n not in outputs or not bitwise_check(n, outputs[n], first[n]).passed]
         if unequal:
-            failures.append(f"parity: after timing the arm's {unequal} no longer match the judged outputs")
+            failures.append(f"parity: after timing the arm's {_preview(unequal)} no longer match the judged outputs")
     else:
         expected = expected_outputs(gate, preset, buffers)
         _, more = _compare(gate, outputs, expected)

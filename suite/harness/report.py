@@ -52,13 +52,23 @@ class ParityResult(BaseModel):
     k: float | None = None
     floor: float | None = None
     passed: bool
+    # every output's check; a gate with thousands of outputs keeps only its failing ones (the
+    # first of them), and the counts below say how many there were
     tensors: list[TensorCheck]
+    outputs_checked: int | None = None  # None: tensors holds every check
+    outputs_passed: int | None = None
     inputs_unchanged: bool
     deterministic: bool | None  # None when the gate declares the arm nondeterministic
     nondeterministic_reason: str | None = None
     recheck_after_timing: bool | None = None  # None when no timing ran
     first_divergence: str | None = None  # the first failing output, in the reference's order
     failures: list[str] = Field(default_factory=list)
+
+    def counts(self) -> tuple[int, int]:
+        """(outputs checked, outputs passed), whether or not tensors was trimmed."""
+        if self.outputs_checked is None:
+            return len(self.tensors), sum(t.passed for t in self.tensors)
+        return self.outputs_checked, self.outputs_passed
 
 
 class SaboteurResult(BaseModel):
@@ -314,8 +324,8 @@ def _parity_summary(result: GateResult) -> str:
     parity = result.parity
     if parity is None:
         return _DASH
-    ok = sum(t.passed for t in parity.tensors)
-    text = f"{parity.mode} {ok}/{len(parity.tensors)} tensors ok"
+    checked, ok = parity.counts()
+    text = f"{parity.mode} {ok}/{checked} tensors ok"
     if not parity.passed:
         text += f"; FAILED: {parity.failures[0]}" if parity.failures else "; FAILED"
     return text
@@ -395,8 +405,9 @@ MAX_PARITY_ROWS = 40
 
 
 def _parity_section(parity: ParityResult) -> list[str]:
+    checked, ok = parity.counts()
     shown = parity.tensors
-    if len(shown) > MAX_PARITY_ROWS:
+    if checked > MAX_PARITY_ROWS:
         shown = [t for t in parity.tensors if not t.passed][:MAX_PARITY_ROWS]
     if parity.mode == "bitwise":
         title = "bitwise"
@@ -429,7 +440,7 @@ def _parity_section(parity: ParityResult) -> list[str]:
         "",
         markdown_table(headers, rows),
         "",
-        f"- outputs checked: {len(parity.tensors)}, passed: {sum(t.passed for t in parity.tensors)}"
+        f"- outputs checked: {checked}, passed: {ok}"
         + ("" if shown is parity.tensors else f" (the table lists the failing ones, at most {MAX_PARITY_ROWS})"),
         f"- first divergence: {parity.first_divergence or 'none'}",
         f"- inputs unchanged: {_yes(parity.inputs_unchanged)}",
