@@ -266,13 +266,19 @@ def baseline_save(
     reports: ReportsOpt = Path("reports"),
     baselines: Annotated[Path, typer.Option("--baselines", help="Baselines directory.")] = Path("baselines"),
     gate_names: Annotated[Optional[list[str]], typer.Option("--gate", help="Only these gates (repeatable).")] = None,
+    replace: Annotated[bool, typer.Option(
+        "--replace", help="Replace each gate's file whole (default: replace only the presets this report measured)."
+    )] = False,
 ) -> None:
-    """Write a bench report's figures to baselines/<device-slug>/<gate>.json."""
+    """Write a bench report's figures to baselines/<device-slug>/<gate>.json.
+
+    The presets the report measured replace theirs; a gate's other presets keep the figures
+    of the run that measured them (the file names each preset's run)."""
     from suite.harness.baseline import save_baseline
     from suite.harness.report import load_report
 
     try:
-        saved = save_baseline(load_report(_report_path(report, reports)), baselines, gate_names)
+        saved = save_baseline(load_report(_report_path(report, reports)), baselines, gate_names, replace=replace)
     except SuiteError as exc:
         _fail(exc)
     for path in saved:

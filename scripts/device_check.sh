@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE (device tool, carry [".whl", ".git-sha"]): install the project, then
 # either the CUDA tests or suite commands, and copy the reports flat into $OUT so they come back.
-# The copy there has no git history: write `git rev-parse HEAD > .git-sha` here first so
-# reports record the commit they ran.
+# The copy there carries a git of another commit (the session's first), its tree "dirty":
+# write `git rev-parse HEAD > .git-sha` here first so reports record the commit they ran.
 #   bash scripts/device_check.sh tests [pytest args]
 #   bash scripts/device_check.sh suite run            (any suite command line)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 out=${OUT:-/tmp/out}
+[ -s .git-sha ] && export SUITE_GIT_SHA=$(cat .git-sha) || echo "no .git-sha: reports name the copy's git commit"
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || { echo "carry .whl (scripts/device_wheels.sh)"; exit 3; }

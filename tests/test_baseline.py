@@ -44,9 +44,9 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
     assert sorted(p.name for p in (tmp_path / "nvidia-h200").iterdir()) == ["muon.json", "rmsnorm.json"]
 
     baseline = load_baseline(paths[0])
-    assert baseline.gate == "rmsnorm" and baseline.run_id == report.run_id
-    assert baseline.command == report.command
-    assert baseline.fingerprint == report.fingerprint
+    assert baseline.gate == "rmsnorm" and [r.preset for r in baseline.runs] == ["medium"]
+    run = baseline.run_of("medium")
+    assert (run.run_id, run.command, run.fingerprint) == (report.run_id, report.command, report.fingerprint)
     assert baseline.fingerprint_class == fingerprint_class(report.fingerprint)
     timed = {(e.preset, e.case, e.contender) for e in baseline.entries}
     assert timed == {("medium", case, c) for case in ("fwd", "fwd+bwd")
@@ -174,21 +174,51 @@ def test_save_names_unknown_gates(tmp_path):
         save_baseline(make_report(), tmp_path, ["nope"])
 
 
-def test_save_replaces_the_file_whole_and_leaves_no_temp_files(tmp_path):
-    save_baseline(rmsnorm_run(run_id="first"), tmp_path)
-    save_baseline(rmsnorm_run(run_id="second"), tmp_path)
+def preset_run(preset: str, run_id: str, arm_ms: float = 0.25, **fingerprint):
+    bench = make_bench("fwd", reference_ms=1.0, arm_ms=arm_ms, noise_floor=0.01, peers={}, seed=7)
+    return make_report(results=[make_tolerance_result(preset=preset, benches=[bench])], skipped=[],
+                       run_id=run_id, fingerprint=make_fingerprint(**fingerprint))
+
+
+def test_save_replaces_the_presets_it_measured_and_keeps_the_others(tmp_path):
+    save_baseline(preset_run("small", "first"), tmp_path)
+    save_baseline(preset_run("large", "second", git_sha="b" * 40), tmp_path)
+    save_baseline(preset_run("small", "third", arm_ms=0.2), tmp_path)
     folder = tmp_path / "nvidia-h200"
-    assert [p.name for p in folder.iterdir()] == ["rmsnorm.json"]
-    assert load_baseline(folder / "rmsnorm.json").run_id == "second"
+    assert [p.name for p in folder.iterdir()] == ["rmsnorm.json"]  # no temp files left
+    baseline = load_baseline(folder / "rmsnorm.json")
+    assert {r.preset: r.run_id for r in baseline.runs} == {"large": "second", "small": "third"}
+    assert baseline.run_of("large").fingerprint.git_sha == "b" * 40
+    arms = {e.preset: e.median_ms for e in baseline.entries if e.role == "arm"}
+    assert arms == {"large": pytest.approx(0.25, rel=0.1), "small": pytest.approx(0.2, rel=0.1)}
+    assert len(baseline.entries) == 4
+
+    save_baseline(preset_run("small", "fourth"), tmp_path, replace=True)
+    assert [r.run_id for r in load_baseline(folder / "rmsnorm.json").runs] == ["fourth"]
+
+
+def test_save_never_merges_across_machine_classes_or_into_an_unreadable_file(tmp_path):
+    save_baseline(preset_run("small", "first", torch="2.11.0+cu130"), tmp_path)
+    path = tmp_path / "nvidia-h200" / "rmsnorm.json"
+    before = path.read_text()
+    with pytest.raises(UsageError, match=r"another class of machine \(torch 2.11 \(baseline\) vs 2.12.*--replace"):
+        save_baseline(preset_run("large", "second", torch="2.12.0+cu130"), tmp_path)
+    assert path.read_text() == before
+    path.write_text("garbage")
+    with pytest.raises(UsageError, match=r"not a baseline: not valid JSON.*Not merging into it.*--replace"):
+        save_baseline(preset_run("large", "second"), tmp_path)
+    assert path.read_text() == "garbage"
+    save_baseline(preset_run("large", "second"), tmp_path, replace=True)
+    assert [r.run_id for r in load_baseline(path).runs] == ["second"]
 
 
 def test_load_baseline_errors_are_clear(tmp_path):
     path = tmp_path / "rmsnorm.json"
     path.write_text(json.dumps({"schema_version": 7, "gate": "rmsnorm"}))
-    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 1"):
+    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 2"):
         load_baseline(path)
-    path.write_text(json.dumps({"schema_version": 1, "gate": "rmsnorm"}))
-    with pytest.raises(UsageError, match=r"not a valid baseline: .*fingerprint: Field required"):
+    path.write_text(json.dumps({"schema_version": 2, "gate": "rmsnorm"}))
+    with pytest.raises(UsageError, match=r"not a valid baseline: .*runs: Field required"):
         load_baseline(path)
 
 

@@ -144,3 +144,9 @@ def test_a_copied_tree_reports_its_stamped_sha(monkeypatch, tmp_path, history):
     monkeypatch.setattr(fp_mod, "PROJECT_ROOT", tmp_path)
     fp = fingerprint(torch.device("cpu"), "none")
     assert fp.git_sha == "0123456789abcdef0123456789abcdef01234567" and fp.git_dirty is None
+
+
+def test_the_commit_a_copied_tree_was_taken_at_wins_over_its_git(monkeypatch):
+    monkeypatch.setenv("SUITE_GIT_SHA", "f" * 40)
+    fp = fingerprint(torch.device("cpu"), "none")
+    assert fp.git_sha == "f" * 40 and fp.git_dirty is None

@@ -3,6 +3,10 @@
 `save_baseline` writes baselines/<device-slug>/<gate>.json from a passed run; `compare`
 judges a new run against those files with the NEW run's noise floor (the baseline's own
 spread says nothing about today's machine), and refuses a different class of machine.
+
+A gate's presets may need separate runs (one device call cannot hold them all), so a baseline
+records, per preset, the run its figures come from; saving replaces the presets the report
+measured and keeps the others, and refuses to mix classes of machine in one file.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from suite.harness.report import (
     read_versioned_json,
 )
 
-BASELINE_SCHEMA_VERSION = 1
+BASELINE_SCHEMA_VERSION = 2
 # Below this change a timing is "same" even when the run's noise floor is tighter: a 1%
 # drift is not worth failing a build over.
 MIN_CHANGE = 0.02
@@ -49,15 +53,25 @@ class BaselineEntry(BaseModel):
     noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
 
 
+class PresetRun(BaseModel):
+    """The run one preset's figures come from."""
+
+    preset: str
+    run_id: str
+    command: str
+    fingerprint: Fingerprint
+    saved_utc: str
+
+
 class Baseline(BaseModel):
     schema_version: int = BASELINE_SCHEMA_VERSION
     gate: str
-    fingerprint: Fingerprint
-    fingerprint_class: dict[str, str | None]
-    run_id: str
-    command: str
-    created_utc: str
+    fingerprint_class: dict[str, str | None]  # every run below is of this class
+    runs: list[PresetRun]
     entries: list[BaselineEntry]
+
+    def run_of(self, preset: str) -> PresetRun | None:
+        return next((r for r in self.runs if r.preset == preset), None)
 
 
 class EntryComparison(BaseModel):
@@ -118,13 +132,15 @@ def _why_not_saved(result: GateResult) -> str:
 
 
 def save_baseline(
-    report: RunReport, baselines_dir: str | Path, gates: list[str] | None = None
+    report: RunReport, baselines_dir: str | Path, gates: list[str] | None = None, replace: bool = False
 ) -> list[Path]:
     """Write one baseline file per gate from the report's passed bench results.
 
     Refuses a report in which a selected gate's parity failed (its timings belong to a wrong
-    arm), and one with nothing to save. Results that did not pass are left out. Each file is
-    replaced whole, so a baseline always comes from a single run.
+    arm), and one with nothing to save. Results that did not pass are left out. The presets the
+    report measured replace theirs in the file; other presets keep the figures of their own run,
+    unless `replace` (the file then holds this run alone). A file of another class of machine,
+    or one that cannot be read, is only ever replaced whole, and only when asked.
     """
     ran = list(dict.fromkeys(r.gate for r in report.results))
     if gates is not None:
@@ -162,17 +178,42 @@ def save_baseline(
         )
 
     fp = report.fingerprint
-    created = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    written = []
+    new_class = fingerprint_class(fp)
+    saved = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    baselines = {}
     for gate, entries in by_gate.items():
-        baseline = Baseline(
-            gate=gate, fingerprint=fp, fingerprint_class=fingerprint_class(fp),
-            run_id=report.run_id, command=report.command, created_utc=created, entries=entries,
-        )
         path = baseline_path(baselines_dir, fp.device_slug, gate)
+        kept_runs: list[PresetRun] = []
+        kept_entries: list[BaselineEntry] = []
+        if path.exists() and not replace:
+            old = _mergeable(path, new_class)
+            measured = {e.preset for e in entries}
+            kept_runs = [r for r in old.runs if r.preset not in measured]
+            kept_entries = [e for e in old.entries if e.preset not in measured]
+        runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
+                          saved_utc=saved)
+                for preset in dict.fromkeys(e.preset for e in entries)]
+        baselines[path] = Baseline(gate=gate, fingerprint_class=new_class, runs=kept_runs + runs,
+                                   entries=kept_entries + entries)
+    # every file checked before any is written: a refusal leaves all of them as they were
+    for path, baseline in baselines.items():
         _write_atomic(path, baseline.model_dump_json(indent=2) + "\n")
-        written.append(path)
-    return written
+    return list(baselines)
+
+
+def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
+    """The existing baseline a save adds presets to; refuses one it must not merge with."""
+    try:
+        old = load_baseline(path)
+    except UsageError as exc:
+        raise UsageError(f"{exc}. Not merging into it: fix or remove it, or save with --replace") from exc
+    difference = _class_difference(old.fingerprint_class, new_class)
+    if difference:
+        raise UsageError(
+            f"{path} holds figures of another class of machine ({difference}); one baseline file "
+            f"holds one class. Save with --replace to start it afresh from this run"
+        )
+    return old
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -6,6 +6,7 @@ Nothing here may fail a run: a missing nvidia-smi, git or triton leaves its fiel
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import re
 import subprocess
@@ -72,6 +73,11 @@ def _package_version(*names: str) -> str | None:
 
 
 def _git(root: Path) -> tuple[str | None, bool | None]:
+    # A copy of a checkout taken elsewhere (the GPU machine's) may carry a git of another
+    # commit, its tree then "dirty"; whoever copied it names the commit it was copied at.
+    copied_at = os.environ.get("SUITE_GIT_SHA", "").strip()
+    if copied_at:
+        return copied_at, None
     sha = _run(["git", "rev-parse", "HEAD"], cwd=root) if (root / ".git").exists() else None
     if sha is None:
         # a copy of the tree without its history (the GPU machine's): the sha it was copied
