@@ -80,9 +80,9 @@ class Timer(Protocol):
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off inside a timed window (as timeit does): a full
-    collection in a process holding torch costs tens of ms, which would land in whichever
-    host-bound step it interrupts and show up as noise."""
+    """Python's cyclic garbage collector off inside a timed window (as timeit does): a
+    collection that fires there lands in whichever host-bound step it interrupts, as noise
+    that belongs to no contender."""
     enabled = gc.isenabled()
     gc.disable()
     try:
