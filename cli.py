@@ -5,10 +5,15 @@ Thin on purpose: parse, call the runner, print, set the exit code (README: "Exit
 
 from __future__ import annotations
 
+import functools
+import inspect
+import json
 import sys
 import time
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
@@ -31,194 +36,197 @@ console = Console()
 err = Console(stderr=True)
 
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cuda or cpu.")]
-PresetOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--preset", help="Preset name (repeatable). Default: tiny on the CPU, the standard GPU presets on CUDA."),
-]
-BuffersOpt = Annotated[Optional[Path], typer.Option("--buffers", help="Use saved buffers (suite record) instead of fresh ones.")]
-ReportsOpt = Annotated[Path, typer.Option("--reports", help="Directory the run's report directory is written under.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for fresh buffers.")]
 ProfileOpt = Annotated[
-    str, typer.Option("--profile", help="auto | rtx (hold Triton configs to 99 KB shared memory) | none.")
+    Optional[str],
+    typer.Option("--profile", help="auto | rtx (hold Triton configs to 99 KB shared memory) | none. "
+                 "Default: SUITE_PROFILE, else auto."),
 ]
-StrictOpt = Annotated[bool, typer.Option("--strict", help="Gates this device cannot run count as could-not-run (exit 3).")]
-SabotageOpt = Annotated[
-    bool, typer.Option("--sabotage/--no-sabotage", help="Also run the gate's saboteurs and require each to be caught.")
-]
+ReportsOpt = Annotated[Path, typer.Option("--reports", help="Directory the run's report directory is written under.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+
+
+# ---- the options gate, bench and run share, declared once ----------------------------------
+
+
+@dataclass
+class RunFlags:
+    device: Annotated[str, typer.Option("--device", help="auto (CUDA when present), cuda or cpu.")] = "auto"
+    preset: Annotated[Optional[list[str]], typer.Option(
+        "--preset", help="Preset name (repeatable). Default: tiny on the CPU, the standard GPU presets on CUDA.")] = None
+    buffers: Annotated[Optional[Path], typer.Option(
+        "--buffers", help="Use saved buffers (suite record) instead of fresh ones.")] = None
+    reports: ReportsOpt = Path("reports")
+    seed: Annotated[int, typer.Option("--seed", help="Seed for fresh buffers.")] = 0
+    profile: ProfileOpt = None
+    sabotage: Annotated[bool, typer.Option(
+        "--sabotage/--no-sabotage", help="Also run the gate's saboteurs and require each to be caught.")] = True
+    thorough: Annotated[bool, typer.Option(
+        "--thorough", help="Run every saboteur at every preset (default: once, at the smallest preset where it can show).")] = False
+    strict: Annotated[bool, typer.Option(
+        "--strict", help="Gates this device cannot run count as could-not-run (exit 3).")] = False
+
+
+def run_flags(exclude: tuple[str, ...] = (), **defaults) -> Callable:
+    """Add RunFlags' options to a command (less `exclude`, with other `defaults`); the
+    command receives them as one `flags` argument."""
+
+    def decorate(command: Callable) -> Callable:
+        hints = {**typing.get_type_hints(command, include_extras=True),
+                 **typing.get_type_hints(RunFlags, include_extras=True)}
+        own = [p.replace(annotation=hints[p.name])
+               for p in inspect.signature(command).parameters.values() if p.name != "flags"]
+        shared = [
+            inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                              default=defaults.get(f.name, f.default))
+            for f in fields(RunFlags) if f.name not in exclude
+        ]
+
+        @functools.wraps(command)
+        def wrapper(**kwargs):
+            values = {f.name: kwargs.pop(f.name, defaults.get(f.name, f.default)) for f in fields(RunFlags)}
+            return command(**kwargs, flags=RunFlags(**values))
+
+        params = own + shared
+        wrapper.__signature__ = inspect.Signature(params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        del wrapper.__wrapped__  # typer must read the new signature, not the command's
+        return wrapper
+
+    return decorate
+
+
+# ---- running gates -------------------------------------------------------------------------
 
 
 def _fail(exc: SuiteError) -> None:
-    err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(int(exc.exit_code))
 
 
 class _RichProgress:
-    """Drives a rich progress bar from the runner's callbacks."""
+    """Drives a rich progress bar from the runner's callbacks; off a terminal, one line a phase."""
 
     def __init__(self, progress: Progress):
         self.bar = progress
         self.task = None
+        self.where = ""
 
     def begin(self, total: int) -> None:
         self.task = self.bar.add_task("starting", total=total)
 
-    def status(self, text: str) -> None:
-        self.bar.update(self.task, description=escape(text))
-        if not self.bar.console.is_terminal:  # a log (CI, a remote run) gets each step as a line
-            self.bar.console.print(f"{time.strftime('%H:%M:%S')} {text}", soft_wrap=True, markup=False)
+    def phase(self, gate: str, preset: str, phase: str) -> None:
+        self.where = f"{gate} [{preset}] {phase}"
+        self.bar.update(self.task, description=escape(self.where))
+        if not self.bar.console.is_terminal:  # a log (CI, a remote run) gets each phase as a line
+            self.bar.console.print(f"{time.strftime('%H:%M:%S')} {self.where}", soft_wrap=True, markup=False,
+                                   highlight=False)
+
+    def detail(self, text: str) -> None:
+        self.bar.update(self.task, description=escape(f"{self.where}: {text}" if self.where else text))
 
     def advance(self) -> None:
         self.bar.advance(self.task)
 
 
-def _setup(device: str, profile: str):
-    """Pick the device and profile before any gate (and so Triton) is imported."""
-    from suite.harness.runner import prepare_triton, resolve_device, set_profile
+def _setup(device: str, profile: str | None):
+    """Decide device, Triton mode and profile before any gate (and so Triton) is imported."""
+    from suite.settings import configure
 
-    set_profile(profile)
-    resolved = resolve_device(device)
-    prepare_triton(resolved)
-    return resolved
+    return configure(device, profile)
 
 
-def _execute(
-    what: str,
-    name: str,
-    *,
-    device: str,
-    presets: list[str] | None,
-    buffers: Path | None,
-    reports: Path,
-    seed: int,
-    profile: str,
-    bench: bool,
-    sabotage: bool,
-    strict: bool,
-) -> None:
+def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
     try:
-        resolved = _setup(device, profile)
+        settings = _setup(flags.device, flags.profile)
         import gates
-        from suite.harness.report import write_report
         from suite.harness.runner import RunOptions, Runner
+        from suite.harness.store import write_report
 
         selected = gates.select(name)
         options = RunOptions(
-            device=resolved,
-            presets=presets,
-            buffers_dir=buffers,
-            seed=seed,
-            profile=profile,
+            device=settings.device,
+            presets=flags.preset,
+            buffers_dir=flags.buffers,
+            seed=flags.seed,
             bench=bench,
-            sabotage=sabotage,
+            sabotage=flags.sabotage,
+            thorough=flags.thorough,
             explicit=name != "all",
-            strict=strict,
+            strict=flags.strict,
         )
         columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
         with Progress(*columns, console=err, transient=True) as bar:
             report = Runner(options, _RichProgress(bar)).run(selected, what)
-        path = write_report(report, reports, what)
+        path = write_report(report, flags.reports, what)
     except SuiteError as exc:
         _fail(exc)
     except OSError as exc:  # --reports is a file, a read-only place, a full disk
-        _fail(CouldNotRun(f"cannot write the report under {reports}: {exc}"))
+        _fail(CouldNotRun(f"cannot write the report under {flags.reports}: {exc}"))
     _print_summary(report)
-    console.print(f"report: {path}")
+    console.print(f"report: {path}", highlight=False)
     raise typer.Exit(report.exit_code)
 
 
-def _print_summary(report) -> None:
-    from suite.harness.report import bench_summary
+def _names_table(title: str, names: list[str], *others: str) -> Table:
+    """A table whose first columns (gate and preset names) are never cut or wrapped."""
+    table = Table(title=title)
+    for column, longest in zip(names, (len(n) for n in names)):
+        table.add_column(column, no_wrap=True, min_width=longest)
+    for column in others:
+        table.add_column(column, overflow="fold")
+    return table
 
-    table = Table(title=f"suite {report.what}: exit {report.exit_code} ({ExitCode(report.exit_code).name.lower()})")
-    for column in ("gate", "preset", "status", "parity", "saboteurs", "bench"):
-        table.add_column(column)
+
+def _print_summary(report) -> None:
+    from suite.harness.render import bench_summary
+
+    title = f"suite {report.what}: exit {report.exit_code} ({ExitCode(report.exit_code).name.lower()}) in {report.duration_s:.0f} s"
+    table = Table(title=title)
+    longest = max([len(r.gate) for r in report.results] + [len(s.gate) for s in report.skipped] + [4])
+    longest_preset = max([len(r.preset) for r in report.results] + [6])
+    table.add_column("gate", no_wrap=True, min_width=longest)
+    table.add_column("preset", no_wrap=True, min_width=longest_preset)
+    for column in ("status", "s", "parity", "saboteurs", "bench"):
+        table.add_column(column, overflow="fold")
     colours = {"passed": "green", "failed": "red", "could_not_run": "yellow", "ambiguous": "magenta", "skipped": "dim"}
     for r in report.results:
         parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
         caught = sum(s.caught for s in r.saboteurs)
         saboteurs = f"{caught}/{len(r.saboteurs)} caught" if r.saboteurs else "-"
         bench = bench_summary(r) if r.parity else (r.reason or "")
-        table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", parity, saboteurs, escape(bench))
+        table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", f"{r.duration_s:.0f}", parity,
+                      saboteurs, escape(bench))
     for s in report.skipped:
-        table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", escape(s.reason))
+        table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", "-", escape(s.reason))
     console.print(table)
     for r in report.results:
         if r.status != "passed" and r.reason:
             console.print(f"[bold]{escape(r.gate)} {escape(f'[{r.preset}]')}[/]: {escape(r.reason)}")
 
 
-@app.command("list")
-def list_gates(device: DeviceOpt = "auto") -> None:
-    """List gates: arm, peers (and which are unavailable here, and why), presets, CUDA need."""
-    try:
-        resolved = _setup(device, "auto")
-        import gates
-    except SuiteError as exc:
-        _fail(exc)
-    table = Table(title=f"gates (device: {resolved})")
-    for column in ("gate", "arm", "needs CUDA", "presets", "peers", "summary"):
-        table.add_column(column)
-    for gate in gates.select("all"):
-        presets = ", ".join(
-            f"{p.name}{'' if p.where == 'any' else ' (cuda)'}{' *' if p.standard else ''}" for p in gate.presets
-        )
-        peers = []
-        for peer in gate.peers:
-            reason = peer.unavailable(resolved)
-            peers.append(peer.name + (f" [unavailable: {reason}]" if reason else ""))
-        if resolved.type != "cuda" and gate.benches:
-            peers.append("(timing needs CUDA)")
-        table.add_row(gate.name, gate.arm_name, "yes" if gate.needs_cuda else "no", presets, "\n".join(peers), gate.summary)
-    console.print(table)
-    console.print("* = run by default on its device")
-
-
 @app.command()
-def gate(
-    name: Annotated[str, typer.Argument(help="Gate name or 'all'.")],
-    device: DeviceOpt = "auto",
-    preset: PresetOpt = None,
-    buffers: BuffersOpt = None,
-    reports: ReportsOpt = Path("reports"),
-    seed: SeedOpt = 0,
-    profile: ProfileOpt = "auto",
-    sabotage: SabotageOpt = True,
-    strict: StrictOpt = False,
-) -> None:
+@run_flags()
+def gate(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flags: RunFlags) -> None:
     """Judge an arm against its reference (parity, anti-cheat, determinism, saboteurs)."""
-    _execute(f"gate {name}", name, device=device, presets=preset, buffers=buffers, reports=reports, seed=seed,
-             profile=profile, bench=False, sabotage=sabotage, strict=strict)
+    _execute(f"gate {name}", name, flags, bench=False)
 
 
 @app.command()
-def bench(
-    name: Annotated[str, typer.Argument(help="Gate name or 'all'.")],
-    device: DeviceOpt = "auto",
-    preset: PresetOpt = None,
-    buffers: BuffersOpt = None,
-    reports: ReportsOpt = Path("reports"),
-    seed: SeedOpt = 0,
-    profile: ProfileOpt = "auto",
-    sabotage: SabotageOpt = False,
-    strict: StrictOpt = False,
-) -> None:
-    """Gate, then time the arm against its reference and peers (needs CUDA; skipped on the CPU)."""
-    _execute(f"bench {name}", name, device=device, presets=preset, buffers=buffers, reports=reports, seed=seed,
-             profile=profile, bench=True, sabotage=sabotage, strict=strict)
+@run_flags(sabotage=False)
+def bench(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flags: RunFlags) -> None:
+    """Gate, then time the arm against its reference and peers, as CUDA-graph replays and as
+    eager calls (needs CUDA, except for wall-clock benches)."""
+    _execute(f"bench {name}", name, flags, bench=True)
 
 
 @app.command()
-def run(
-    device: DeviceOpt = "auto",
-    preset: PresetOpt = None,
-    reports: ReportsOpt = Path("reports"),
-    seed: SeedOpt = 0,
-    profile: ProfileOpt = "auto",
-    strict: StrictOpt = False,
-) -> None:
-    """CI style: gate and bench every gate this device can run; list the ones it cannot."""
-    _execute("run", "all", device=device, presets=preset, buffers=None, reports=reports, seed=seed,
-             profile=profile, bench=True, sabotage=True, strict=strict)
+@run_flags(exclude=("buffers", "sabotage"))
+def run(flags: RunFlags) -> None:
+    """CI style: gate, saboteurs and bench for every gate this device can run; list the ones it cannot."""
+    _execute("run", "all", flags, bench=True)
+
+
+# ---- the other commands --------------------------------------------------------------------
 
 
 @app.command()
@@ -227,30 +235,31 @@ def record(
     preset: Annotated[str, typer.Option("--preset", help="Preset whose buffers to save.")],
     out: Annotated[Path, typer.Option("--out", help="Directory to write buffers.safetensors and manifest.json into.")],
     device: DeviceOpt = "auto",
-    seed: SeedOpt = 0,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for fresh buffers.")] = 0,
 ) -> None:
     """Save a gate's buffers (safetensors + manifest with shapes, dtypes, seed, versions, sha256)."""
     try:
-        resolved = _setup(device, "auto")
+        settings = _setup(device, None)
         import gates
         from suite.harness.buffers import save_buffers
 
         chosen = gates.get(name)
         p = chosen.preset(preset)
-        if p.where == "cuda" and resolved.type != "cuda":
-            raise UsageError(f"preset {p.name} is a GPU preset; record it with --device cuda on a GPU machine")
+        if p.where == "cuda" and settings.device.type != "cuda":
+            raise CouldNotRun(f"preset {p.name} is a GPU preset; record it with --device cuda on a GPU machine")
     except SuiteError as exc:
         _fail(exc)
-    tensors = chosen.make_buffers(p, seed, resolved)
+    tensors = chosen.make_buffers(p, seed, settings.device)
     try:
         path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params))
     except OSError as exc:
         _fail(CouldNotRun(f"cannot write buffers into {out}: {exc}"))
-    console.print(f"recorded {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())} into {path}")
+    console.print(f"recorded {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())} into {path}",
+                  highlight=False)
 
 
 def _report_path(path: Path | None, reports: Path) -> Path:
-    from suite.harness.report import list_reports
+    from suite.harness.store import list_reports
 
     if path is None:
         runs = list_reports(reports)
@@ -275,14 +284,14 @@ def baseline_save(
     The presets the report measured replace theirs; a gate's other presets keep the figures
     of the run that measured them (the file names each preset's run)."""
     from suite.harness.baseline import save_baseline
-    from suite.harness.report import load_report
+    from suite.harness.results import load_report
 
     try:
         saved = save_baseline(load_report(_report_path(report, reports)), baselines, gate_names, replace=replace)
     except SuiteError as exc:
         _fail(exc)
     for path in saved:
-        console.print(f"saved {path}")
+        console.print(f"saved {path}", highlight=False)
 
 
 @baseline_app.command("compare")
@@ -293,8 +302,9 @@ def baseline_compare(
     force: Annotated[bool, typer.Option("--force", help="Compare even across fingerprint classes (GPU, torch/triton minor).")] = False,
 ) -> None:
     """Judge a run against the saved baseline using the run's own noise floor."""
-    from suite.harness.baseline import compare, render_comparison
-    from suite.harness.report import load_report
+    from suite.harness.baseline import compare
+    from suite.harness.render import render_comparison
+    from suite.harness.results import load_report
 
     try:
         result = compare(load_report(_report_path(report, reports)), baselines, force=force)
@@ -313,7 +323,8 @@ def show_report(
     fmt: Annotated[str, typer.Option("--format", help="md, json or junit.")] = "md",
 ) -> None:
     """Render a saved JSON report again."""
-    from suite.harness.report import load_report, render_junit, render_markdown, to_json
+    from suite.harness.render import render_junit, render_markdown, to_json
+    from suite.harness.results import load_report
 
     renderers = {"md": render_markdown, "json": to_json, "junit": render_junit}
     try:
@@ -325,34 +336,88 @@ def show_report(
     sys.stdout.write(renderers[fmt](loaded) + "\n")
 
 
+def _gate_listing(gate, device) -> dict:
+    """What `suite list` says of one gate, as data (the table and --json both print it)."""
+    return {
+        "name": gate.name,
+        "summary": gate.summary,
+        "arm": gate.arm_name,
+        "needs_cuda": gate.needs_cuda,
+        "presets": [
+            {"name": p.name, "where": p.where, "default_here": p in gate.default_presets(device),
+             "memory_bytes": p.memory_bytes, "note": p.note}
+            for p in gate.presets
+        ],
+        "contenders": [
+            {"name": c.name, "role": c.role, "cases": list(c.cases) if c.cases else [b.name for b in gate.benches],
+             "unavailable": c.unavailable(device), "note": c.note}
+            for c in gate.contenders
+        ],
+        "benches": [{"case": b.name, "modes": list(b.modes), "ceiling": b.ceiling} for b in gate.benches],
+        "saboteurs": [{"name": s.name, "caught_by": s.caught_by.value} for s in gate.saboteurs],
+    }
+
+
+@app.command("list")
+def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
+    """List gates: arm, presets, contenders (and which are unavailable here, and why)."""
+    try:
+        settings = _setup(device, None)
+        import gates
+    except SuiteError as exc:
+        _fail(exc)
+    listing = [_gate_listing(g, settings.device) for g in gates.select("all")]
+    if as_json:
+        sys.stdout.write(json.dumps({"device": str(settings.device), "gates": listing}, indent=2) + "\n")
+        return
+    table = _names_table(f"gates (device: {settings.device})", ["gate"], "needs CUDA", "presets", "contenders", "summary")
+    for g in listing:
+        presets = ", ".join(
+            f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}{' *' if p['default_here'] else ''}" for p in g["presets"]
+        )
+        contenders = [f"{c['name']} ({c['role']})" + (f" unavailable: {c['unavailable']}" if c["unavailable"] else "")
+                      for c in g["contenders"]]
+        if settings.device.type != "cuda" and any(set(b["modes"]) - {"wall"} for b in g["benches"]):
+            contenders.append("(timing needs CUDA)")
+        table.add_row(escape(g["name"]), "yes" if g["needs_cuda"] else "no", escape(presets),
+                      escape("\n".join(contenders)), escape(g["summary"]))
+    console.print(table)
+    console.print("* = run by default on this device")
+
+
 @app.command()
-def env(device: DeviceOpt = "auto") -> None:
+def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     """Show this machine's fingerprint and what each gate is missing here."""
     try:
-        resolved = _setup(device, "auto")
+        settings = _setup(device, None)
         import gates
         from suite.harness.fingerprint import fingerprint
     except SuiteError as exc:
         _fail(exc)
-    fp = fingerprint(resolved, "auto")
-    table = Table(title="environment")
-    table.add_column("what")
-    table.add_column("value")
-    for key, value in fp.model_dump().items():
-        table.add_row(key, str(value))
-    console.print(table)
-    gates_table = Table(title="gates on this machine")
-    for column in ("gate", "parity", "bench", "missing"):
-        gates_table.add_column(column)
+    fp = fingerprint(settings.device, settings.profile)
+    rows = []
     for gate in gates.select("all"):
-        missing = [f"{p.name}: {r}" for p in gate.peers if (r := p.unavailable(resolved))]
-        can_gate = resolved.type == "cuda" or not gate.needs_cuda
+        missing = [f"{c.name}: {r}" for c in gate.contenders if (r := c.unavailable(settings.device))]
+        can_gate = settings.device.type == "cuda" or not gate.needs_cuda
         if not can_gate:
             missing.insert(0, "CUDA (the gate needs a GPU)")
-        can_bench = resolved.type == "cuda" and bool(gate.benches)
+        can_bench = bool(gate.benches) and (settings.device.type == "cuda" or all(b.modes == ("wall",) for b in gate.benches))
         if not can_bench:
             missing.append("CUDA for timing")
-        gates_table.add_row(gate.name, "yes" if can_gate else "no", "yes" if can_bench else "no", "\n".join(missing) or "-")
+        rows.append({"gate": gate.name, "parity": can_gate, "bench": can_bench, "missing": missing})
+    if as_json:
+        sys.stdout.write(json.dumps({"fingerprint": fp.model_dump(), "gates": rows}, indent=2) + "\n")
+        return
+    table = Table(title="environment")
+    table.add_column("what", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    for key, value in fp.model_dump().items():
+        table.add_row(key, escape(str(value)))
+    console.print(table)
+    gates_table = _names_table("gates on this machine", ["gate"], "parity", "bench", "missing")
+    for row in rows:
+        gates_table.add_row(escape(row["gate"]), "yes" if row["parity"] else "no", "yes" if row["bench"] else "no",
+                            escape("\n".join(row["missing"]) or "-"))
     console.print(gates_table)
 
 

@@ -26,9 +26,9 @@ from suite.harness.gate import (
     BenchCase,
     Bitwise,
     Buffers,
+    Contender,
     Gate,
     Outputs,
-    Peer,
     PerfCriterion,
     Preset,
     Saboteur,
@@ -193,42 +193,56 @@ SABOTEURS = (
                  b, p, wrap=lambda opt, params: CapturedOptimizer(opt, exclude=[next(iter(params.values()))]))),
 )
 
-# ---- bench: warm optimizer steps, host dispatch included ----
+# ---- bench: warm optimizer steps, host dispatch included; every contender declared once ----
 
 
-def _bench_optimizer(case: str, impl: str, params: list[torch.Tensor]) -> Any:
-    matrices = [p for p in params if p.dim() == 2]
-    vectors = [p for p in params if p.dim() == 1]
+def _muon_groups(params: list[torch.Tensor]) -> list[dict]:
+    return [{"params": [p for p in params if p.dim() == 2], "use_muon": True},
+            {"params": [p for p in params if p.dim() == 1], "use_muon": False, "lr": ADAMW_LR}]
+
+
+def _adamw(params: list[torch.Tensor], **implementation) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95), **implementation)
+
+
+def _step(make: Callable[[str, list[torch.Tensor]], Any]) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
+    """A contender's build: an optimizer over a copy of the saved parameters, with the first
+    saved gradients; one timed call is one step."""
+
+    def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+        names = _names(buffers)
+        params = [buffers[f"param/{n}"].clone().requires_grad_() for n in names]
+        for p, n in zip(params, names):
+            p.grad = buffers[f"grad00/{n}"].clone()
+        return make(case.name, params).step
+
+    return build
+
+
+def _eager(case: str, params: list[torch.Tensor]) -> Any:
     if case == "muon-step":
-        groups = [{"params": matrices, "use_muon": True}, {"params": vectors, "use_muon": False, "lr": ADAMW_LR}]
-        if impl == "reference":
-            return Muon(groups, lr=MUON_LR, weight_decay=WEIGHT_DECAY)
-        if impl == "arm":
-            return CapturedOptimizer(Muon(groups, lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=True))
-    else:
-        # eager vs captured of one optimizer, torch's fused AdamW (the fastest eager one);
-        # torch's default (foreach), its capture and the for-loop beside them
-        adamw = dict(lr=ADAMW_LR, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95))
-        builders = {
-            "reference": lambda: torch.optim.AdamW(params, fused=True, **adamw),
-            "arm": lambda: CapturedOptimizer(torch.optim.AdamW(params, fused=True, capturable=True, **adamw)),
-            "AdamW foreach": lambda: torch.optim.AdamW(params, foreach=True, **adamw),
-            "AdamW foreach captured": lambda: CapturedOptimizer(
-                torch.optim.AdamW(params, foreach=True, capturable=True, **adamw)),
-            "AdamW for-loop": lambda: torch.optim.AdamW(params, foreach=False, **adamw),
-        }
-        if impl in builders:
-            return builders[impl]()
-    raise LookupError(f"{impl} is not timed in the {case} bench")
+        return Muon(_muon_groups(params), lr=MUON_LR, weight_decay=WEIGHT_DECAY)
+    # torch's fused AdamW, the fastest eager one, against its own capture
+    return _adamw(params, fused=True)
 
 
-def bench_callable(case: BenchCase, impl: str, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
-    names = _names(buffers)
-    params = [buffers[f"param/{n}"].clone().requires_grad_() for n in names]
-    for p, n in zip(params, names):
-        p.grad = buffers[f"grad00/{n}"].clone()
-    optimizer = _bench_optimizer(case.name, impl, params)
-    return optimizer.step
+def _captured(case: str, params: list[torch.Tensor]) -> Any:
+    if case == "muon-step":
+        return CapturedOptimizer(Muon(_muon_groups(params), lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=True))
+    return CapturedOptimizer(_adamw(params, fused=True, capturable=True))
+
+
+CONTENDERS = (
+    Contender("reference", "reference", _step(_eager), note="the optimizer stepped eagerly (AdamW: fused)"),
+    Contender("arm", "arm", _step(_captured), note="the same optimizer's step captured (CapturedOptimizer)"),
+    Contender("AdamW foreach", "peer", _step(lambda case, params: _adamw(params, foreach=True)),
+              note="torch.optim.AdamW(foreach=True), torch's default", cases=("adamw-step",)),
+    Contender("AdamW foreach captured", "peer",
+              _step(lambda case, params: CapturedOptimizer(_adamw(params, foreach=True, capturable=True))),
+              note="CapturedOptimizer(AdamW(foreach=True, capturable=True))", cases=("adamw-step",)),
+    Contender("AdamW for-loop", "peer", _step(lambda case, params: _adamw(params, foreach=False)),
+              note="torch.optim.AdamW(foreach=False)", cases=("adamw-step",)),
+)
 
 
 def _step_bytes(per_param: int) -> Callable[[Preset], int]:
@@ -245,13 +259,17 @@ def _muon_flops(preset: Preset) -> int:
     return total
 
 
+# Host-bound steps: eager windows only (a graph replay of the reference would be the arm), the
+# L2 warm (a training loop's optimizer state stays where the last step left it), GPU busy time
+# beside the wall time so the dispatch cost shows.
 BENCHES = (
     # Muon: read p, g, m; write p, m (fp32) = 20 B/param; the Newton-Schulz GEMMs dominate
     BenchCase("muon-step", "one Muon(+AdamW) optimizer step, dispatch included", bytes=_step_bytes(20),
-              flops=_muon_flops, l2="warm", host_bound=True, window=2, calls_per_round=3, cold_calls=4, peers=()),
+              flops=_muon_flops, ceiling="gemm", l2="warm", modes=("eager",), window=2, gpu_busy=True,
+              calls_per_round=3, cold_calls=4),
     # AdamW: read p, g, m, v; write p, m, v (fp32) = 28 B/param
     BenchCase("adamw-step", "one AdamW optimizer step, dispatch included", bytes=_step_bytes(28),
-              l2="warm", host_bound=True, window=10, calls_per_round=3, cold_calls=4),
+              l2="warm", modes=("eager",), window=10, gpu_busy=True, calls_per_round=3, cold_calls=4),
 )
 
 GATE = Gate(
@@ -266,13 +284,7 @@ GATE = Gate(
     arm=arm,
     parity=Bitwise(),
     saboteurs=SABOTEURS,
-    peers=(
-        Peer("AdamW foreach", note="torch.optim.AdamW(foreach=True), torch's default, in the adamw-step bench"),
-        Peer("AdamW foreach captured",
-             note="CapturedOptimizer(AdamW(foreach=True, capturable=True)), in the adamw-step bench"),
-        Peer("AdamW for-loop", note="torch.optim.AdamW(foreach=False), in the adamw-step bench"),
-    ),
+    contenders=CONTENDERS,
     benches=BENCHES,
-    bench_callable=bench_callable,
     perf=PerfCriterion(not_slower_than=("reference",), min_speedup={("medium", "muon-step"): 1.8}),
 )

@@ -17,13 +17,15 @@ import random
 import statistics
 
 from suite.errors import combine
-from suite.harness.report import (
+from suite.harness.results import (
     BenchResult,
     BufferProvenance,
     Ceilings,
+    Check,
     Comparison,
     ContenderTiming,
     CriterionCheck,
+    Failure,
     Fingerprint,
     GateResult,
     ParityResult,
@@ -100,6 +102,7 @@ def make_bench(
     nbytes: int = 4 * 16384 * 4096,
     flops: int = 0,
     rounds: int = 10,
+    mode: str = "graph",
     host_bound: bool = False,
     ambiguous: bool = False,
     seed: int = 0,
@@ -129,8 +132,9 @@ def make_bench(
     )]
     rng = random.Random(seed)
     return BenchResult(
-        case=case, description=description or f"RMSNorm {case}", l2="cold", host_bound=host_bound,
-        window=8 if host_bound else 1, bytes=nbytes, flops=flops, warmup_calls=25,
+        case=case, description=description or f"RMSNorm {case}", mode="eager" if host_bound else mode,
+        l2="warm" if host_bound else "cold", ceiling="copy", window=8 if host_bound else 1, bytes=nbytes,
+        flops=flops, warmup_calls=25,
         rounds=rounds, calls_per_round=20, noise_floor=noise_floor,
         aa_log_ratios=[rng.uniform(-noise_floor, noise_floor) for _ in range(rounds)],
         contenders=contenders, comparisons=comparisons, criteria=criteria,
@@ -141,9 +145,11 @@ def make_bench(
 def tolerance_check(name: str, shape: list[int], arm: float, ref: float, k: float = 2.0,
                     floor: float = 1e-6) -> TensorCheck:
     limit = k * ref + floor
+    problems = [] if arm <= limit else [Failure(check=Check.PARITY, message=(
+        f"{name}: relative error {arm:.3e} > limit {limit:.3e}"))]
     return TensorCheck(
-        name=name, shape=shape, dtype="torch.bfloat16", passed=arm <= limit,
-        message="" if arm <= limit else f"parity: {name} relative error {arm:.3e} > limit {limit:.3e}",
+        name=name, shape=shape, dtype="torch.bfloat16", mode="tolerance", k=k, floor=floor, passed=arm <= limit,
+        problems=problems, compared=math.prod(shape),
         arm_rel_l2=arm, ref_rel_l2=ref, limit_rel_l2=limit, arm_rel_max=arm * 3,
         ref_rel_max=ref * 3, limit_rel_max=k * ref * 3 + floor, nonfinite_match=True,
     )
@@ -165,18 +171,20 @@ def make_tolerance_result(
         tolerance_check("dw", [shape[1]], arm=1.2e-4, ref=1.1e-4),
     ]
     parity = ParityResult(
-        mode="tolerance", k=2.0, floor=1e-6, passed=all(t.passed for t in tensors), tensors=tensors,
+        mode="tolerance", passed=all(t.passed for t in tensors), tensors=tensors,
         inputs_unchanged=True, deterministic=True, recheck_after_timing=True,
-        failures=[t.message for t in tensors if not t.passed],
+        failures=[p for t in tensors for p in t.problems],
     )
     saboteurs = [SaboteurResult(
         name="fp32_accumulate_skipped", description="accumulates the sum of squares in bf16",
-        expected_check="parity", caught=saboteur_caught,
-        failures=["parity: y relative error 4.1e-02 > limit 3.8e-03"] if saboteur_caught else [],
+        expected_check=Check.PARITY, caught=saboteur_caught,
+        failures=[Failure(check=Check.PARITY, message="y: relative error 4.1e-02 > limit 3.8e-03")]
+        if saboteur_caught else [],
     )]
     if benches is None:
         benches = [
             make_bench("fwd", reference_ms=0.9, arm_ms=0.0675, seed=10),
+            make_bench("fwd", reference_ms=0.95, arm_ms=0.0712, mode="eager", seed=15),
             make_bench("fwd+bwd", reference_ms=2.9, arm_ms=0.31, nbytes=10 * 16384 * 4096, seed=20,
                        peers={"torch_compile": 0.35, "liger": "liger-kernel is not installed"}),
         ]
@@ -197,18 +205,18 @@ def make_bitwise_result(
 ) -> GateResult:
     """A bitwise (optimizer-step) gate result with a host-bound bench."""
     if parity_passed:
-        tensor = TensorCheck(name="params", shape=[1024, 1024], dtype="torch.float32", passed=True,
-                             differing=0, max_ulp=0)
+        tensor = TensorCheck(name="params", shape=[1024, 1024], dtype="torch.float32", mode="bitwise",
+                             passed=True, differing=0, max_ulp=0)
     else:
         tensor = TensorCheck(
-            name="params", shape=[1024, 1024], dtype="torch.float32", passed=False,
+            name="params", shape=[1024, 1024], dtype="torch.float32", mode="bitwise", passed=False,
             differing=17, first_index=[3, 511], max_ulp=4,
-            message="parity: step 2, params differs at [3, 511] by 4 ULP (17 elements)",
+            problems=[Failure(check=Check.PARITY, message="step 2, params differs at [3, 511] by 4 ULP (17 elements)")],
         )
     parity = ParityResult(
         mode="bitwise", passed=parity_passed, tensors=[tensor], inputs_unchanged=True,
         deterministic=True, recheck_after_timing=True,
-        failures=[] if parity_passed else [tensor.message],
+        failures=[] if parity_passed else list(tensor.problems),
     )
     if benches is None:
         benches = [make_bench("step", description="Muon step, 168 matrices", reference_ms=81.9,

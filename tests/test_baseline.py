@@ -19,10 +19,10 @@ from suite.harness.baseline import (
     MIN_CHANGE,
     compare,
     load_baseline,
-    render_comparison,
     save_baseline,
 )
 from suite.harness.fingerprint import fingerprint_class
+from suite.harness.render import render_comparison
 
 
 def rmsnorm_run(*, arm_ms: float = 0.25, reference_ms: float = 1.0, noise_floor: float = 0.01,
@@ -48,17 +48,17 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
     run = baseline.run_of("medium")
     assert (run.run_id, run.command, run.fingerprint) == (report.run_id, report.command, report.fingerprint)
     assert baseline.fingerprint_class == fingerprint_class(report.fingerprint)
-    timed = {(e.preset, e.case, e.contender) for e in baseline.entries}
-    assert timed == {("medium", case, c) for case in ("fwd", "fwd+bwd")
+    timed = {(e.preset, e.case, e.mode, e.contender) for e in baseline.entries}
+    assert timed == {("medium", case, mode, c) for case, mode in (("fwd", "graph"), ("fwd", "eager"), ("fwd+bwd", "graph"))
                      for c in ("reference", "arm", "torch_compile")}  # liger was unavailable
-    arm = next(e for e in baseline.entries if e.case == "fwd" and e.contender == "arm")
+    arm = next(e for e in baseline.entries if e.case == "fwd" and e.mode == "graph" and e.contender == "arm")
     source = report.results[0].bench[0].contenders[1]
     assert (arm.median_ms, arm.round_medians_ms, arm.gbps) == (source.median_ms, source.round_medians_ms, source.gbps)
     assert arm.noise_floor == 0.01
 
     cmp = compare(report, tmp_path)
     assert cmp.passed
-    assert len(cmp.entries) == 8
+    assert len(cmp.entries) == 11  # 9 rmsnorm (two cases, fwd in both modes) + 2 muon
     assert {e.status for e in cmp.entries} == {"same"}
     assert all(e.ratio == pytest.approx(1.0) for e in cmp.entries)
 
@@ -215,9 +215,9 @@ def test_save_never_merges_across_machine_classes_or_into_an_unreadable_file(tmp
 def test_load_baseline_errors_are_clear(tmp_path):
     path = tmp_path / "rmsnorm.json"
     path.write_text(json.dumps({"schema_version": 7, "gate": "rmsnorm"}))
-    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 2"):
+    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 3"):
         load_baseline(path)
-    path.write_text(json.dumps({"schema_version": 2, "gate": "rmsnorm"}))
+    path.write_text(json.dumps({"schema_version": 3, "gate": "rmsnorm"}))
     with pytest.raises(UsageError, match=r"not a valid baseline: .*runs: Field required"):
         load_baseline(path)
 

@@ -11,7 +11,7 @@ import toygate
 from cli import app
 from suite.errors import ExitCode
 from suite.harness import runner as runner_module
-from suite.harness.report import GateResult
+from suite.harness.results import GateResult
 
 cli = CliRunner()
 
@@ -33,7 +33,7 @@ def reports(tmp_path):
 def toy_gates(monkeypatch):
     """Register the toy gates next to the real ones."""
     real_get = gates.get
-    toys = {"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE}
+    toys = {"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE, "toy-bench": toygate.BENCH_GATE}
     monkeypatch.setattr(gates, "GATE_MODULES", {**gates.GATE_MODULES, **{n: "toygate" for n in toys}})
     monkeypatch.setattr(gates, "get", lambda name: toys[name] if name in toys else real_get(name))
 
@@ -61,7 +61,7 @@ def test_bench_on_cpu_is_skipped_not_failed(reports):
     assert result.exit_code == ExitCode.OK
     report = json.loads((report_dirs(reports)[0] / "report.json").read_text())
     assert report["results"][0]["bench_skipped"] == "timing needs CUDA"
-    assert "skipped: timing needs CUDA" in result.output
+    assert "skipped: timing needs" in result.output
 
 
 def test_unknown_gate_and_preset_are_usage_errors(reports):
@@ -102,9 +102,9 @@ def test_cuda_gate_named_on_cpu_could_not_run_but_run_lists_it(reports, toy_gate
 
 
 def test_ambiguous_timing_exits_4(reports, monkeypatch):
-    def ambiguous(self, gate, preset):
-        return GateResult(gate=gate.name, arm=gate.arm_name, preset=preset.name, preset_params={}, device="cpu",
-                          status="ambiguous", reason="timing stayed ambiguous")
+    def ambiguous(self, unit, phases):
+        return GateResult(gate=unit.gate.name, arm=unit.gate.arm_name, preset=unit.preset.name, preset_params={},
+                          device="cpu", status="ambiguous", reason="timing stayed ambiguous")
 
     monkeypatch.setattr(runner_module.Runner, "_judge_and_time", ambiguous)
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports)
@@ -160,7 +160,9 @@ def test_default_presets_larger_than_the_card_are_listed_not_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (14.5 * 2**30, 16 * 2**30))
     plan = runner_module.Runner(runner_module.RunOptions(device=torch.device("cuda"), explicit=False))
     units, skipped, refused = plan.plan([gates.get("rmsnorm")])
-    assert [p.name for _, p in units] == ["16384x4096", "32768x2048", "8192x8192"]
+    # the saboteurs run once, at the smallest preset (tiny), before the standard presets
+    assert [u.preset.name for u in units] == ["tiny", "4096x2048", "8192x2880", "16384x4096", "32768x2048",
+                                              "8192x8192"]
     assert len(skipped) == 1 and "4096x65536" in skipped[0].reason and "14.5 GiB free" in skipped[0].reason
     assert not refused
 
@@ -188,8 +190,71 @@ def test_unwritable_reports_could_not_run(tmp_path):
 
 def test_compare_that_compares_nothing_is_not_a_pass(reports, tmp_path):
     from factories import make_report
-    from suite.harness.report import write_report
+    from suite.harness.store import write_report
 
     path = write_report(make_report(), reports, "bench")
     result = invoke("baseline", "compare", path, "--baselines", tmp_path / "none")
     assert result.exit_code == ExitCode.COULD_NOT_RUN and "nothing compared" in result.output
+
+
+# ---- a new gate needs no harness change; saboteur placement; machine-readable listings ----
+
+
+def test_a_gate_written_against_the_contract_alone_gates_and_benches(reports, toy_gates):
+    result = invoke("bench", "toy-bench", "--device", "cpu", "--reports", reports, "--sabotage")
+    assert result.exit_code == ExitCode.OK, result.output
+    report = json.loads((report_dirs(reports)[0] / "report.json").read_text())
+    (gate_result,) = report["results"]
+    parity = gate_result["parity"]
+    assert parity["mode"] == "mixed"
+    assert {t["name"]: t["mode"] for t in parity["tensors"]} == {"sums": "tolerance", "largest": "bitwise"}
+    assert [s["name"] for s in gate_result["saboteurs"] if s["caught"]] == ["drops-last-column"]
+    (bench,) = gate_result["bench"]
+    assert bench["mode"] == "wall" and bench["ceiling"] == "none"
+    timed = {c["name"]: c for c in bench["contenders"]}
+    assert timed["absent"]["unavailable"] == "not installed here"
+    assert timed["arm"]["median_ms"] > 0 and timed["einsum"]["median_ms"] > 0
+    assert [c["name"] for c in bench["criteria"]] == ["not slower than reference"]
+    assert set(gate_result["phases"]) >= {"buffers", "reference", "parity", "saboteur drops-last-column", "bench sum wall"}
+
+
+def test_saboteurs_run_once_at_the_smallest_preset_unless_thorough(reports, toy_gates):
+    result = invoke("gate", "toy-bench", "--device", "cpu", "--preset", "wide", "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    report = json.loads((report_dirs(reports)[-1] / "report.json").read_text())
+    by_preset = {r["preset"]: r for r in report["results"]}
+    assert list(by_preset) == ["tiny", "wide"]  # tiny added, for the saboteurs
+    assert [s["name"] for s in by_preset["tiny"]["saboteurs"]] == ["drops-last-column"]
+    assert by_preset["wide"]["saboteurs"] == [] and "run at preset tiny" in by_preset["wide"]["saboteurs_note"]
+    result = invoke("gate", "toy-bench", "--device", "cpu", "--preset", "wide", "--thorough", "--reports", reports)
+    report = json.loads((report_dirs(reports)[-1] / "report.json").read_text())
+    assert [(r["preset"], len(r["saboteurs"])) for r in report["results"]] == [("wide", 1)]
+
+
+def test_saboteurs_do_not_run_on_recorded_buffers(tmp_path, reports):
+    out = tmp_path / "buffers"
+    assert invoke("record", "rmsnorm", "--preset", "tiny-fp32", "--out", out, "--device", "cpu").exit_code == 0
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", out, "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    report = json.loads((report_dirs(reports)[0] / "report.json").read_text())
+    own, recorded = report["results"]
+    assert own["preset"] == "tiny" and own["buffers"]["source"] == "fresh" and len(own["saboteurs"]) == 6
+    assert recorded["buffers"]["source"] == "loaded" and recorded["saboteurs"] == []
+    assert "not applicable on recorded buffers" in recorded["saboteurs_note"]
+
+
+def test_list_and_env_print_json():
+    listing = json.loads(invoke("list", "--device", "cpu", "--json").output)
+    rmsnorm = next(g for g in listing["gates"] if g["name"] == "rmsnorm")
+    assert {c["name"] for c in rmsnorm["contenders"]} >= {"reference", "arm", "F.rms_norm"}
+    assert [p["name"] for p in rmsnorm["presets"] if p["default_here"]] == ["tiny"]
+    env = json.loads(invoke("env", "--device", "cpu", "--json").output)
+    assert env["fingerprint"]["device_slug"] == "cpu"
+    assert {g["gate"]: g["parity"] for g in env["gates"]} == {"rmsnorm": True, "graph-capture": False}
+
+
+def test_gate_names_are_never_cut_in_a_narrow_pipe():
+    narrow = CliRunner(env={"COLUMNS": "80"})
+    for command in (["list", "--device", "cpu"], ["env", "--device", "cpu"]):
+        output = narrow.invoke(app, command).output
+        assert "graph-capture" in output and "rmsnorm" in output, output

@@ -11,6 +11,7 @@ from cli import app
 from gates import graph_capture as gc
 from suite.errors import ExitCode
 from suite.harness import parity
+from suite.harness.results import Check
 
 GATE = gates.get("graph-capture")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -82,5 +83,5 @@ def test_every_saboteur_fails_the_gate_with_its_first_divergence(judged_tiny, sa
     preset, buffers, expected = judged_tiny
     copies = {n: t.clone() for n, t in buffers.items()}
     result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed and any(f.startswith("parity") for f in result.failures)
+    assert not result.passed and any(f.check == Check.PARITY for f in result.failures)
     assert "/step" in result.first_divergence  # names the step and tensor where it began

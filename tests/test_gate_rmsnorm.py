@@ -35,7 +35,7 @@ def test_every_saboteur_fails_the_gate(judged, saboteur):
     copies = {n: t.clone() for n, t in buffers.items()}
     result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
     assert not result.passed
-    assert any(f.startswith(saboteur.caught_by) for f in result.failures), result.failures
+    assert saboteur.caught_by in result.checks_failed(), result.failures
 
 
 def test_every_saboteur_applies_to_the_default_cpu_preset():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from suite.harness import parity
+from suite.harness.results import Check
 from suite.harness.gate import Bitwise, Gate, Preset, Tolerance
 
 PRESET = Preset("toy", {"rows": 8, "cols": 16}, where="any")
@@ -87,7 +88,7 @@ def test_bitwise_flags_unwritten_nan_as_poison():
     arm = ref.clone()
     arm[3] = float("nan")
     check = parity.bitwise_check("t", arm, ref)
-    assert not check.passed and check.message.startswith("poison:")
+    assert not check.passed and check.problems[0].check == Check.POISON
 
 
 def test_bitwise_rejects_dtype_and_shape_mismatch():
@@ -137,7 +138,7 @@ def test_tolerance_flags_nan_where_truth_is_finite_as_poison():
     arm = truth.float()
     arm[3, 7] = float("nan")
     check = _tol(arm, truth.float(), truth)
-    assert not check.passed and check.message.startswith("poison:")
+    assert not check.passed and check.problems[0].check == Check.POISON
 
 
 def test_tolerance_rejects_constant_output():
@@ -179,7 +180,7 @@ def test_judge_catches_unwritten_output_through_poison():
         return {"y": y, "dx": out["dx"]}
 
     result = judge(toy_gate(lazy))
-    assert not result.passed and any(f.startswith("poison:") for f in result.failures)
+    assert not result.passed and any(f.check == Check.POISON for f in result.failures)
 
 
 def test_judge_catches_modified_inputs():
@@ -189,7 +190,7 @@ def test_judge_catches_modified_inputs():
         return out
 
     result = judge(toy_gate(sloppy))
-    assert not result.inputs_unchanged and any(f.startswith("inputs:") for f in result.failures)
+    assert not result.inputs_unchanged and any(f.check == Check.INPUTS for f in result.failures)
 
 
 def test_judge_catches_nondeterminism_unless_declared():
@@ -199,14 +200,14 @@ def test_judge_catches_nondeterminism_unless_declared():
         return {"y": (out["y"].view(torch.int16) ^ noise).view(torch.bfloat16), "dx": out["dx"]}
 
     flagged = judge(toy_gate(jittery, mode=Bitwise()))
-    assert flagged.deterministic is False and any(f.startswith("determinism:") for f in flagged.failures)
+    assert flagged.deterministic is False and any(f.check == Check.DETERMINISM for f in flagged.failures)
     declared = judge(toy_gate(toy_reference, nondeterministic="atomics in the reduction"))
     assert declared.deterministic is None and declared.nondeterministic_reason == "atomics in the reduction"
 
 
 def test_judge_reports_missing_outputs():
     result = judge(toy_gate(lambda b, p: {"y": toy_reference(b, p)["y"]}))
-    assert not result.passed and any(f.startswith("outputs:") for f in result.failures)
+    assert not result.passed and any(f.check == Check.OUTPUTS for f in result.failures)
 
 
 def test_reference_that_modifies_inputs_is_a_gate_bug():
@@ -227,7 +228,7 @@ def test_recheck_after_timing():
     _, outputs = parity.judge_arm(gate, PRESET, buffers, expected)
     assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs) == []
     buffers["x"].add_(1)  # what a timed arm writing into its input would leave behind
-    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs)[0].startswith("inputs:")
+    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs)[0].check == Check.INPUTS
 
 
 def test_large_tensors_are_judged_in_chunks(monkeypatch):
@@ -254,7 +255,7 @@ def test_first_divergence_follows_the_reference_order():
 
     gate = Gate(**{**toy_gate(mode=Bitwise()).__dict__, "reference": outputs, "arm": lambda b, p: outputs(b, p, 1)})
     result = judge(gate)
-    assert not result.passed and result.first_divergence.startswith("step10: parity:")
+    assert not result.passed and result.first_divergence.startswith("parity: step10")
     assert [t.name for t in result.tensors] == steps
 
 
@@ -282,12 +283,12 @@ def test_a_gate_with_thousands_of_outputs_keeps_its_report_short():
     gate = Gate(**{**toy_gate(mode=Bitwise()).__dict__, "reference": outputs,
                    "arm": lambda b, p: outputs(b, p, drift_from=400)})
     result = judge(gate)
-    assert not result.passed and result.first_divergence.startswith("step0400: parity:")
+    assert not result.passed and result.first_divergence.startswith("parity: step0400")
     assert result.counts() == (500, 400) and result.outputs_checked == 500
     assert len(result.tensors) == parity.KEPT_CHECKS and not any(t.passed for t in result.tensors)
     assert result.tensors[0].name == "step0400"
     assert len(result.failures) == parity.KEPT_FAILURES + 1
-    assert result.failures[-1] == f"parity: {100 - parity.KEPT_FAILURES} more outputs differ (first 20 listed)"
+    assert str(result.failures[-1]) == f"parity: {100 - parity.KEPT_FAILURES} more outputs fail (first 20 listed)"
 
     passing = judge(Gate(**{**gate.__dict__, "arm": outputs}))
     assert passing.passed and passing.counts() == (500, 500) and passing.tensors == []

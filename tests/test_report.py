@@ -19,23 +19,18 @@ from factories import (
     make_tolerance_result,
 )
 
-import suite.harness.report as report_mod
+import suite.harness.results as results_mod
+import suite.harness.store as store_mod
 from suite.errors import ExitCode, UsageError
-from suite.harness.report import (
-    REPORT_FILES,
-    GateResult,
-    RunReport,
-    SkippedGate,
+from suite.harness.render import (
     exit_code_meaning,
-    list_reports,
-    load_report,
     render_junit,
     render_markdown,
     render_pytest_benchmark,
-    slugify,
     to_json,
-    write_report,
 )
+from suite.harness.results import GateResult, RunReport, SkippedGate, load_report, slugify
+from suite.harness.store import REPORT_FILES, list_reports, write_report
 
 
 def failing_report() -> RunReport:
@@ -59,7 +54,7 @@ def test_json_round_trip_is_equal(tmp_path):
     path = tmp_path / "report.json"
     path.write_text(to_json(report))
     assert load_report(path) == report
-    assert json.loads(to_json(report))["schema_version"] == report_mod.SCHEMA_VERSION
+    assert json.loads(to_json(report))["schema_version"] == results_mod.SCHEMA_VERSION
 
 
 def test_load_report_not_json_names_file_and_problem(tmp_path):
@@ -77,7 +72,7 @@ def test_load_report_wrong_schema_version_says_both_versions(tmp_path):
     with pytest.raises(UsageError) as err:
         load_report(path)
     assert "schema_version 99" in str(err.value)
-    assert f"reads run reports of schema_version {report_mod.SCHEMA_VERSION}" in str(err.value)
+    assert f"reads run reports of schema_version {results_mod.SCHEMA_VERSION}" in str(err.value)
     assert str(path) in str(err.value)
 
 
@@ -125,7 +120,7 @@ def test_markdown_holds_the_key_figures():
                    "0123456789ab", "4275 GB/s", "685 TFLOP/s"):
         assert figure in md, figure
     # the summary row of every gate, the skipped one included
-    assert re.search(r"\| rmsnorm +\| medium +\| cuda:0 +\| passed +\| tolerance 3/3 tensors ok", md)
+    assert re.search(r"\| rmsnorm +\| medium +\| cuda:0 +\| passed +\| 42.5 +\| tolerance 3/3 outputs ok", md)
     assert re.search(r"\| moe +\| medium +\| cuda:0 +\| \*\*COULD NOT RUN\*\*", md)
     assert re.search(r"\| graph +\|.*skipped.*needs CUDA graphs", md)
     # parity figures, anti-cheat checks, saboteurs, bench figures, noise floor, criteria
@@ -148,9 +143,10 @@ def test_markdown_holds_the_key_figures():
 def test_markdown_shows_failures_plainly():
     md = render_markdown(failing_report())
     assert "exit code: **1**: a gate failed" in md
-    assert "### Parity (tolerance: arm error <= 2 x reference error + 1e-06): **FAILED**" in md
+    assert "### Parity (tolerance): **FAILED**" in md
+    assert "### Parity (bitwise): **FAILED**" in md
     assert "**MISSED**" in md
-    assert "### Bench fwd+bwd: RMSNorm fwd+bwd: **AMBIGUOUS**" in md
+    assert "### Bench fwd+bwd, graph: RMSNorm fwd+bwd: **AMBIGUOUS**" in md
     assert "- **FAIL** not slower than reference" in md
     assert "| [3, 511]" in md  # bitwise first differing index
     assert "fwd+bwd" in md and "AMBIGUOUS" in md
@@ -161,7 +157,7 @@ def test_markdown_escapes_pipes_in_cells():
     md = render_markdown(make_report(results=[result], skipped=[SkippedGate(gate="x", reason="p|q")]))
     assert "p\\|q" in md
     summary = [line for line in md.splitlines() if line.startswith("| x ")]
-    assert len(summary) == 1 and summary[0].count(" | ") == 5
+    assert len(summary) == 1 and summary[0].count(" | ") == 6
 
 
 def test_exit_code_meanings_cover_every_code():
@@ -191,13 +187,13 @@ def test_junit_of_a_mixed_run():
     root = ET.fromstring(xml.split("\n", 1)[1])
     assert root.tag == "testsuites"
     assert [s.get("name") for s in root.iter("testsuite")] == ["rmsnorm", "muon", "moe", "graph"]
-    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("8", "0", "1", "1")
+    assert (root.get("tests"), root.get("failures"), root.get("errors"), root.get("skipped")) == ("9", "0", "1", "1")
     _assert_counts_consistent(root)
     cases = _cases(root)
     assert set(cases) == {
         "rmsnorm.medium::parity", "rmsnorm.medium::saboteur:fp32_accumulate_skipped",
-        "rmsnorm.medium::bench:fwd", "rmsnorm.medium::bench:fwd+bwd",
-        "muon.small::parity", "muon.small::bench:step", "moe.medium::parity", "graph::parity",
+        "rmsnorm.medium::bench:fwd:graph", "rmsnorm.medium::bench:fwd:eager", "rmsnorm.medium::bench:fwd+bwd:graph",
+        "muon.small::parity", "muon.small::bench:step:eager", "moe.medium::parity", "graph::parity",
     }
     assert "out of memory" in cases["moe.medium::parity"].find("error").get("message")
     assert cases["graph::parity"].find("skipped") is not None
@@ -209,9 +205,9 @@ def test_junit_failures_errors_and_ambiguous():
     cases = _cases(root)
     assert "relative error" in cases["rmsnorm.medium::parity"].find("failure").get("message")
     assert cases["rmsnorm.medium::saboteur:fp32_accumulate_skipped"].find("failure") is not None
-    assert cases["rmsnorm.medium::bench:fwd"].find("failure") is None
-    assert cases["rmsnorm.medium::bench:fwd+bwd"].find("failure").get("message") == "ambiguous"
-    assert "not slower than reference" in cases["muon.small::bench:step"].find("failure").get("message")
+    assert cases["rmsnorm.medium::bench:fwd:graph"].find("failure") is None
+    assert cases["rmsnorm.medium::bench:fwd+bwd:graph"].find("failure").get("message") == "ambiguous"
+    assert "not slower than reference" in cases["muon.small::bench:step:graph"].find("failure").get("message")
     assert "step 2, params differs" in cases["muon.small::parity"].find("failure").get("message")
     # two parity failures, missed saboteur, ambiguous bench, slow bench; one could-not-run
     assert (root.get("failures"), root.get("errors"), root.get("skipped")) == ("5", "1", "0")
@@ -243,11 +239,12 @@ def test_pytest_benchmark_document_layout():
     report = make_report()
     doc = render_pytest_benchmark(report)
     assert set(doc) == {"machine_info", "commit_info", "benchmarks", "datetime", "version"}
-    # rmsnorm fwd and fwd+bwd: reference, arm, torch_compile (liger unavailable); muon: 2
-    assert len(doc["benchmarks"]) == 8
-    bench = next(b for b in doc["benchmarks"] if b["name"] == "rmsnorm[medium-fwd-arm]")
+    # rmsnorm fwd (graph, eager) and fwd+bwd (graph): reference, arm, torch_compile (liger
+    # unavailable); muon: 2
+    assert len(doc["benchmarks"]) == 11
+    bench = next(b for b in doc["benchmarks"] if b["name"] == "rmsnorm[medium-fwd-graph-arm]")
     arm = report.results[0].bench[0].contenders[1]
-    assert bench["group"] == "rmsnorm/medium/fwd"
+    assert bench["group"] == "rmsnorm/medium/fwd/graph" and bench["params"]["mode"] == "graph"
     assert bench["stats"]["data"] == pytest.approx([ms / 1e3 for ms in arm.round_medians_ms])
     assert bench["stats"]["median"] == pytest.approx(arm.median_ms / 1e3)
     assert bench["stats"]["rounds"] == len(arm.round_medians_ms)
@@ -271,10 +268,10 @@ def test_pytest_benchmark_compare_reads_it(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert "Failed to load" not in done.stdout + done.stderr
-    for name in ("rmsnorm[medium-fwd-arm]", "rmsnorm[medium-fwd+bwd-torch_compile]",
-                 "muon[small-step-reference]"):
+    for name in ("rmsnorm[medium-fwd-graph-arm]", "rmsnorm[medium-fwd-eager-arm]",
+                 "rmsnorm[medium-fwd+bwd-graph-torch_compile]", "muon[small-step-eager-reference]"):
         assert name in done.stdout, name
-    assert "rmsnorm/medium/fwd" in done.stdout
+    assert "rmsnorm/medium/fwd/graph" in done.stdout
 
 
 def test_pytest_benchmark_storage_loads_it(tmp_path):
@@ -285,7 +282,7 @@ def test_pytest_benchmark_storage_loads_it(tmp_path):
     path.write_text(json.dumps(render_pytest_benchmark(make_report())))
     storage = FileStorage(tmp_path, logger=Logger(Logger.QUIET))
     benches = list(storage.load_benchmarks(str(path)))
-    assert len(benches) == 8
+    assert len(benches) == 11
     assert all(b["ops"] > 0 and b["source"] is not None for b in benches)
 
 
@@ -323,8 +320,8 @@ def test_a_crash_while_writing_leaves_no_report_dir(tmp_path, monkeypatch, targe
             raise RuntimeError("simulated crash")
         return original(*args, **kwargs)
 
-    original = getattr(report_mod, target)
-    monkeypatch.setattr(report_mod, target, boom)
+    original = getattr(store_mod, target)
+    monkeypatch.setattr(store_mod, target, boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         write_report(make_report(), tmp_path, "run")
     assert list(tmp_path.iterdir()) == []
@@ -336,7 +333,7 @@ def test_stale_temp_dirs_are_cleaned_and_never_listed(tmp_path):
     for d in (stale, fresh):
         d.mkdir()
         (d / "report.json").write_text("{}")
-    hour_ago = time.time() - 2 * report_mod.STALE_TMP_S
+    hour_ago = time.time() - 2 * store_mod.STALE_TMP_S
     os.utime(stale, (hour_ago, hour_ago))
     assert list_reports(tmp_path) == []
     written = write_report(make_report(), tmp_path, "run")

@@ -7,6 +7,7 @@ here is reproducible on the CPU; only the `cuda`-marked test touches real timing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -16,9 +17,12 @@ import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
 from suite.harness import timing
-from suite.harness.report import Ceilings
+from suite.harness.results import Ceilings
 from suite.harness.timing import (
     CudaTimer,
+    Rotation,
+    Timed,
+    WallTimer,
     TimingPolicy,
     bootstrap_ci,
     copy_size,
@@ -79,18 +83,20 @@ def make_case(**kw) -> BenchCase:
     return BenchCase(name="fwd", description="synthetic", **kw)
 
 
-def make_contenders(*peers: str, unavailable: dict[str, str] | None = None) -> list:
-    rows = [("reference", "reference", FakeFn("reference"), None),
-            ("arm", "arm", FakeFn("arm"), None)]
-    rows += [(p, "peer", FakeFn(p), None) for p in peers]
-    rows += [(p, "peer", None, why) for p, why in (unavailable or {}).items()]
+def make_contenders(*peers: str, unavailable: dict[str, str] | None = None) -> list[Timed]:
+    rows = [Timed("reference", "reference", FakeFn("reference")), Timed("arm", "arm", FakeFn("arm"))]
+    rows += [Timed(p, "peer", FakeFn(p)) for p in peers]
+    rows += [Timed(p, "peer", None, why) for p, why in (unavailable or {}).items()]
     return rows
 
 
-def bench(dists, criterion=PerfCriterion(), *, case=None, contenders=None, ceilings=None,
-          policy=POLICY, log=None, progress=None):
+NOT_SLOWER = PerfCriterion(not_slower_than=("reference",))
+
+
+def bench(dists, criterion=NOT_SLOWER, *, case=None, contenders=None, ceilings=None,
+          policy=POLICY, log=None, progress=None, mode="graph"):
     timer = FakeTimer(dists, log)
-    result = measure_bench(case or make_case(), contenders or make_contenders(), PRESET,
+    result = measure_bench(case or make_case(), mode, contenders or make_contenders(), PRESET,
                            criterion, ceilings, policy, timer, progress)
     return result, timer
 
@@ -209,7 +215,8 @@ def test_bootstrap_ci_is_reproducible_under_a_seed():
 
 def test_bench_figures_are_reproducible():
     dists = {"reference": (1.0, 0.05), "arm": (0.9, 0.05)}
-    assert bench(dists)[0] == bench(dists)[0]
+    first, again = bench(dists)[0], bench(dists)[0]
+    assert first.model_copy(update={"duration_s": 0}) == again.model_copy(update={"duration_s": 0})
 
 
 def test_steady():
@@ -233,7 +240,7 @@ EXACT = {"reference": (1.0, 0.0), "arm": (0.5, 0.0)}  # arm: exactly 0.5 ms per 
 @pytest.mark.parametrize("need, passed", [(0.8, True), (0.8000001, False)])
 def test_copy_ceiling_fraction_boundary(need, passed):
     # 400 MB in 0.5 ms = 800 GB/s = 0.8 of 1000 GB/s
-    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): need})
+    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): need})
     result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
     arm = next(t for t in result.contenders if t.name == "arm")
     assert arm.gbps == pytest.approx(800.0) and arm.ceiling_fraction == pytest.approx(0.8)
@@ -246,8 +253,8 @@ def test_copy_ceiling_fraction_boundary(need, passed):
 @pytest.mark.parametrize("need, passed", [(0.6, True), (0.61, False)])
 def test_gemm_ceiling_fraction_boundary(need, passed):
     # 150 GFLOP in 0.5 ms = 300 TFLOP/s = 0.6 of 500 TFLOP/s
-    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): need}, ceiling="gemm")
-    case = make_case(flops=lambda preset: 150_000_000_000)
+    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): need})
+    case = make_case(flops=lambda preset: 150_000_000_000, ceiling="gemm")
     result, _ = bench(EXACT, criterion, case=case, ceilings=CEILINGS)
     arm = next(t for t in result.contenders if t.name == "arm")
     assert arm.tflops == pytest.approx(300.0) and arm.ceiling_fraction == pytest.approx(0.6)
@@ -258,20 +265,20 @@ def test_gemm_ceiling_fraction_boundary(need, passed):
 def test_min_speedup_boundary(least, passed):
     criterion = PerfCriterion(min_speedup={("small", "fwd"): least})  # the arm is exactly 2x
     result, _ = bench(EXACT, criterion)
-    check = next(c for c in result.criteria if c.name.startswith("speedup over the reference"))
+    check = next(c for c in result.criteria if c.name.startswith("speedup over reference"))
     assert check.passed is passed and "2.000x" in check.detail
     assert result.passed is passed
 
 
 def test_ceiling_fraction_without_ceilings_fails():
-    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): 0.1})
+    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): 0.1})
     result, _ = bench(EXACT, criterion, ceilings=None)
     assert not result.criteria[1].passed and "no ceilings" in result.criteria[1].detail
     assert next(t for t in result.contenders if t.name == "arm").ceiling_fraction is None
 
 
 def test_ceiling_fraction_for_another_case_is_not_checked():
-    criterion = PerfCriterion(min_ceiling_fraction={("small", "bwd"): 0.99})
+    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "bwd"): 0.99})
     result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
     assert len(result.criteria) == 1 and result.passed
 
@@ -356,19 +363,19 @@ class ScriptedTimer:
 def test_warm_up_runs_until_two_batch_medians_agree():
     # medians 3, 2, 1.5, 1.0, 1.01: steady at the 5th batch (within 2% of the 4th)
     timer = ScriptedTimer([3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
-    case = make_case(host_bound=True, window=4, l2="warm")
+    case = make_case(modes=("eager",), window=4, l2="warm")
     policy = TimingPolicy(warmup_cap_s=60.0)
-    result = measure_bench(case, make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
+    result = measure_bench(case, "eager", make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
     # 2 contenders x 5 batches x 10 timings x 4 calls a window
     assert result.warmup_calls == 2 * 5 * 10 * 4
-    assert timer.windows == {4} and result.window == 4 and result.host_bound
+    assert timer.windows == {4} and result.window == 4 and result.mode == "eager"
     assert all(t.median_ms == 1.0 for t in result.contenders)  # the 9.0 batch was never used
 
 
 def test_warm_up_stops_at_the_cap():
     timer = ScriptedTimer([1.0, 2.0] * 100_000)  # never steady
     policy = TimingPolicy(warmup_cap_s=0.05)
-    result = measure_bench(make_case(), make_contenders(), PRESET, PerfCriterion(), None,
+    result = measure_bench(make_case(), "graph", make_contenders(), PRESET, PerfCriterion(), None,
                            policy, timer)
     assert 2 * 2 * 10 <= result.warmup_calls < 2 * 200_000 * 10
 
@@ -376,19 +383,19 @@ def test_warm_up_stops_at_the_cap():
 # ---- misuse ------------------------------------------------------------------------------
 
 
-def test_unknown_criterion_name_is_refused_before_timing():
-    timer = FakeTimer(EXACT)
+def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
+    import toygate
+
     with pytest.raises(ValueError, match="nope"):
-        measure_bench(make_case(), make_contenders(), PRESET,
-                      PerfCriterion(not_slower_than=("reference", "nope")), None, POLICY, timer)
-    assert timer.log == []
+        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(not_slower_than=("reference", "nope")))
+    with pytest.raises(ValueError, match="huge"):
+        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("huge", "sum"): 2.0}))
 
 
 def test_unavailable_arm_is_refused():
-    contenders = [("reference", "reference", FakeFn("reference"), None),
-                  ("arm", "arm", None, "no triton")]
+    contenders = [Timed("reference", "reference", FakeFn("reference")), Timed("arm", "arm", None, "no triton")]
     with pytest.raises(ValueError, match="no triton"):
-        measure_bench(make_case(), contenders, PRESET, PerfCriterion(), None, POLICY,
+        measure_bench(make_case(), "graph", contenders, PRESET, PerfCriterion(), None, POLICY,
                       FakeTimer(EXACT))
 
 
@@ -454,10 +461,10 @@ def test_cuda_single_copy_beats_double_copy_and_ceilings_are_plausible():
         dst.copy_(src)
         dst.copy_(src)
 
-    contenders = [("reference", "reference", twice, None), ("arm", "arm", once, None)]
+    contenders = [Timed("reference", "reference", twice), Timed("arm", "arm", once)]
     case = BenchCase(name="copy", description="64 MB copy", bytes=lambda preset: 2 * src.nbytes)
     preset = Preset(name="copy64", params={})
-    result = measure_bench(case, contenders, preset, PerfCriterion(), ceilings, TimingPolicy(),
+    result = measure_bench(case, "graph", contenders, preset, NOT_SLOWER, ceilings, TimingPolicy(),
                            CudaTimer(device))
     assert against(result, "reference").verdict == "faster"
     assert result.passed
@@ -466,7 +473,7 @@ def test_cuda_single_copy_beats_double_copy_and_ceilings_are_plausible():
 
 
 def _cmp(speedup, low, high, floor_log):
-    from suite.harness.report import Comparison
+    from suite.harness.results import Comparison
 
     return Comparison(against="x", speedup=speedup, ci_low=low, ci_high=high,
                       verdict=timing.judge(speedup, low, high, floor_log))
@@ -500,3 +507,59 @@ def test_garbage_collector_is_off_inside_a_timed_window_and_restored_after(enabl
         assert gc.isenabled() is enabled_before
     finally:
         gc.enable()
+
+
+# ---- modes: graph replays, eager windows, the host's clock ---------------------------------
+
+
+def test_eager_mode_times_windows_of_back_to_back_calls_without_a_flush():
+    _, timer = bench(EXACT, case=make_case(window=7), mode="eager")
+    calls = {(entry[2], entry[3]) for entry in timer.log if entry[0] == "calls"}
+    assert calls == {(False, 7)}  # rotation, not a flush, keeps a cold case cold
+    _, timer = bench(EXACT, case=make_case(window=7), mode="graph")
+    assert {(entry[2], entry[3]) for entry in timer.log if entry[0] == "calls"} == {(True, 1)}
+
+
+def test_criteria_can_name_one_mode():
+    criterion = PerfCriterion(not_slower_than=("reference",), not_slower_modes=("graph",),
+                              min_ceiling_fraction={("small", "fwd", "graph"): 0.99})
+    graph, _ = bench(EXACT, criterion, ceilings=CEILINGS, mode="graph")
+    eager, _ = bench(EXACT, criterion, ceilings=CEILINGS, mode="eager")
+    assert [c.name for c in graph.criteria] == ["not slower than reference", "copy ceiling fraction >= 0.99"]
+    assert not graph.passed  # 0.8 of the copy ceiling
+    assert eager.criteria == [] and eager.passed
+    assert (graph.mode, eager.mode) == ("graph", "eager")
+
+
+def test_a_named_contender_not_timed_in_a_case_is_not_judged_there():
+    criterion = PerfCriterion(not_slower_than=("reference", "peer-of-another-case"))
+    result, _ = bench(EXACT, criterion)
+    assert [c.name for c in result.criteria] == ["not slower than reference"]
+
+
+def test_rotation_uses_each_input_set_in_turn():
+    used = []
+    rotation = Rotation([lambda i=i: used.append(i) for i in range(3)])
+    for _ in range(7):
+        rotation()
+    assert used == [0, 1, 2, 0, 1, 2, 0]
+    with pytest.raises(ValueError):
+        Rotation([])
+
+
+def test_wall_timer_runs_a_bench_on_the_cpu():
+    slow, fast = (lambda: sum(range(20000))), (lambda: sum(range(2000)))
+    contenders = [Timed("reference", "reference", slow), Timed("arm", "arm", fast)]
+    case = make_case(modes=("wall",), window=3, bytes=lambda preset: 0)
+    result = measure_bench(case, "wall", contenders, PRESET, NOT_SLOWER, None,
+                           TimingPolicy(warmup_cap_s=0.0, calls_per_round=3), WallTimer())
+    assert result.mode == "wall" and result.window == 3
+    assert against(result, "reference").speedup > 1
+    assert all(t.median_ms > 0 and t.cold_ms > 0 for t in result.contenders)
+
+
+def test_host_time_per_call_is_the_best_batch():
+    syncs = []
+    us = timing.host_us_per_call(lambda: None, lambda: syncs.append(1), calls=10, batches=3)
+    assert 0 <= us < 1000
+    assert len(syncs) == 2 * 4  # before and after each of 1 untimed + 3 timed batches

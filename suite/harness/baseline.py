@@ -22,27 +22,29 @@ from pydantic import BaseModel, computed_field
 
 from suite.errors import UsageError
 from suite.harness.fingerprint import fingerprint_class
-from suite.harness.report import (
+from suite.harness.results import (
     BenchResult,
     Fingerprint,
     GateResult,
+    Role,
     RunReport,
-    markdown_table,
+    TimingMode,
     read_versioned_json,
 )
 
-BASELINE_SCHEMA_VERSION = 2
+# 3: entries name their timing mode (graph replays or eager calls)
+BASELINE_SCHEMA_VERSION = 3
 # Below this change a timing is "same" even when the run's noise floor is tighter: a 1%
 # drift is not worth failing a build over.
 MIN_CHANGE = 0.02
 
-Role = Literal["reference", "arm", "peer"]
 EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
 
 
 class BaselineEntry(BaseModel):
     preset: str
     case: str
+    mode: TimingMode
     contender: str
     role: Role
     median_ms: float
@@ -78,6 +80,7 @@ class EntryComparison(BaseModel):
     gate: str
     preset: str
     case: str
+    mode: TimingMode
     contender: str
     role: Role
     status: EntryStatus
@@ -113,7 +116,7 @@ def load_baseline(path: str | Path) -> Baseline:
 def _entries(result: GateResult) -> list[BaselineEntry]:
     return [
         BaselineEntry(
-            preset=result.preset, case=bench.case, contender=c.name, role=c.role,
+            preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
             median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
             tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
         )
@@ -251,7 +254,7 @@ def _judge(
         "regressed" if change > threshold_log else "improved" if change < -threshold_log else "same"
     )
     return EntryComparison(
-        gate=gate, preset=preset, case=bench.case, contender=base.contender, role=base.role,
+        gate=gate, preset=preset, case=bench.case, mode=bench.mode, contender=base.contender, role=base.role,
         status=status, baseline_ms=base.median_ms, new_ms=new_ms, ratio=ratio,
         threshold=math.expm1(threshold_log), note=note,
     )
@@ -292,7 +295,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
         baseline = baselines.get(result.gate)
         note = f"fingerprint differs: {mismatches[result.gate]}" if result.gate in mismatches else ""
         known = {
-            (e.case, e.contender): e for e in (baseline.entries if baseline else [])
+            (e.case, e.mode, e.contender): e for e in (baseline.entries if baseline else [])
             if e.preset == result.preset
         }
         seen = set()
@@ -300,53 +303,23 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
             for c in bench.contenders:
                 if c.median_ms is None:
                     continue
-                key = (bench.case, c.name)
+                key = (bench.case, bench.mode, c.name)
                 seen.add(key)
                 if key in known:
                     entries.append(_judge(result.gate, result.preset, bench, known[key], c.median_ms, note))
                 else:
                     entries.append(EntryComparison(
-                        gate=result.gate, preset=result.preset, case=bench.case, contender=c.name,
-                        role=c.role, status="new", new_ms=c.median_ms,
+                        gate=result.gate, preset=result.preset, case=bench.case, mode=bench.mode,
+                        contender=c.name, role=c.role, status="new", new_ms=c.median_ms,
                         note=note or ("no baseline file" if baseline is None else "not in the baseline"),
                     ))
         for key, e in known.items():
             if key not in seen:
                 entries.append(EntryComparison(
-                    gate=result.gate, preset=result.preset, case=e.case, contender=e.contender,
-                    role=e.role, status="missing", baseline_ms=e.median_ms,
+                    gate=result.gate, preset=result.preset, case=e.case, mode=e.mode,
+                    contender=e.contender, role=e.role, status="missing", baseline_ms=e.median_ms,
                     note=note or "in the baseline, not timed in this run",
                 ))
     return ComparisonReport(
         run_id=report.run_id, baselines=paths, forced=force, mismatches=mismatches, entries=entries
     )
-
-
-def render_comparison(cmp: ComparisonReport) -> str:
-    regressed = [e for e in cmp.entries if e.role == "arm" and e.status == "regressed"]
-    verdict = "passed" if cmp.passed else f"**FAILED**: {len(regressed)} arm timing(s) regressed"
-    lines = [f"# Comparison of run {cmp.run_id} with baselines: {verdict}", ""]
-    for gate, path in cmp.baselines.items():
-        lines.append(f"- {gate}: {path}")
-    for gate, difference in cmp.mismatches.items():
-        lines.append(f"- forced past a fingerprint mismatch for {gate}: {difference}")
-    if cmp.baselines or cmp.mismatches:
-        lines.append("")
-
-    def ms(value: float | None) -> str:
-        return "—" if value is None else f"{value:.4f}"
-
-    rows = [
-        [e.gate, e.preset, e.case, e.contender, e.role, ms(e.baseline_ms), ms(e.new_ms),
-         "—" if e.ratio is None else f"{100 * (e.ratio - 1):+.1f}%",
-         "—" if e.threshold is None else f"±{100 * e.threshold:.1f}%",
-         f"**{e.status.upper()}**" if e.status == "regressed" and e.role == "arm" else e.status,
-         e.note]
-        for e in cmp.entries
-    ]
-    lines.append(markdown_table(
-        ["gate", "preset", "case", "contender", "role", "baseline ms", "new ms", "change",
-         "counts beyond", "status", "note"],
-        rows,
-    ))
-    return "\n".join(lines) + "\n"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from suite.harness.report import Fingerprint, slugify
+from suite.harness.results import Fingerprint, slugify
 
 # suite/harness/fingerprint.py -> the project root, where git answers for this checkout
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

@@ -1,17 +1,21 @@
-"""What a gate declares: presets, buffers, reference, arm, truth, peers, benches, saboteurs.
+"""What a gate declares: presets, buffers, reference, arm, truth, parity per output, saboteurs,
+contenders, bench cases and the performance criterion.
 
-A gate file (gates/<name>.py) builds one `Gate` from these pieces; the harness reads only
-this data, so adding an arm never touches the harness.
+A gate file (gates/<name>.py) builds one `Gate` from these pieces; the harness reads only this
+data, so adding an arm never touches the harness. Every timed implementation is one
+`Contender`, declared once: its name is what criteria, reports and baselines call it.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
 import torch
 
 from suite.errors import UsageError
+from suite.harness.results import CeilingKind, Check, Role, TimingMode
 
 Buffers = dict[str, torch.Tensor]
 Outputs = dict[str, torch.Tensor]
@@ -19,7 +23,7 @@ Outputs = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Preset:
-    """A named shape. `tiny` presets run anywhere (the CPU included, Triton interpreted)."""
+    """A named shape. `where="any"` presets run anywhere (the CPU included, Triton interpreted)."""
 
     name: str
     params: Mapping[str, Any]
@@ -31,14 +35,14 @@ class Preset:
 
 @dataclass(frozen=True)
 class Bitwise:
-    """Arm must reproduce the reference bit for bit."""
+    """The arm must reproduce the reference bit for bit (integers: value for value)."""
 
     kind: Literal["bitwise"] = "bitwise"
 
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Arm error vs a float64 truth <= k x the reference's own error + floor, per output.
+    """Arm error vs a float64 truth <= k x the reference's own error + floor.
 
     Two relative errors are judged: over the whole tensor (L2 norm of the difference over
     the truth's norm) and for the worst row (the same ratio per row of the last dimension),
@@ -55,62 +59,86 @@ Parity = Bitwise | Tolerance
 
 @dataclass(frozen=True)
 class Saboteur:
-    """A known-bad variant of the arm. The gate must fail it; `caught_by` says which check."""
+    """A known-bad variant of the arm. The gate must fail it, by the check `caught_by` names."""
 
     name: str
     description: str
     fn: Callable[[Buffers, Preset], Outputs]
-    caught_by: Literal["parity", "determinism", "poison", "inputs"] = "parity"
+    caught_by: Check = Check.PARITY
     # presets on which the sabotage can show at all (a no-op there proves nothing)
     applies: Callable[[Preset], bool] = lambda preset: True
 
 
 @dataclass(frozen=True)
-class Peer:
-    """An implementation a user would pick instead of the arm.
-
-    `unavailable(device)` returns None when the peer can run there, else the reason.
-    """
-
-    name: str
-    unavailable: Callable[[torch.device], str | None] = lambda device: None
-    note: str = ""
-
-
-@dataclass(frozen=True)
 class BenchCase:
-    """What one timed call is, and how much it must move and compute."""
+    """What one timed call is, how it is timed, and how much it must move and compute.
+
+    Modes: "graph" times replays of the call captured in a CUDA graph (device time, one call
+    per event pair, the L2 flushed before each when cold); "eager" times windows of `window`
+    back-to-back plain calls per event pair (what an eager loop pays, the host's dispatch
+    included; a cold case rotates through copies of the inputs instead of flushing); "wall"
+    times windows with the host's clock, for arms that are not CUDA kernels (any machine).
+    """
 
     name: str  # e.g. "fwd", "fwd+bwd", "step"
     description: str
     bytes: Callable[[Preset], int]  # fewest bytes through device memory per call
     flops: Callable[[Preset], int] = lambda preset: 0
+    ceiling: CeilingKind = "copy"  # what fraction-of-ceiling figures are of
     l2: Literal["cold", "warm"] = "cold"
-    host_bound: bool = False  # time a window of calls with one event pair (dispatch included)
-    window: int = 1
-    # time CUDA-graph replays of the call: device time, without the host's dispatch gaps
-    # (kernel benches whose Python launch cost would otherwise be what is measured)
-    graph: bool = False
-    calls_per_round: int | None = None  # overrides the run's policy (long host-bound steps)
+    modes: tuple[TimingMode, ...] = ("graph", "eager")
+    window: int = 10  # calls per timed window in eager and wall modes
+    gpu_busy: bool = False  # also report the GPU's busy time per call (host-bound steps)
+    calls_per_round: int | None = None  # overrides the run's policy (long steps)
     cold_calls: int = 1  # calls the cold figure covers (a captured step captures on call 4)
-    peers: tuple[str, ...] | None = None  # the gate's peers timed in this case (None: all)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One implementation timed in a gate's benches, declared once.
+
+    `build(case, buffers, preset)` returns a zero-argument callable: one timed call.
+    `unavailable(device)` returns None when it can run there, else why not.
+    """
+
+    name: str
+    role: Role
+    build: Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]
+    unavailable: Callable[[torch.device], str | None] = lambda device: None
+    note: str = ""
+    cases: tuple[str, ...] | None = None  # the bench cases it is timed in (None: all)
+
+    def timed_in(self, case: BenchCase) -> bool:
+        return self.cases is None or case.name in self.cases
+
+
+# (preset, case) applies to every mode the case times; (preset, case, mode) to that mode alone
+CriterionKey = tuple[str, str] | tuple[str, str, str]
 
 
 @dataclass(frozen=True)
 class PerfCriterion:
-    """When a bench passes: never slower than the reference or the named peers beyond the
-    noise floor, at least the given fraction of the measured ceiling, at least the given
-    speedup over the reference.
+    """When a bench passes: never slower than the named contenders beyond the noise floor (in
+    `not_slower_modes`, or every mode), at least the given fraction of the case's measured
+    ceiling, at least the given speedup over the reference."""
 
-    `min_ceiling_fraction` maps (preset name, case name) to the fraction of copy bandwidth
-    (memory-bound cases) or bf16 GEMM rate (compute-bound cases) the arm must reach.
-    """
+    not_slower_than: tuple[str, ...] = ()
+    not_slower_modes: tuple[TimingMode, ...] | None = None
+    min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
+    min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
 
-    not_slower_than: tuple[str, ...] = ("reference",)
-    min_ceiling_fraction: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    # (preset name, case name) -> the least median speedup of the arm over the reference
-    min_speedup: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    ceiling: Literal["copy", "gemm"] = "copy"
+    def ceiling_fraction(self, preset: str, case: str, mode: str) -> float | None:
+        return _lookup(self.min_ceiling_fraction, preset, case, mode)
+
+    def speedup(self, preset: str, case: str, mode: str) -> float | None:
+        return _lookup(self.min_speedup, preset, case, mode)
+
+    def not_slower(self, mode: str) -> tuple[str, ...]:
+        return self.not_slower_than if self.not_slower_modes is None or mode in self.not_slower_modes else ()
+
+
+def _lookup(table: Mapping[CriterionKey, float], preset: str, case: str, mode: str) -> float | None:
+    return table.get((preset, case, mode), table.get((preset, case)))
 
 
 @dataclass(frozen=True)
@@ -123,19 +151,21 @@ class Gate:
     make_buffers: Callable[[Preset, int, torch.device], Buffers]
     reference: Callable[[Buffers, Preset], Outputs]
     arm: Callable[[Buffers, Preset], Outputs]
-    parity: Parity
+    parity: Parity  # every output's mode unless parity_by_output names it
+    # fnmatch pattern of output names -> its mode (exact routing integers beside tolerance-judged
+    # gradients); the first matching pattern wins
+    parity_by_output: Mapping[str, Parity] = field(default_factory=dict)
     required_buffers: tuple[str, ...] = ()  # names make_buffers produces and loaded buffers must hold
     # the preset params that follow from loaded buffers themselves (shapes, dtypes)
     buffer_params: Callable[[Buffers], dict[str, Any]] = lambda buffers: {}
-    # float64 truth, required by Tolerance parity
+    # float64 truth, required when any output is judged in tolerance mode
     truth: Callable[[Buffers, Preset], Outputs] | None = None
     saboteurs: tuple[Saboteur, ...] = ()
-    peers: tuple[Peer, ...] = ()
+    contenders: tuple[Contender, ...] = ()
     benches: tuple[BenchCase, ...] = ()
-    # (case, implementation name, buffers, preset) -> a zero-argument callable, one timed call.
-    # implementation name is "reference", "arm" or a peer's name.
-    bench_callable: Callable[[BenchCase, str, Buffers, Preset], Callable[[], Any]] | None = None
     perf: PerfCriterion = field(default_factory=PerfCriterion)
+    # a preset (tiny shape) on which every contender's host time per call is measured
+    host_probe: str | None = None
     nondeterministic: str | None = None  # why the arm may differ run to run, if it may
 
     def preset(self, name: str) -> Preset:
@@ -150,8 +180,41 @@ class Gate:
             return [p for p in self.presets if p.where == "cuda" and p.standard]
         return [p for p in self.presets if p.where == "any" and p.standard]
 
+    def runnable_presets(self, device: torch.device) -> list[Preset]:
+        """Every preset this device can run, smallest first (by declared memory, then order)."""
+        ok = [p for p in self.presets if p.where == "any" or device.type == "cuda"]
+        return sorted(ok, key=lambda p: p.memory_bytes)
+
+    def parity_for(self, output: str) -> Parity:
+        for pattern, mode in self.parity_by_output.items():
+            if fnmatch.fnmatchcase(output, pattern):
+                return mode
+        return self.parity
+
+    def contenders_for(self, case: BenchCase) -> list[Contender]:
+        return [c for c in self.contenders if c.timed_in(case)]
+
     def __post_init__(self) -> None:
-        if isinstance(self.parity, Tolerance) and self.truth is None:
-            raise ValueError(f"gate {self.name!r}: tolerance parity needs a float64 truth")
-        if self.benches and self.bench_callable is None:
-            raise ValueError(f"gate {self.name!r}: benches declared without bench_callable")
+        where = f"gate {self.name!r}"
+        modes = [self.parity, *self.parity_by_output.values()]
+        if any(isinstance(m, Tolerance) for m in modes) and self.truth is None:
+            raise ValueError(f"{where}: tolerance parity needs a float64 truth")
+        names = [c.name for c in self.contenders]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: contender names must be unique, got {names}")
+        presets, cases = {p.name for p in self.presets}, {b.name for b in self.benches}
+        if self.host_probe is not None and self.host_probe not in presets:
+            raise ValueError(f"{where}: host_probe names no preset: {self.host_probe!r}")
+        for case in self.benches:
+            timed = self.contenders_for(case)
+            for role in ("reference", "arm"):
+                if sum(c.role == role for c in timed) != 1:
+                    raise ValueError(f"{where}: bench case {case.name!r} needs exactly one {role} contender")
+            if case.window < 1 or case.cold_calls < 1:
+                raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
+        unknown = [n for n in self.perf.not_slower_than if n not in names]
+        for key in [*self.perf.min_ceiling_fraction, *self.perf.min_speedup]:
+            if key[0] not in presets or key[1] not in cases:
+                unknown.append(str(key))
+        if unknown:  # a typo found at import, not after minutes of timing
+            raise ValueError(f"{where}: the criterion names what the gate does not have: {', '.join(unknown)}")

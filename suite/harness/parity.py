@@ -3,8 +3,8 @@
 Anti-cheat is part of every check: the arm's fresh allocations are poisoned (NaN for
 floats) so an unwritten element cannot pass as a zero, its inputs are hashed before and
 after, and it runs twice to prove it is deterministic unless the gate says why it is not.
-Failure messages start with the check that caught them: outputs, parity, poison,
-degenerate, determinism or inputs.
+Every failure names the check that found it (results.Check), which is what a saboteur
+declares it must trip.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from suite.harness.gate import Bitwise, Buffers, Gate, Outputs, Preset, Tolerance
-from suite.harness.report import ParityResult, TensorCheck
+from suite.harness.gate import Buffers, Gate, Outputs, Preset, Tolerance
+from suite.harness.results import Check, Failure, ParityResult, TensorCheck
 
 CHUNK_ELEMENTS = 1 << 24  # bounds the float64 temporaries on large tensors
 
@@ -77,20 +77,20 @@ def _ordered(bits: torch.Tensor, nbits: int) -> torch.Tensor:
     return torch.where(wide < 0, -magnitude, magnitude)
 
 
-def _same_layout(name: str, arm: torch.Tensor, other: torch.Tensor, what: str) -> str | None:
+def _same_layout(name: str, arm: torch.Tensor, other: torch.Tensor, what: str) -> Failure | None:
     if arm.shape != other.shape:
-        return f"outputs: {name} has shape {list(arm.shape)}, the {what} has {list(other.shape)}"
+        return Failure(check=Check.OUTPUTS, message=f"{name} has shape {list(arm.shape)}, the {what} has {list(other.shape)}")
     if arm.dtype != other.dtype:
-        return f"outputs: {name} has dtype {arm.dtype}, the {what} has {other.dtype}"
+        return Failure(check=Check.OUTPUTS, message=f"{name} has dtype {arm.dtype}, the {what} has {other.dtype}")
     return None
 
 
 def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorCheck:
     """Compare bit patterns: -0.0 vs 0.0 and differing NaN payloads count as differences."""
-    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype))
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="bitwise")
     layout = _same_layout(name, arm, ref, "reference")
     if layout:
-        return TensorCheck(**base, passed=False, message=layout)
+        return TensorCheck(**base, passed=False, problems=[layout])
     view = _BITS_VIEW.get(ref.dtype)
     differing, first, max_ulp, unwritten = 0, None, 0, 0
     flat_arm, flat_ref = arm.reshape(-1), ref.reshape(-1)
@@ -118,11 +118,13 @@ def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorChec
         return TensorCheck(**base, passed=True, differing=0, max_ulp=0)
     index = list(torch.unravel_index(torch.tensor(first), ref.shape)) if ref.dim() else []
     first_index = [int(i) for i in index]
-    message = f"parity: {differing} of {ref.numel()} elements differ, first at {first_index}, max {max_ulp} ULP"
+    problems = [Failure(check=Check.PARITY, message=(
+        f"{name}: {differing} of {ref.numel()} elements differ, first at {first_index}, max {max_ulp} ULP"))]
     if unwritten:
-        message = f"poison: {unwritten} elements NaN where the reference is not (unwritten output); " + message
+        problems.insert(0, Failure(check=Check.POISON, message=(
+            f"{name}: {unwritten} elements NaN where the reference is not (unwritten output)")))
     return TensorCheck(
-        **base, passed=False, differing=differing, first_index=first_index, max_ulp=max_ulp, message=message
+        **base, passed=False, differing=differing, first_index=first_index, max_ulp=max_ulp, problems=problems
     )
 
 
@@ -164,14 +166,15 @@ def tolerance_check(
     name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float
 ) -> TensorCheck:
     """Arm's error against the float64 truth must be within k x the reference's own + floor."""
-    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype))
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="tolerance", k=k, floor=floor)
     layout = _same_layout(name, arm, ref, "reference")
     if layout is None and truth.shape != ref.shape:
-        layout = f"outputs: {name} truth has shape {list(truth.shape)}, the reference has {list(ref.shape)}"
+        layout = Failure(check=Check.OUTPUTS, message=(
+            f"{name}: the truth has shape {list(truth.shape)}, the reference has {list(ref.shape)}"))
     if layout:
-        return TensorCheck(**base, passed=False, message=layout)
+        return TensorCheck(**base, passed=False, problems=[layout])
     if ref.numel() == 0:
-        return TensorCheck(**base, passed=True, nonfinite_match=True, arm_rel_l2=0.0, ref_rel_l2=0.0)
+        return TensorCheck(**base, passed=True, compared=0, nonfinite_match=True, arm_rel_l2=0.0, ref_rel_l2=0.0)
     problems = []
     nan_a, nan_t = torch.isnan(arm), torch.isnan(truth)
     unwritten = int((nan_a & ~nan_t).sum())
@@ -179,25 +182,27 @@ def tolerance_check(
         torch.equal(torch.isposinf(arm), torch.isposinf(truth)) and torch.equal(torch.isneginf(arm), torch.isneginf(truth))
     )
     if unwritten:
-        problems.append(f"poison: {unwritten} elements NaN where the truth is finite (unwritten output)")
+        problems.append(Failure(check=Check.POISON, message=(
+            f"{name}: {unwritten} elements NaN where the truth is finite (unwritten output)")))
     elif not nonfinite_match:
-        problems.append("parity: NaN/Inf positions differ from the truth's")
+        problems.append(Failure(check=Check.NONFINITE, message=f"{name}: NaN/Inf positions differ from the truth's"))
     finite = torch.isfinite(truth) & torch.isfinite(arm) & torch.isfinite(ref)
     arm_l2, arm_row = _relative_errors(arm, truth, finite)
     ref_l2, ref_row = _relative_errors(ref, truth, finite)
     limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
     if arm_l2 > limit_l2:
-        problems.append(f"parity: {name} relative error {arm_l2:.3e} > limit {limit_l2:.3e} (reference {ref_l2:.3e})")
+        problems.append(Failure(check=Check.PARITY, message=(
+            f"{name}: relative error {arm_l2:.3e} > limit {limit_l2:.3e} (reference {ref_l2:.3e})")))
     if arm_row > limit_row:
-        problems.append(
-            f"parity: {name} worst-row relative error {arm_row:.3e} > limit {limit_row:.3e} (reference {ref_row:.3e})"
-        )
+        problems.append(Failure(check=Check.PARITY, message=(
+            f"{name}: worst-row relative error {arm_row:.3e} > limit {limit_row:.3e} (reference {ref_row:.3e})")))
     if _is_constant(arm, finite) and not _is_constant(truth, finite):
-        problems.append(f"degenerate: {name} is constant where the truth is not")
+        problems.append(Failure(check=Check.DEGENERATE, message=f"{name} is constant where the truth is not"))
     return TensorCheck(
         **base,
         passed=not problems,
-        message="; ".join(problems),
+        problems=problems,
+        compared=int(finite.sum()),
         arm_rel_l2=arm_l2,
         ref_rel_l2=ref_l2,
         limit_rel_l2=limit_l2,
@@ -222,7 +227,7 @@ def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
     # the reference runs in the same (poisoned) mode as the arm's judged run
     reference = _run_poisoned(gate.reference, buffers, preset)
     truth = None
-    if isinstance(gate.parity, Tolerance):
+    if any(isinstance(gate.parity_for(name), Tolerance) for name in reference):
         truth = {n: t.detach() for n, t in gate.truth(buffers, preset).items()}
     if _input_digests(buffers) != digests:
         raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
@@ -260,31 +265,36 @@ def _trimmed(checks: list[TensorCheck]) -> tuple[list[TensorCheck], dict[str, in
     return failing[:KEPT_CHECKS], counts
 
 
-def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[TensorCheck], list[str]]:
+def _check(gate: Gate, name: str, output: torch.Tensor, expected: Expected) -> TensorCheck:
+    mode = gate.parity_for(name)
+    if isinstance(mode, Tolerance):
+        return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor)
+    return bitwise_check(name, output, expected.reference[name])
+
+
+def _compare(gate: Gate, outputs: Outputs, expected: Expected) -> tuple[list[TensorCheck], list[Failure]]:
     failures = []
     missing = sorted(set(expected.reference) - set(outputs))
     extra = sorted(set(outputs) - set(expected.reference))
     if missing or extra:
-        failures.append(f"outputs: the arm lacks {_preview(missing)} and adds {_preview(extra)} (against the "
-                        f"reference's {len(expected.reference)} outputs)")
-    checks = []
+        failures.append(Failure(check=Check.OUTPUTS, message=(
+            f"the arm lacks {_preview(missing)} and adds {_preview(extra)} (against the reference's "
+            f"{len(expected.reference)} outputs)")))
     # in the reference's order: a multi-step gate lists its outputs step by step, so the first
     # failing check is the first divergence
-    for name in (n for n in expected.reference if n in outputs):
-        if isinstance(gate.parity, Bitwise):
-            check = bitwise_check(name, outputs[name], expected.reference[name])
-        else:
-            check = tolerance_check(
-                name, outputs[name], expected.reference[name], expected.truth[name], gate.parity.k, gate.parity.floor
-            )
-        checks.append(check)
+    checks = [_check(gate, name, outputs[name], expected) for name in expected.reference if name in outputs]
     failing = [c for c in checks if not c.passed]
     for check in failing[:KEPT_FAILURES]:
-        failures.extend(check.message.split("; "))
+        failures.extend(check.problems)
     if len(failing) > KEPT_FAILURES:
-        failures.append(f"parity: {len(failing) - KEPT_FAILURES} more outputs differ (first "
-                        f"{KEPT_FAILURES} listed)")
+        failures.append(Failure(check=failing[KEPT_FAILURES].problems[0].check, message=(
+            f"{len(failing) - KEPT_FAILURES} more outputs fail (first {KEPT_FAILURES} listed)")))
     return checks, failures
+
+
+def _mode(checks: list[TensorCheck]) -> str:
+    modes = {c.mode for c in checks}
+    return modes.pop() if len(modes) == 1 else "mixed"
 
 
 def judge_arm(
@@ -301,28 +311,26 @@ def judge_arm(
     changed = _changed_inputs(buffers, expected.input_digests)
     checks, failures = _compare(gate, outputs, expected)
     if changed:
-        failures.append(f"inputs: the arm modified its input buffers {changed}")
+        failures.append(Failure(check=Check.INPUTS, message=f"the arm modified its input buffers {changed}"))
     deterministic = None
     if nondeterministic is None:
         again = {n: t.detach() for n, t in arm(buffers, preset).items()}  # normal mode: what is timed
         unequal = [n for n in sorted(outputs) if n in again and not bitwise_check(n, again[n], outputs[n]).passed]
         deterministic = not unequal
         if unequal:
-            failures.append(f"determinism: two runs on the same inputs differ in {_preview(unequal)}")
-    mode = gate.parity
+            failures.append(Failure(check=Check.DETERMINISM, message=(
+                f"two runs on the same inputs differ in {_preview(unequal)}")))
     first = next((c for c in checks if not c.passed), None)
     kept, counts = _trimmed(checks)
     result = ParityResult(
-        mode=mode.kind,
-        k=getattr(mode, "k", None),
-        floor=getattr(mode, "floor", None),
+        mode=_mode(checks) if checks else gate.parity.kind,
         passed=not failures,
         tensors=kept,
         **counts,
         inputs_unchanged=not changed,
         deterministic=deterministic,
         nondeterministic_reason=nondeterministic,
-        first_divergence=None if first is None else f"{first.name}: {first.message}",
+        first_divergence=None if first is None else first.message,
         failures=failures,
     )
     return result, outputs
@@ -330,24 +338,25 @@ def judge_arm(
 
 def recheck(
     gate: Gate, preset: Preset, buffers: Buffers, expected_digests: dict[str, tuple], first: Outputs
-) -> list[str]:
+) -> list[Failure]:
     """After timing: inputs still intact and a fresh run reproduces the judged outputs.
 
-    Returns failure messages (empty when all is well). For a nondeterministic arm the fresh
+    Returns the failures (empty when all is well). For a nondeterministic arm the fresh
     run is compared with a tolerance rebuilt from the reference and truth.
     """
     failures = []
     changed = _changed_inputs(buffers, expected_digests)
     if changed:
-        failures.append(f"inputs: timing left the input buffers {changed} modified")
+        failures.append(Failure(check=Check.INPUTS, message=f"timing left the input buffers {changed} modified"))
         return failures
     outputs = {n: t.detach() for n, t in gate.arm(buffers, preset).items()}
     if gate.nondeterministic is None:
         unequal = [n for n in sorted(first) if n not in outputs or not bitwise_check(n, outputs[n], first[n]).passed]
         if unequal:
-            failures.append(f"parity: after timing the arm's {_preview(unequal)} no longer match the judged outputs")
+            failures.append(Failure(check=Check.PARITY, message=(
+                f"after timing the arm's {_preview(unequal)} no longer match the judged outputs")))
     else:
         expected = expected_outputs(gate, preset, buffers)
         _, more = _compare(gate, outputs, expected)
-        failures.extend(f"{m} (after timing)" for m in more)
+        failures.extend(Failure(check=f.check, message=f"{f.message} (after timing)") for f in more)
     return failures

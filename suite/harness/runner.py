@@ -1,12 +1,18 @@
 """One run: for each gate and preset get buffers once, judge parity, prove the saboteurs are
-caught, then (bench) time against the noise floor and re-check parity. The report is built
-from these results only and written atomically.
+caught, then (bench) time against the noise floor in every mode the case declares and
+re-check parity. The report is built from these results only.
+
+Saboteurs prove the gate's checks have teeth, which does not depend on the size of the data:
+each runs once per run, at the smallest preset of its gate (on this device) where it can show,
+unless `thorough` runs every saboteur at every preset. They never run on a user's recorded
+buffers, where a sabotage that cannot show would prove nothing about the arm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
+import math
 import shlex
 import sys
 import time
@@ -14,7 +20,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import torch
 
@@ -23,56 +29,42 @@ from suite.errors import BadBuffers, CouldNotRun, UsageError, combine
 from suite.harness import parity
 from suite.harness.buffers import load_buffers
 from suite.harness.fingerprint import fingerprint
-from suite.harness.gate import Buffers, Gate, Preset
-from suite.harness.report import (
+from suite.harness.gate import BenchCase, Buffers, Contender, Gate, Preset, Saboteur
+from suite.harness.results import (
+    BenchResult,
     BufferProvenance,
     Ceilings,
+    Check,
     GateResult,
     RunReport,
     SaboteurResult,
     SkippedGate,
 )
-from suite.harness.timing import CudaTimer, TimingPolicy, measure_bench, measure_ceilings
+from suite.harness.timing import (
+    CudaTimer,
+    Rotation,
+    Timed,
+    TimingPolicy,
+    WallTimer,
+    measure_bench,
+    measure_ceilings,
+)
 
 GIB = 1 << 30
-
-
-def resolve_device(choice: str) -> torch.device:
-    """auto: CUDA when present, else the CPU. Asking for CUDA without one cannot run."""
-    if choice not in ("auto", "cuda", "cpu"):
-        raise UsageError(f"--device must be auto, cuda or cpu, not {choice!r}")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise CouldNotRun(
-            "--device cuda: this machine has no usable CUDA device (torch.cuda.is_available() is False, "
-            f"torch {torch.__version__}); run on a GPU machine or use --device cpu"
-        )
-    return torch.device(choice)
-
-
-def prepare_triton(device: torch.device) -> None:
-    """Triton kernels run on the CPU only through its interpreter, chosen before import."""
-    if device.type != "cpu":
-        return
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise CouldNotRun("triton was imported before the CPU interpreter could be chosen; set TRITON_INTERPRET=1")
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
-def set_profile(profile: str) -> None:
-    """--profile: rtx holds Triton configs to the RTX 50-series' 99 KB of shared memory."""
-    if profile not in ("auto", "rtx", "none"):
-        raise UsageError(f"--profile must be auto, rtx or none, not {profile!r}")
-    os.environ["SUITE_PROFILE"] = profile
+MAX_ROTATION = 16  # input sets an eager bench cycles through at most
 
 
 class Progress:
-    """What the runner tells the CLI while it works; the default says nothing."""
+    """What the runner tells the CLI while it works; the default says nothing.
+
+    `phase` starts a phase of one gate and preset (a log line off a terminal); `detail` is
+    the step inside it (a progress bar only: rounds would flood a log)."""
 
     def begin(self, total: int) -> None: ...
 
-    def status(self, text: str) -> None: ...
+    def phase(self, gate: str, preset: str, phase: str) -> None: ...
+
+    def detail(self, text: str) -> None: ...
 
     def advance(self) -> None: ...
 
@@ -83,16 +75,36 @@ class RunOptions:
     presets: list[str] | None = None
     buffers_dir: Path | None = None
     seed: int = 0
-    profile: str = "auto"
     bench: bool = False
     sabotage: bool = True
+    thorough: bool = False  # every saboteur at every preset, not once at the smallest
     explicit: bool = True  # the gate was named (not "all"): what it cannot run is an error
     strict: bool = False  # skipped gates count as could-not-run
     policy: TimingPolicy = field(default_factory=TimingPolicy)
 
 
+@dataclass
+class Unit:
+    """One gate at one preset, and what to do there."""
+
+    gate: Gate
+    preset: Preset
+    saboteurs: list[Saboteur] = field(default_factory=list)
+    saboteurs_note: str | None = None
+    bench: bool = False
+    recorded: bool = False  # buffers come from --buffers, not make_buffers
+
+
 def _mib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+def rotation_sets(set_bytes: int, l2_bytes: int) -> int:
+    """Input sets that back-to-back calls must cycle through to miss an L2 of l2_bytes: enough
+    to hold twice the L2, at most MAX_ROTATION."""
+    if set_bytes <= 0 or l2_bytes <= 0:
+        return 1
+    return max(1, min(MAX_ROTATION, math.ceil(2 * l2_bytes / set_bytes)))
 
 
 class Runner:
@@ -100,10 +112,11 @@ class Runner:
         self.options = options
         self.progress = progress or Progress()
         self._ceilings: Ceilings | None = None
+        self._host_us: dict[tuple[str, str, str], float | None] = {}
 
     # ---- planning ----
 
-    def _presets(self, gate: Gate) -> list[Preset]:
+    def _selected(self, gate: Gate) -> list[Preset]:
         opts = self.options
         if opts.buffers_dir is not None:
             # the real preset is built from the manifest once the buffers are loaded
@@ -115,12 +128,54 @@ class Runner:
             return [gate.preset(name) for name in opts.presets if name in known]
         return gate.default_presets(opts.device)
 
-    def plan(self, gates: list[Gate]) -> tuple[list[tuple[Gate, Preset]], list[SkippedGate], list[GateResult]]:
-        """Which (gate, preset) pairs run; what is skipped (all) or cannot run (named)."""
+    def _free_memory(self) -> int | None:
         device = self.options.device
-        if self.options.presets:
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+    def _place_saboteurs(self, gate: Gate, units: list[Unit]) -> list[Unit]:
+        """Give each saboteur its unit: the smallest preset of the gate where it can show,
+        added when the run does not hold it already; every preset under `thorough`."""
+        opts = self.options
+        own = [u for u in units if not u.recorded]
+        if opts.thorough:
+            for unit in own:
+                unit.saboteurs = [s for s in gate.saboteurs if s.applies(unit.preset)]
+        free = self._free_memory()
+        runnable = [p for p in gate.runnable_presets(opts.device) if free is None or p.memory_bytes <= free]
+        extra: dict[str, Unit] = {}
+        if not opts.thorough:
+            for saboteur in gate.saboteurs:
+                where = next((p for p in runnable if saboteur.applies(p)), None)
+                if where is None:
+                    continue
+                unit = next((u for u in own if u.preset.name == where.name), None) or extra.setdefault(
+                    where.name, Unit(gate, where))
+                unit.saboteurs.append(saboteur)
+        placed = {s.name: u.preset.name for u in [*extra.values(), *own] for s in u.saboteurs}
+        unplaced = [s.name for s in gate.saboteurs if s.name not in placed]
+        for unit in units:
+            if unit.saboteurs:
+                continue
+            elsewhere = sorted(set(placed.values()) - {unit.preset.name})
+            if unit.recorded:
+                unit.saboteurs_note = (
+                    "not applicable on recorded buffers (a sabotage that cannot show there proves nothing "
+                    "about the arm)" + (f"; run on the gate's own preset {', '.join(elsewhere)}" if elsewhere else ""))
+            elif elsewhere:
+                unit.saboteurs_note = (f"run at preset {', '.join(elsewhere)}, the smallest where each can show "
+                                       "(--thorough runs them at every preset)")
+            if unplaced:
+                note = f"{unplaced} apply to no preset this device can run"
+                unit.saboteurs_note = f"{unit.saboteurs_note}; {note}" if unit.saboteurs_note else note
+        return [*extra.values(), *units]
+
+    def plan(self, gates: list[Gate]) -> tuple[list[Unit], list[SkippedGate], list[GateResult]]:
+        """Which units run; what is skipped (all) or cannot run (named)."""
+        opts = self.options
+        device = opts.device
+        if opts.presets:
             known = {p.name for gate in gates for p in gate.presets}
-            unknown = [name for name in self.options.presets if name not in known]
+            unknown = [name for name in opts.presets if name not in known]
             if unknown:
                 raise UsageError(
                     f"no gate of this run has the preset(s) {unknown}; the presets are: {', '.join(sorted(known))}"
@@ -130,34 +185,36 @@ class Runner:
             reason = None
             if gate.needs_cuda and device.type != "cuda":
                 reason = f"gate {gate.name} needs CUDA; this run's device is {device.type}"
-            presets = [] if reason else self._presets(gate)
-            if presets and device.type == "cuda" and not self.options.presets:
+            presets = [] if reason else self._selected(gate)
+            free = self._free_memory()
+            if presets and free is not None and not opts.presets:
                 # a default preset larger than the card's free memory is listed, not attempted
-                free, _ = torch.cuda.mem_get_info(device)
                 for preset in [p for p in presets if p.memory_bytes > free]:
                     skipped.append(SkippedGate(gate=gate.name, reason=(
                         f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the "
                         f"{_mib(free)} free on this GPU")))
                 presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
-                reason = f"gate {gate.name} has none of the presets {self.options.presets}"
-            if reason is None:
-                units.extend((gate, preset) for preset in presets)
-            elif self.options.explicit:
-                refused.append(self._could_not_run(gate, Preset("-", {}), reason))
-            else:
-                skipped.append(SkippedGate(gate=gate.name, reason=reason))
+                reason = f"gate {gate.name} has none of the presets {opts.presets}"
+            if reason is not None:
+                if opts.explicit:
+                    refused.append(self._could_not_run(gate, Preset("-", {}), reason))
+                else:
+                    skipped.append(SkippedGate(gate=gate.name, reason=reason))
+                continue
+            gate_units = [Unit(gate, p, bench=opts.bench, recorded=opts.buffers_dir is not None) for p in presets]
+            units.extend(self._place_saboteurs(gate, gate_units) if opts.sabotage else gate_units)
         return units, skipped, refused
 
     # ---- running ----
 
     def run(self, gates: list[Gate], what: str, command: str | None = None) -> RunReport:
         started = datetime.now(timezone.utc)
+        clock = time.perf_counter()
         units, skipped, results = self.plan(gates)
         self.progress.begin(len(units))
-        for gate, preset in units:
-            self.progress.status(f"{gate.name} [{preset.name}]")
-            results.append(self._run_unit(gate, preset))
+        for unit in units:
+            results.append(self._run_unit(unit))
             self.progress.advance()
         statuses = [r.status for r in results] + (["could_not_run"] * len(skipped) if self.options.strict else [])
         return RunReport(
@@ -171,6 +228,7 @@ class Runner:
             results=results,
             skipped=skipped,
             exit_code=int(combine(statuses)),
+            duration_s=time.perf_counter() - clock,
         )
 
     def _could_not_run(self, gate: Gate, preset: Preset, reason: str) -> GateResult:
@@ -184,22 +242,22 @@ class Runner:
             reason=reason,
         )
 
-    def _run_unit(self, gate: Gate, preset: Preset) -> GateResult:
-        device = self.options.device
+    def _run_unit(self, unit: Unit) -> GateResult:
+        gate, preset, device = unit.gate, unit.preset, self.options.device
         start = time.perf_counter()
+        phases: dict[str, float] = {}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
             if preset.where == "cuda" and device.type != "cuda":
                 raise CouldNotRun(f"preset {preset.name} of gate {gate.name} needs CUDA; use --preset tiny on the CPU")
-            if device.type == "cuda" and preset.memory_bytes:
-                free, _ = torch.cuda.mem_get_info(device)
-                if preset.memory_bytes > free:
-                    raise CouldNotRun(
-                        f"preset {preset.name} of gate {gate.name} needs about {_mib(preset.memory_bytes)} of GPU memory "
-                        f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}; pick a smaller preset (suite list)"
-                    )
-            result = self._judge_and_time(gate, preset)
+            free = self._free_memory()
+            if free is not None and preset.memory_bytes > free:
+                raise CouldNotRun(
+                    f"preset {preset.name} of gate {gate.name} needs about {_mib(preset.memory_bytes)} of GPU memory "
+                    f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}; pick a smaller preset (suite list)"
+                )
+            result = self._judge_and_time(unit, phases)
         except UsageError:
             raise  # the command line was wrong: exit 2, not a result
         except (CouldNotRun, torch.OutOfMemoryError) as exc:
@@ -210,12 +268,22 @@ class Runner:
         if device.type == "cuda":
             result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
             torch.cuda.empty_cache()
+        result.phases = phases
         result.duration_s = time.perf_counter() - start
         return result
 
-    def _buffers(self, gate: Gate, preset: Preset) -> tuple[Buffers, Preset, BufferProvenance]:
+    @contextlib.contextmanager
+    def _phase(self, phases: dict[str, float], unit: Unit, name: str) -> Iterator[None]:
+        self.progress.phase(unit.gate.name, unit.preset.name, name)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
+
+    def _buffers(self, gate: Gate, preset: Preset, recorded: bool) -> tuple[Buffers, Preset, BufferProvenance]:
         opts = self.options
-        if opts.buffers_dir is None:
+        if not recorded:
             buffers = gate.make_buffers(preset, opts.seed, opts.device)
             return buffers, preset, BufferProvenance(source="fresh", seed=opts.seed)
         buffers, manifest = load_buffers(
@@ -242,16 +310,17 @@ class Runner:
         )
         return buffers, loaded, provenance
 
-    def _judge_and_time(self, gate: Gate, preset: Preset) -> GateResult:
-        opts = self.options
-        buffers, preset, provenance = self._buffers(gate, preset)
-        self.progress.status(f"{gate.name} [{preset.name}] parity")
-        expected = parity.expected_outputs(gate, preset, buffers)
-        verdict, arm_outputs = parity.judge_arm(gate, preset, buffers, expected, nondeterministic=gate.nondeterministic)
+    def _judge_and_time(self, unit: Unit, phases: dict[str, float]) -> GateResult:
+        opts, gate = self.options, unit.gate
+        with self._phase(phases, unit, "buffers"):
+            buffers, preset, provenance = self._buffers(gate, unit.preset, unit.recorded)
+        with self._phase(phases, unit, "reference"):
+            expected = parity.expected_outputs(gate, preset, buffers)
+        with self._phase(phases, unit, "parity"):
+            verdict, arm_outputs = parity.judge_arm(gate, preset, buffers, expected, nondeterministic=gate.nondeterministic)
         saboteurs = []
-        if opts.sabotage:
-            for saboteur in (s for s in gate.saboteurs if s.applies(preset)):
-                self.progress.status(f"{gate.name} [{preset.name}] saboteur {saboteur.name}")
+        for saboteur in unit.saboteurs:
+            with self._phase(phases, unit, f"saboteur {saboteur.name}"):
                 saboteurs.append(self._sabotage(gate, preset, buffers, expected, saboteur))
         digests = expected.input_digests
         del expected  # the reference and float64 truth are not needed while timing
@@ -264,27 +333,29 @@ class Runner:
             status="passed",
             parity=verdict,
             saboteurs=saboteurs,
+            saboteurs_note=unit.saboteurs_note,
             buffers=provenance,
         )
-        if opts.bench:
-            self._bench(gate, preset, buffers, result)
+        if unit.bench:
+            self._bench(unit, gate, preset, buffers, result, phases)
             if result.bench:
-                failures = parity.recheck(gate, preset, buffers, digests, arm_outputs)
+                with self._phase(phases, unit, "recheck"):
+                    failures = parity.recheck(gate, preset, buffers, digests, arm_outputs)
                 verdict.recheck_after_timing = not failures
                 verdict.failures.extend(failures)
                 verdict.passed = verdict.passed and not failures
         result.status, result.reason = _status(result)
         return result
 
-    def _sabotage(self, gate, preset, buffers, expected, saboteur) -> SaboteurResult:
+    def _sabotage(self, gate, preset, buffers, expected, saboteur: Saboteur) -> SaboteurResult:
         # one that writes into its inputs gets copies, so the real buffers stay intact
-        writes_inputs = saboteur.caught_by == "inputs"
+        writes_inputs = saboteur.caught_by == Check.INPUTS
         given = {name: t.clone() for name, t in buffers.items()} if writes_inputs else buffers
         verdict, _ = parity.judge_arm(gate, preset, given, expected, arm=saboteur.fn)
         if not writes_inputs and not verdict.inputs_unchanged:
             raise CouldNotRun(
                 f"saboteur {saboteur.name} of gate {gate.name} modified the input buffers; declare it "
-                "caught_by='inputs' so it runs on copies"
+                "caught_by=Check.INPUTS so it runs on copies"
             )
         return SaboteurResult(
             name=saboteur.name,
@@ -292,59 +363,92 @@ class Runner:
             expected_check=saboteur.caught_by,
             # caught by the check it is meant to trip: failing for another reason would mean
             # the gate's defence against this fault is untested
-            caught=any(f.startswith(saboteur.caught_by) for f in verdict.failures),
+            caught=saboteur.caught_by in verdict.checks_failed(),
             failures=verdict.failures,
         )
 
-    def _bench(self, gate: Gate, preset: Preset, buffers: Buffers, result: GateResult) -> None:
+    # ---- benches ----
+
+    def _bench(self, unit: Unit, gate: Gate, preset: Preset, buffers: Buffers, result: GateResult,
+               phases: dict[str, float]) -> None:
         device = self.options.device
         if not gate.benches:
             result.bench_skipped = f"gate {gate.name} declares no bench"
             return
-        if device.type != "cuda":
-            result.bench_skipped = "timing needs CUDA"
-            return
         if not result.parity.passed:
             result.bench_skipped = "parity failed: an arm that fails parity is not timed"
             return
-        if self._ceilings is None:
-            self.progress.status("measuring ceilings (copy bandwidth, bf16 GEMM)")
+        cases = [c for c in gate.benches if device.type == "cuda" or c.modes == ("wall",)]
+        if not cases:
+            result.bench_skipped = "timing needs CUDA"
+            return
+        if device.type == "cuda" and self._ceilings is None:
+            self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
             self._ceilings = measure_ceilings(device)
-        timer = CudaTimer(device)
-        for case in gate.benches:
-            contenders = [
-                ("reference", "reference", gate.bench_callable(case, "reference", buffers, preset), None),
-                ("arm", "arm", gate.bench_callable(case, "arm", buffers, preset), None),
-            ]
-            for peer in gate.peers:
-                if case.peers is None or peer.name in case.peers:
-                    contenders.append(_peer_contender(gate, case, peer, buffers, preset, device))
-            self.progress.status(f"{gate.name} [{preset.name}] bench {case.name}")
-            policy = self.options.policy
-            if case.calls_per_round:
-                policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round)
-            result.bench.append(
-                measure_bench(
-                    case,
-                    contenders,
-                    preset,
-                    gate.perf,
-                    self._ceilings,
-                    policy,
-                    timer,
-                    progress=lambda text: self.progress.status(f"{gate.name} [{preset.name}] {case.name}: {text}"),
-                )
-            )
+        for case in cases:
+            modes = [m for m in case.modes if device.type == "cuda" or m == "wall"]
+            contenders = gate.contenders_for(case)
+            host_us = self._host_times(gate, case, contenders) if "eager" in modes else {}
+            for mode in modes:
+                with self._phase(phases, unit, f"bench {case.name} {mode}"):
+                    result.bench.append(self._time_case(gate, case, mode, contenders, buffers, preset, host_us))
 
+    def _time_case(self, gate: Gate, case: BenchCase, mode: str, contenders: list[Contender], buffers: Buffers,
+                   preset: Preset, host_us: dict[str, float | None]) -> BenchResult:
+        device = self.options.device
+        sets = [buffers]
+        if mode == "eager" and case.l2 == "cold":
+            l2 = torch.cuda.get_device_properties(device).L2_cache_size
+            count = rotation_sets(sum(t.nbytes for t in buffers.values()), l2)
+            sets += [{n: t.clone() for n, t in buffers.items()} for _ in range(count - 1)]
+        timed = []
+        for contender in contenders:
+            reason = contender.unavailable(device)
+            call = None
+            if reason is None:
+                try:
+                    calls = [contender.build(case, s, preset) for s in sets]
+                    call = calls[0] if len(calls) == 1 else Rotation(calls)
+                except Exception as exc:  # a peer that cannot be built here is reported, not fatal
+                    if contender.role != "peer":
+                        raise
+                    reason = f"{type(exc).__name__}: {_first_line(exc)}"
+            timed.append(Timed(contender.name, contender.role, call, reason, host_us.get(contender.name)))
+        policy = self.options.policy
+        if case.calls_per_round:
+            policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round)
+        timer = WallTimer(device) if mode == "wall" else CudaTimer(device)
+        return measure_bench(
+            case, mode, timed, preset, gate.perf, self._ceilings, policy, timer,
+            progress=self.progress.detail, rotation=len(sets),
+            host_probe=self._probe_name(gate) if host_us else None,
+        )
 
-def _peer_contender(gate, case, peer, buffers, preset, device):
-    reason = peer.unavailable(device)
-    if reason:
-        return (peer.name, "peer", None, reason)
-    try:
-        return (peer.name, "peer", gate.bench_callable(case, peer.name, buffers, preset), None)
-    except Exception as exc:  # a peer that cannot be built here is reported, not fatal
-        return (peer.name, "peer", None, f"{type(exc).__name__}: {_first_line(exc)}")
+    def _probe_name(self, gate: Gate) -> str:
+        probe = gate.preset(gate.host_probe)
+        return f"preset {probe.name}" + (f" ({probe.note})" if probe.note else "")
+
+    def _host_times(self, gate: Gate, case: BenchCase, contenders: list[Contender]) -> dict[str, float | None]:
+        """Host time per call of every contender on the gate's host-probe shape, once a run."""
+        device = self.options.device
+        if gate.host_probe is None or device.type != "cuda":
+            return {}
+        missing = [c for c in contenders if (gate.name, case.name, c.name) not in self._host_us]
+        if missing:
+            self.progress.detail(f"host time per call on {gate.host_probe}")
+            probe = gate.preset(gate.host_probe)
+            buffers = gate.make_buffers(probe, self.options.seed, device)
+            timer = CudaTimer(device)
+            for contender in missing:
+                us = None
+                if contender.unavailable(device) is None:
+                    try:
+                        us = timer.host_us(contender.build(case, buffers, probe))
+                    except Exception:  # a peer that cannot run on the probe shape has no figure
+                        if contender.role != "peer":
+                            raise
+                self._host_us[(gate.name, case.name, contender.name)] = us
+        return {c.name: self._host_us[(gate.name, case.name, c.name)] for c in contenders}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -355,19 +459,19 @@ def _first_line(exc: BaseException) -> str:
 def _status(result: GateResult) -> tuple[str, str | None]:
     reasons = []
     if not result.parity.passed:
-        reasons.append("parity: " + "; ".join(result.parity.failures))
+        reasons.append("parity: " + "; ".join(str(f) for f in result.parity.failures))
     missed = [s.name for s in result.saboteurs if not s.caught]
     if missed:
         reasons.append(f"saboteurs not caught (the gate has no teeth for them): {missed}")
     # a criterion that failed outright outranks another that stayed ambiguous
     slow = [
-        f"{b.case}: {c.detail}" for b in result.bench for c in b.criteria if not c.passed and not c.ambiguous
+        f"{b.case} ({b.mode}): {c.detail}" for b in result.bench for c in b.criteria if not c.passed and not c.ambiguous
     ]
     if slow:
         reasons.append("performance: " + "; ".join(slow))
     if reasons:
         return "failed", " | ".join(reasons)
-    ambiguous = [b.case for b in result.bench if b.ambiguous]
+    ambiguous = [f"{b.case} ({b.mode})" for b in result.bench if b.ambiguous]
     if ambiguous:
         return "ambiguous", f"timing stayed ambiguous against the noise floor for {ambiguous}"
     return "passed", result.bench_skipped

@@ -1,8 +1,9 @@
 """Timing: cold call, warm-up until steady, ABBA rounds, A/A noise floor, bootstrap verdicts.
 
-DESIGN.md "Timing". The statistics are pure functions of the per-round figures; `measure_bench`
-drives a `Timer` (CUDA events on the GPU, a fake in tests) and turns the figures into the
-report's `BenchResult`.
+docs/DESIGN.md "Timing". The statistics are pure functions of the per-round figures;
+`measure_bench` drives a `Timer` (CUDA events on the GPU, the host clock for arms that are not
+CUDA kernels, a fake in tests) and turns the figures into the report's `BenchResult`, one per
+timing mode: CUDA-graph replays (device time) and eager calls (the host's dispatch included).
 """
 
 from __future__ import annotations
@@ -13,24 +14,50 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
-from suite.harness.report import (
+from suite.harness.results import (
     BenchResult,
     Ceilings,
     Comparison,
     ContenderTiming,
     CriterionCheck,
+    Role,
+    TimingMode,
     Verdict,
 )
 
-Role = Literal["reference", "arm", "peer"]
-# name, role, one timed call (None when unavailable), why it is unavailable
-Contender = tuple[str, Role, Optional[Callable[[], Any]], Optional[str]]
+
+@dataclass
+class Timed:
+    """A contender made ready for one bench: its timed call, or why it cannot be timed."""
+
+    name: str
+    role: Role
+    call: Callable[[], Any] | None
+    unavailable: str | None = None
+    host_us: float | None = None  # host time per call on the gate's host-probe shape
+
+
+class Rotation:
+    """One call per input set, used in turn: back-to-back calls then miss the L2 like a loop
+    over fresh activations does, without an L2 flush between them (which would hide the
+    host's dispatch behind the flush kernel)."""
+
+    def __init__(self, calls: Sequence[Callable[[], Any]]) -> None:
+        if not calls:
+            raise ValueError("a rotation needs at least one call")
+        self.calls = list(calls)
+        self.next = 0
+
+    def __call__(self) -> Any:
+        call = self.calls[self.next]
+        self.next = (self.next + 1) % len(self.calls)
+        return call()
 
 
 @dataclass(frozen=True)
@@ -164,6 +191,9 @@ class CudaTimer:
         kernels_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
         return kernels_us / 1e3 / window
 
+    def host_us(self, fn: Callable[[], Any]) -> float:
+        return host_us_per_call(fn, lambda: torch.cuda.synchronize(self.device))
+
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost
         with torch.cuda.device(self.device):
@@ -172,6 +202,63 @@ class CudaTimer:
             fn()
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) * 1e3
+
+
+def host_us_per_call(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 200, batches: int = 5) -> float:
+    """Host time per call: `calls` back-to-back calls timed with the host's clock, synchronized
+    before and after, best of `batches` (after one untimed batch). On a shape too small to
+    keep the device busy, what is left is dispatch: Python, the framework, the launches."""
+    best = math.inf
+    for batch in range(batches + 1):
+        sync()
+        with _collector_paused():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            elapsed = time.perf_counter() - t0
+        if batch:
+            best = min(best, elapsed)
+    return best / calls * 1e6
+
+
+class WallTimer:
+    """Times with the host's clock, for arms that are not CUDA kernels (a checkpoint writer, a
+    host-side guard): benches in "wall" mode run on any machine. On a CUDA device each window
+    ends with a synchronize, so work the call left queued is counted."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device or "cpu")
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time_calls(
+        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int
+    ) -> list[float]:
+        if n < 1 or window < 1:
+            raise ValueError("n and window must be >= 1")
+        times = []
+        self._sync()
+        with _collector_paused():
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for _ in range(window):
+                    fn()
+                self._sync()
+                times.append((time.perf_counter() - t0) * 1e3 / window)
+        return times
+
+    def time_cold(self, fn: Callable[[], Any]) -> float:
+        self._sync()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    def host_us(self, fn: Callable[[], Any]) -> float:
+        return host_us_per_call(fn, self._sync)
 
 
 # ---- statistics: pure functions ----------------------------------------------------------
@@ -257,7 +344,7 @@ def steady(previous_ms: float, current_ms: float, tolerance: float) -> bool:
 def throughput(
     nbytes: int, flops: int, ms: float, ceilings: Ceilings | None, ceiling: str
 ) -> tuple[float | None, float | None, float | None]:
-    """(GB/s, TFLOP/s, fraction of the chosen ceiling); None where the case declares nothing."""
+    """(GB/s, TFLOP/s, fraction of the case's ceiling); None where the case declares nothing."""
     gbps = nbytes / ms / 1e6 if nbytes else None
     tflops = flops / ms / 1e9 if flops else None
     fraction = None
@@ -302,40 +389,42 @@ def _fmt_ratio(c: Comparison) -> str:
 
 def measure_bench(
     case: BenchCase,
-    contenders: list[Contender],
+    mode: TimingMode,
+    contenders: list[Timed],
     preset: Preset,
     criterion: PerfCriterion,
     ceilings: Ceilings | None,
     policy: TimingPolicy,
     timer: Timer,
     progress: Callable[[str], None] | None = None,
+    rotation: int = 1,
+    host_probe: str | None = None,
 ) -> BenchResult:
-    """Time the arm against the reference and the available peers, and judge `criterion`.
+    """Time the arm against the reference and the available peers in one mode, and judge
+    `criterion` for it. `rotation` says how many input sets the eager calls cycle through.
 
     `progress` gets short status lines ("round 3/10"); the caller adds which bench it is.
     """
+    started = time.perf_counter()
     say = progress or (lambda message: None)
-    by_role = {role: [c for c in contenders if c[1] == role] for role in ("reference", "arm")}
+    by_role = {role: [c for c in contenders if c.role == role] for role in ("reference", "arm")}
     if len(by_role["reference"]) != 1 or len(by_role["arm"]) != 1:
         raise ValueError("measure_bench needs exactly one reference and one arm")
-    for name, role, fn, reason in contenders:
-        if fn is None and role != "peer":
-            raise ValueError(f"the {role} {name!r} is unavailable ({reason}); nothing to bench")
-        if fn is None and not reason:
-            raise ValueError(f"peer {name!r} has no callable and no reason")
-    ref_name, arm_name = by_role["reference"][0][0], by_role["arm"][0][0]
-    names = {c[0] for c in contenders}
+    for c in contenders:
+        if c.call is None and c.role != "peer":
+            raise ValueError(f"the {c.role} {c.name!r} is unavailable ({c.unavailable}); nothing to bench")
+        if c.call is None and not c.unavailable:
+            raise ValueError(f"contender {c.name!r} has no call and no reason")
+    ref_name, arm_name = by_role["reference"][0].name, by_role["arm"][0].name
+    names = {c.name for c in contenders}
     if len(names) != len(contenders):
         raise ValueError("contender names must be unique")
-    # criterion names say "reference" for the reference whatever it is called
-    alias = {"reference": ref_name}
-    unknown = [n for n in criterion.not_slower_than if alias.get(n, n) not in names]
-    if unknown:  # a gate typo, caught before minutes of timing
-        raise ValueError(f"not_slower_than names no contender: {', '.join(unknown)}")
 
-    fns = {name: fn for name, _, fn, _ in contenders if fn is not None}
-    flush_l2 = case.l2 == "cold"
-    window = case.window
+    fns = {c.name: c.call for c in contenders if c.call is not None}
+    # graph replays are device time: the L2 is flushed before each; eager and wall windows are
+    # back-to-back calls, rotated over input sets instead
+    flush_l2 = case.l2 == "cold" and mode == "graph"
+    window = 1 if mode == "graph" else case.window
 
     def timed_median(name: str) -> float:
         """The per-round statistic: the median of calls_per_round timings."""
@@ -348,20 +437,17 @@ def measure_bench(
         fn = fns[name]
         # cold_calls > 1 when the first-use cost comes after some calls (a capture after warm-up)
         cold[name] = timer.time_cold(fn if case.cold_calls == 1 else lambda fn=fn: [fn() for _ in range(case.cold_calls)])
-    methods = {name: "eager" for name in fns}
-    if case.graph and hasattr(timer, "capture"):
-        replays = {}
-        for name in fns:
+    methods = {name: "" for name in fns}
+    if mode == "graph":
+        for name in list(fns):
             say(f"capturing {name} in a CUDA graph")
             try:
-                replays[name] = timer.capture(fns[name])
-            except Exception as exc:  # then everyone is timed eagerly: one method for all
+                fns[name] = timer.capture(fns[name])
+            except Exception as exc:  # then everyone is timed eagerly, one call per timing
                 why = f"{name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                methods = {n: f"eager (capture failed for {why})" for n in fns}
+                fns.update({c.name: c.call for c in contenders if c.call is not None})
+                methods = {n: f"eager calls (capture failed for {why})" for n in fns}
                 break
-        else:
-            fns.update(replays)
-            methods = {name: "graph" for name in fns}
     warmup_calls = 0
     for name in fns:
         say(f"warming up {name}")
@@ -371,7 +457,8 @@ def measure_bench(
     ref_first: list[float] = []
     ref_second: list[float] = []
     per_round: dict[str, list[float]] = {name: [] for name in others}
-    deciding = {ref_name} | {alias.get(n, n) for n in criterion.not_slower_than}
+    deciding = {ref_name} | set(criterion.not_slower(mode))
+    least = criterion.speedup(preset.name, case.name, mode)
 
     def run_round(index: int, target: int) -> None:
         say(f"round {index + 1}/{target}")
@@ -398,7 +485,6 @@ def measure_bench(
         ]
         by_name = {c.against: c for c in comparisons}
         undecided = [by_name[n] for n in deciding if n in by_name and not_slower(by_name[n], floor_log) == "undecided"]
-        least = criterion.min_speedup.get((preset.name, case.name))
         if least is not None and at_least(by_name[ref_name], least) == "undecided":
             undecided.append(by_name[ref_name])
         if not undecided or target >= policy.max_rounds:
@@ -409,18 +495,18 @@ def measure_bench(
 
     nbytes, flops = case.bytes(preset), case.flops(preset)
     timings = []
-    for name, role, fn, reason in contenders:
-        if fn is None:
-            timings.append(ContenderTiming(name=name, role=role, unavailable=reason))
+    for c in contenders:
+        if c.call is None:
+            timings.append(ContenderTiming(name=c.name, role=c.role, unavailable=c.unavailable, host_us=c.host_us))
             continue
-        median_ms = float(np.median(series[name]))
-        gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, criterion.ceiling)
+        median_ms = float(np.median(series[c.name]))
+        gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, case.ceiling)
         timings.append(ContenderTiming(
-            name=name, role=role, method=methods[name], cold_ms=cold[name], median_ms=median_ms,
-            round_medians_ms=list(series[name]), gbps=gbps, tflops=tflops,
-            ceiling_fraction=fraction))
+            name=c.name, role=c.role, method=methods[c.name], cold_ms=cold[c.name], median_ms=median_ms,
+            round_medians_ms=list(series[c.name]), gbps=gbps, tflops=tflops,
+            ceiling_fraction=fraction, host_us=c.host_us))
 
-    if case.host_bound and hasattr(timer, "busy_ms"):
+    if case.gpu_busy and mode == "eager" and hasattr(timer, "busy_ms"):
         # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
         for timing in timings:
             if timing.unavailable is None:
@@ -429,34 +515,38 @@ def measure_bench(
 
     floor_rel = math.expm1(floor_log)
     checks, ambiguous = _check_criteria(
-        case, preset, criterion, contenders, comparisons, timings, ceilings, floor_rel, alias)
+        case, mode, preset, criterion, contenders, comparisons, timings, ceilings, floor_rel, ref_name)
     return BenchResult(
-        case=case.name, description=case.description, l2=case.l2, host_bound=case.host_bound,
-        window=window, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
+        case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
+        window=window, rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
         rounds=len(ref_first), calls_per_round=policy.calls_per_round, noise_floor=floor_rel,
         aa_log_ratios=aa, contenders=timings, comparisons=comparisons, criteria=checks,
-        passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous)
+        passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
+        host_probe=host_probe, duration_s=time.perf_counter() - started)
 
 
 def _check_criteria(
     case: BenchCase,
+    mode: TimingMode,
     preset: Preset,
     criterion: PerfCriterion,
-    contenders: list[Contender],
+    contenders: list[Timed],
     comparisons: list[Comparison],
     timings: list[ContenderTiming],
     ceilings: Ceilings | None,
     floor_rel: float,
-    alias: dict[str, str],
+    ref_name: str,
 ) -> tuple[list[CriterionCheck], bool]:
     """One CriterionCheck per demand, and whether any of them stayed ambiguous (not a pass)."""
     checks: list[CriterionCheck] = []
     ambiguous = False
     against = {c.against: c for c in comparisons}
-    reasons = {name: reason for name, _, fn, reason in contenders if fn is None}
-    for wanted in criterion.not_slower_than:
-        name = alias.get(wanted, wanted)
-        title = f"not slower than {wanted}"
+    reasons = {c.name: c.unavailable for c in contenders if c.call is None}
+    timed = {c.name for c in contenders}
+    for name in criterion.not_slower(mode):
+        title = f"not slower than {name}"
+        if name not in timed:
+            continue  # not timed in this case
         if name in reasons:
             checks.append(CriterionCheck(
                 name=title, passed=True, detail=f"skipped: {name} unavailable ({reasons[name]})"))
@@ -470,29 +560,29 @@ def _check_criteria(
         checks.append(CriterionCheck(name=title, passed=decision == "pass",
                                      detail=detail, ambiguous=decision == "undecided"))
 
-    least = criterion.min_speedup.get((preset.name, case.name))
+    least = criterion.speedup(preset.name, case.name, mode)
     if least is not None:
-        c = against[alias["reference"]]
+        c = against[ref_name]
         decision = at_least(c, least)
         ambiguous = ambiguous or decision == "undecided"
         checks.append(CriterionCheck(
-            name=f"speedup over the reference >= {least:g}x", passed=decision == "pass",
-            detail=f"arm vs {alias['reference']}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
+            name=f"speedup over {ref_name} >= {least:g}x", passed=decision == "pass",
+            detail=f"arm vs {ref_name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
             ambiguous=decision == "undecided"))
 
-    need = criterion.min_ceiling_fraction.get((preset.name, case.name))
+    need = criterion.ceiling_fraction(preset.name, case.name, mode)
     if need is not None:
-        title = f"{criterion.ceiling} ceiling fraction >= {need:g}"
+        title = f"{case.ceiling} ceiling fraction >= {need:g}"
         arm = next(t for t in timings if t.role == "arm")
         if ceilings is None:
             checks.append(CriterionCheck(name=title, passed=False,
                                          detail="no ceilings were measured in this run"))
         elif arm.ceiling_fraction is None:
-            counted = "flops" if criterion.ceiling == "gemm" else "bytes"
+            counted = "flops" if case.ceiling == "gemm" else "bytes"
             checks.append(CriterionCheck(name=title, passed=False,
-                                         detail=f"case {case.name!r} declares no {counted}"))
+                                         detail=f"case {case.name!r} declares no {counted} or no ceiling"))
         else:
-            if criterion.ceiling == "gemm":
+            if case.ceiling == "gemm":
                 rate = f"{arm.tflops:.1f} TFLOP/s of {ceilings.gemm_bf16_tflops:.1f}"
             else:
                 rate = f"{arm.gbps:.1f} GB/s of {ceilings.copy_gbps:.1f}"

@@ -1,0 +1,300 @@
+"""The results of a run: one versioned pydantic model that every stage builds and every
+renderer reads. Measuring code (parity, timing, runner, baseline, fingerprint) imports this
+module; the renderers (render.py) and the report store (store.py) import it too, never the
+reverse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError
+
+from suite.errors import UsageError
+
+# 2: failures carry the check that found them; parity mode per output; bench modes; phases
+SCHEMA_VERSION = 2
+
+Verdict = Literal["faster", "same", "slower", "ambiguous"]
+Status = Literal["passed", "failed", "could_not_run", "ambiguous", "skipped"]
+Role = Literal["reference", "arm", "peer"]
+# graph: CUDA-graph replays (device time); eager: plain calls, the host's dispatch included,
+# timed with CUDA events; wall: the host's clock, for arms that are not CUDA kernels
+TimingMode = Literal["graph", "eager", "wall"]
+CeilingKind = Literal["copy", "gemm", "none"]
+
+
+class Check(str, Enum):
+    """The checks that can fail a parity judgement; a saboteur names the one it must trip."""
+
+    OUTPUTS = "outputs"  # the arm's outputs differ from the reference's in names, shapes or dtypes
+    PARITY = "parity"  # values differ beyond what the output's parity mode allows
+    NONFINITE = "nonfinite"  # NaN/Inf where the truth has none, or the reverse
+    POISON = "poison"  # an output element the arm never wrote (still NaN from the poisoning)
+    DEGENERATE = "degenerate"  # constant where the truth is not, or nothing finite to compare
+    DETERMINISM = "determinism"  # two runs on the same inputs differ
+    INPUTS = "inputs"  # the arm modified its inputs
+
+
+class Failure(BaseModel):
+    check: Check
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.check.value}: {self.message}"
+
+
+class TensorCheck(BaseModel):
+    """One output of the arm judged against the reference (bitwise) or the truth (tolerance)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    mode: Literal["bitwise", "tolerance"]
+    passed: bool
+    problems: list[Failure] = Field(default_factory=list)
+    # bitwise mode
+    differing: int | None = None
+    first_index: list[int] | None = None
+    max_ulp: int | None = None
+    # tolerance mode: relative errors against the float64 truth, and the limits applied
+    k: float | None = None
+    floor: float | None = None
+    compared: int | None = None  # finite elements compared
+    arm_rel_l2: float | None = None
+    ref_rel_l2: float | None = None
+    limit_rel_l2: float | None = None
+    arm_rel_max: float | None = None  # the worst row's relative L2 error
+    ref_rel_max: float | None = None
+    limit_rel_max: float | None = None
+    nonfinite_match: bool | None = None
+
+    @property
+    def message(self) -> str:
+        return "; ".join(str(p) for p in self.problems)
+
+
+class ParityResult(BaseModel):
+    mode: Literal["bitwise", "tolerance", "mixed"]
+    passed: bool
+    # every output's check; a gate with thousands of outputs keeps only its failing ones (the
+    # first of them), and the counts below say how many there were
+    tensors: list[TensorCheck]
+    outputs_checked: int | None = None  # None: tensors holds every check
+    outputs_passed: int | None = None
+    inputs_unchanged: bool
+    deterministic: bool | None  # None when the gate declares the arm nondeterministic
+    nondeterministic_reason: str | None = None
+    recheck_after_timing: bool | None = None  # None when no timing ran
+    first_divergence: str | None = None  # the first failing output, in the reference's order
+    failures: list[Failure] = Field(default_factory=list)
+
+    def counts(self) -> tuple[int, int]:
+        """(outputs checked, outputs passed), whether or not tensors was trimmed."""
+        if self.outputs_checked is None:
+            return len(self.tensors), sum(t.passed for t in self.tensors)
+        return self.outputs_checked, self.outputs_passed
+
+    def checks_failed(self) -> set[Check]:
+        return {f.check for f in self.failures}
+
+
+class SaboteurResult(BaseModel):
+    name: str
+    description: str
+    expected_check: Check
+    caught: bool
+    failures: list[Failure] = Field(default_factory=list)
+
+
+class ContenderTiming(BaseModel):
+    name: str
+    role: Role
+    unavailable: str | None = None  # why it was not timed
+    method: str = ""  # how it was timed, when not as the bench's mode says (e.g. capture failed)
+    cold_ms: float | None = None  # the first call (compile, autotune, capture), timed alone
+    median_ms: float | None = None  # median of the per-round medians
+    round_medians_ms: list[float] = Field(default_factory=list)
+    gbps: float | None = None
+    tflops: float | None = None
+    ceiling_fraction: float | None = None  # of the case's measured ceiling
+    gpu_busy_ms: float | None = None  # host-bound benches: kernel time per call, beside the wall time
+    host_us: float | None = None  # host time per call on the gate's host-probe shape
+
+
+class Comparison(BaseModel):
+    """arm against one other contender: speedup = other's time / arm's time."""
+
+    against: str
+    speedup: float
+    ci_low: float
+    ci_high: float
+    verdict: Verdict
+
+
+class CriterionCheck(BaseModel):
+    name: str
+    passed: bool
+    detail: str
+    ambiguous: bool = False  # not passed because timing could not decide, not because it lost
+
+
+class BenchResult(BaseModel):
+    case: str
+    description: str
+    mode: TimingMode
+    l2: Literal["cold", "warm"]
+    ceiling: CeilingKind
+    window: int  # calls per timed window (one event pair)
+    rotation: int = 1  # input sets cycled through, so that calls miss the L2
+    bytes: int
+    flops: int
+    warmup_calls: int
+    rounds: int
+    calls_per_round: int
+    noise_floor: float  # relative spread of reference-vs-reference (A/A), e.g. 0.012 = 1.2%
+    aa_log_ratios: list[float]
+    contenders: list[ContenderTiming]
+    comparisons: list[Comparison]
+    criteria: list[CriterionCheck]
+    passed: bool
+    ambiguous: bool
+    host_probe: str | None = None  # the shape host_us was measured on
+    duration_s: float = 0.0
+
+
+class Ceilings(BaseModel):
+    copy_gbps: float  # device-to-device copy, bytes read + written
+    copy_bytes: int
+    gemm_bf16_tflops: float
+    gemm_n: int
+
+
+class BufferProvenance(BaseModel):
+    source: Literal["fresh", "loaded"]
+    seed: int
+    directory: str | None = None
+    sha256: dict[str, str] = Field(default_factory=dict)  # file name -> digest (loaded buffers)
+
+
+class GateResult(BaseModel):
+    gate: str
+    arm: str
+    preset: str
+    preset_params: dict[str, Any]
+    device: str
+    status: Status
+    reason: str | None = None
+    parity: ParityResult | None = None
+    saboteurs: list[SaboteurResult] = Field(default_factory=list)
+    # where the saboteurs are not run here: the preset they ran at, or why they cannot apply
+    saboteurs_note: str | None = None
+    bench: list[BenchResult] = Field(default_factory=list)
+    bench_skipped: str | None = None
+    buffers: BufferProvenance | None = None
+    duration_s: float = 0.0
+    phases: dict[str, float] = Field(default_factory=dict)  # phase -> wall seconds
+    peak_memory_bytes: int | None = None  # CUDA: the most the gate held at once, bench included
+
+
+class SkippedGate(BaseModel):
+    gate: str
+    reason: str
+
+
+class Fingerprint(BaseModel):
+    device_slug: str  # e.g. "nvidia-h200" or "cpu"
+    gpu_name: str | None = None
+    compute_capability: str | None = None
+    gpu_memory_bytes: int | None = None
+    sm_count: int | None = None
+    driver: str | None = None
+    cuda: str | None = None
+    torch: str
+    triton: str | None = None
+    python: str
+    platform: str
+    git_sha: str | None = None
+    git_dirty: bool | None = None
+    clocks: dict[str, int] = Field(default_factory=dict)  # MHz, when nvidia-smi answers
+    profile: str = "none"  # "rtx" when Triton configs were held to 99 KB of shared memory
+
+
+class RunReport(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    what: str  # "gate rmsnorm", "bench all", "run"
+    command: str
+    started_utc: str
+    finished_utc: str
+    fingerprint: Fingerprint
+    ceilings: Ceilings | None = None
+    results: list[GateResult]
+    skipped: list[SkippedGate] = Field(default_factory=list)
+    exit_code: int
+    duration_s: float = 0.0
+
+
+def slugify(text: str) -> str:
+    """Lower-case words joined by '-': "gate rmsnorm" -> "gate-rmsnorm", safe in paths."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# ---- reading versioned JSON ------------------------------------------------------------------
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_versioned_json(path: str | Path, model: type[M], schema_version: int, kind: str) -> M:
+    """Load a versioned JSON document into `model`, or raise UsageError saying what is wrong.
+
+    Shared by run reports and baselines, which are read back by a person's command and
+    must fail with a message naming the file, not a traceback.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot read {kind} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"{path} is not a {kind}: not UTF-8 text (byte {exc.start}); re-save it as UTF-8 JSON"
+        ) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{path} is not a {kind}: not valid JSON ({exc.msg} at line {exc.lineno}, "
+            f"column {exc.colno})"
+        ) from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} is not a {kind}: expected a JSON object, found {type(data).__name__}")
+    found = data.get("schema_version")
+    if found != schema_version:
+        found_text = "no schema_version" if found is None else f"schema_version {found!r}"
+        raise UsageError(
+            f"{path} has {found_text}; this suite reads {kind}s of schema_version "
+            f"{schema_version}. Re-create it with this version of the suite, or read it "
+            f"with the version that wrote it."
+        )
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(f"{path} is not a valid {kind}: {_summarise(exc)}") from exc
+
+
+def _summarise(exc: ValidationError, limit: int = 5) -> str:
+    problems = [
+        f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+        for err in exc.errors()
+    ]
+    more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
+    return f"{len(problems)} problem(s): " + "; ".join(problems[:limit]) + more
+
+
+def load_report(path: str | Path) -> RunReport:
+    return read_versioned_json(path, RunReport, SCHEMA_VERSION, "run report")
