@@ -563,3 +563,30 @@ def test_host_time_per_call_is_the_best_batch():
     us = timing.host_us_per_call(lambda: None, lambda: syncs.append(1), calls=10, batches=3)
     assert 0 <= us < 1000
     assert len(syncs) == 2 * 4  # before and after each of 1 untimed + 3 timed batches
+
+
+class FailingTimer(FakeTimer):
+    """Raises on the first call of the named contenders, as a graph break under fullgraph does."""
+
+    def __init__(self, dists, failing):
+        super().__init__(dists)
+        self.failing = failing
+
+    def time_cold(self, fn):
+        if fn.name in self.failing:
+            raise RuntimeError(f"{fn.name} cannot run here\nsecond line")
+        return super().time_cold(fn)
+
+
+def test_a_peer_that_fails_its_first_call_is_reported_not_fatal():
+    criterion = PerfCriterion(not_slower_than=("reference", "broken"))
+    timer = FailingTimer({**EXACT, "fine": (0.7, 0.0)}, {"broken"})
+    result = measure_bench(make_case(), "eager", make_contenders("broken", "fine"), PRESET, criterion, None,
+                           POLICY, timer)
+    broken = next(t for t in result.contenders if t.name == "broken")
+    assert broken.unavailable == "its first call failed: RuntimeError: broken cannot run here"
+    assert [c.against for c in result.comparisons] == ["reference", "fine"]
+    assert result.passed and "skipped: broken unavailable" in result.criteria[1].detail
+    with pytest.raises(RuntimeError):  # the arm failing is no peer's problem: it propagates
+        measure_bench(make_case(), "eager", make_contenders(), PRESET, criterion, None, POLICY,
+                      FailingTimer(EXACT, {"arm"}))

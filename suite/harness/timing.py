@@ -431,21 +431,38 @@ def measure_bench(
         n = policy.calls_per_round
         return statistics.median(timer.time_calls(fns[name], n, flush_l2=flush_l2, window=window))
 
+    roles = {c.name: c.role for c in contenders}
+    dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
+
+    def drop(name: str, what: str, exc: Exception) -> None:
+        if roles[name] != "peer":
+            raise exc
+        dropped[name] = f"{what} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        del fns[name]
+
     cold: dict[str, float] = {}
-    for name in fns:
+    for name in list(fns):
         say(f"cold call of {name}")
         fn = fns[name]
-        # cold_calls > 1 when the first-use cost comes after some calls (a capture after warm-up)
-        cold[name] = timer.time_cold(fn if case.cold_calls == 1 else lambda fn=fn: [fn() for _ in range(case.cold_calls)])
+        try:
+            # cold_calls > 1 when the first-use cost comes after some calls (a capture after warm-up)
+            cold[name] = timer.time_cold(fn if case.cold_calls == 1 else lambda fn=fn: [fn() for _ in range(case.cold_calls)])
+        except Exception as exc:  # a peer that cannot run here (a graph break under fullgraph) is reported
+            drop(name, "its first call", exc)
     methods = {name: "" for name in fns}
     if mode == "graph":
+        eager = dict(fns)
         for name in list(fns):
             say(f"capturing {name} in a CUDA graph")
             try:
                 fns[name] = timer.capture(fns[name])
-            except Exception as exc:  # then everyone is timed eagerly, one call per timing
+            except Exception as exc:
+                if roles[name] == "peer":
+                    drop(name, "CUDA-graph capture", exc)
+                    continue
+                # the reference or the arm cannot be captured: everyone is timed eagerly, one call a timing
                 why = f"{name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                fns.update({c.name: c.call for c in contenders if c.call is not None})
+                fns = {n: eager[n] for n in fns}
                 methods = {n: f"eager calls (capture failed for {why})" for n in fns}
                 break
     warmup_calls = 0
@@ -496,8 +513,9 @@ def measure_bench(
     nbytes, flops = case.bytes(preset), case.flops(preset)
     timings = []
     for c in contenders:
-        if c.call is None:
-            timings.append(ContenderTiming(name=c.name, role=c.role, unavailable=c.unavailable, host_us=c.host_us))
+        if c.call is None or c.name in dropped:
+            timings.append(ContenderTiming(name=c.name, role=c.role, unavailable=c.unavailable or dropped[c.name],
+                                           host_us=c.host_us))
             continue
         median_ms = float(np.median(series[c.name]))
         gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, case.ceiling)
@@ -541,7 +559,7 @@ def _check_criteria(
     checks: list[CriterionCheck] = []
     ambiguous = False
     against = {c.against: c for c in comparisons}
-    reasons = {c.name: c.unavailable for c in contenders if c.call is None}
+    reasons = {t.name: t.unavailable for t in timings if t.unavailable}
     timed = {c.name for c in contenders}
     for name in criterion.not_slower(mode):
         title = f"not slower than {name}"
