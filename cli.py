@@ -167,13 +167,13 @@ def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
     raise typer.Exit(report.exit_code)
 
 
-def _names_table(title: str, names: list[str], *others: str) -> Table:
-    """A table whose first columns (gate and preset names) are never cut or wrapped."""
+def _names_table(title: str, names: dict[str, int], *others: str) -> Table:
+    """A table whose name columns (column -> longest name in it) are never cut or wrapped."""
     table = Table(title=title)
-    for column, longest in zip(names, (len(n) for n in names)):
+    for column, longest in names.items():
         table.add_column(column, no_wrap=True, min_width=longest)
     for column in others:
-        table.add_column(column, overflow="fold")
+        table.add_column(column)
     return table
 
 
@@ -187,7 +187,7 @@ def _print_summary(report) -> None:
     table.add_column("gate", no_wrap=True, min_width=longest)
     table.add_column("preset", no_wrap=True, min_width=longest_preset)
     for column in ("status", "s", "parity", "saboteurs", "bench"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column)
     colours = {"passed": "green", "failed": "red", "could_not_run": "yellow", "ambiguous": "magenta", "skipped": "dim"}
     for r in report.results:
         parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
@@ -370,16 +370,21 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     if as_json:
         sys.stdout.write(json.dumps({"device": str(settings.device), "gates": listing}, indent=2) + "\n")
         return
-    table = _names_table(f"gates (device: {settings.device})", ["gate"], "needs CUDA", "presets", "contenders", "summary")
+    presets_of = {
+        g["name"]: [f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}{' *' if p['default_here'] else ''}"
+                    for p in g["presets"]]
+        for g in listing
+    }
+    widths = {"gate": max(len(g["name"]) for g in listing),
+              "presets": max(len(p) for names in presets_of.values() for p in names)}
+    table = _names_table(f"gates (device: {settings.device})", widths, "needs CUDA", "contenders", "summary")
     for g in listing:
-        presets = ", ".join(
-            f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}{' *' if p['default_here'] else ''}" for p in g["presets"]
-        )
+        presets = "\n".join(presets_of[g["name"]])
         contenders = [f"{c['name']} ({c['role']})" + (f" unavailable: {c['unavailable']}" if c["unavailable"] else "")
                       for c in g["contenders"]]
         if settings.device.type != "cuda" and any(set(b["modes"]) - {"wall"} for b in g["benches"]):
             contenders.append("(timing needs CUDA)")
-        table.add_row(escape(g["name"]), "yes" if g["needs_cuda"] else "no", escape(presets),
+        table.add_row(escape(g["name"]), escape(presets), "yes" if g["needs_cuda"] else "no",
                       escape("\n".join(contenders)), escape(g["summary"]))
     console.print(table)
     console.print("* = run by default on this device")
@@ -410,11 +415,12 @@ def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
         return
     table = Table(title="environment")
     table.add_column("what", no_wrap=True)
-    table.add_column("value", overflow="fold")
+    table.add_column("value")
     for key, value in fp.model_dump().items():
         table.add_row(key, escape(str(value)))
     console.print(table)
-    gates_table = _names_table("gates on this machine", ["gate"], "parity", "bench", "missing")
+    gates_table = _names_table("gates on this machine", {"gate": max(len(r["gate"]) for r in rows)},
+                               "parity", "bench", "missing")
     for row in rows:
         gates_table.add_row(escape(row["gate"]), "yes" if row["parity"] else "no", "yes" if row["bench"] else "no",
                             escape("\n".join(row["missing"]) or "-"))
