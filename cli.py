@@ -173,7 +173,7 @@ def _names_table(title: str, names: dict[str, int], *others: str) -> Table:
     for column, longest in names.items():
         table.add_column(column, no_wrap=True, min_width=longest)
     for column in others:
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # wrapped, never cut
     return table
 
 
@@ -187,7 +187,7 @@ def _print_summary(report) -> None:
     table.add_column("gate", no_wrap=True, min_width=longest)
     table.add_column("preset", no_wrap=True, min_width=longest_preset)
     for column in ("status", "s", "parity", "saboteurs", "bench"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     colours = {"passed": "green", "failed": "red", "could_not_run": "yellow", "ambiguous": "magenta", "skipped": "dim"}
     for r in report.results:
         parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
@@ -415,7 +415,7 @@ def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
         return
     table = Table(title="environment")
     table.add_column("what", no_wrap=True)
-    table.add_column("value")
+    table.add_column("value", overflow="fold")
     for key, value in fp.model_dump().items():
         table.add_row(key, escape(str(value)))
     console.print(table)
