@@ -294,3 +294,12 @@ def test_a_gate_with_thousands_of_outputs_keeps_its_report_short():
     assert passing.passed and passing.counts() == (500, 500) and passing.tensors == []
     few = judge(toy_gate(mode=Bitwise()))
     assert few.outputs_checked is None and few.counts() == (len(few.tensors), len(few.tensors))
+
+
+def test_bits_checksum_is_the_position_weighted_sum_across_chunks():
+    t = torch.randn(parity.CHUNK_ELEMENTS + 70_000)
+    words = t.view(torch.int32).to(torch.int64)
+    expected = (words * (torch.arange(words.numel()) % 65521 + 1)).sum()
+    assert parity.bits_checksum(t) == expected
+    assert parity.bits_checksum(t[:5000]) == expected.new_tensor(
+        (words[:5000] * (torch.arange(5000) % 65521 + 1)).sum())

@@ -53,6 +53,20 @@ def poisoned_allocations() -> Iterator[None]:
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
+_POSITION_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _position_weights(device: torch.device, n: int) -> torch.Tensor:
+    """(position % 65521) + 1 for positions 0..n-1, kept per device: a multi-step gate checksums
+    every parameter at every step, and rebuilding the weights cost three launches each time."""
+    weights = _POSITION_WEIGHTS.get(device)
+    if weights is None or weights.numel() < n:
+        size = min(CHUNK_ELEMENTS, max(n, 1 << 20))
+        weights = torch.arange(size, device=device, dtype=torch.int64) % 65521 + 1
+        _POSITION_WEIGHTS[device] = weights
+    return weights[:n]
+
+
 def bits_checksum(t: torch.Tensor) -> torch.Tensor:
     """A position-weighted int64 sum of a tensor's bit patterns, as a 0-d tensor on its device
     (no host sync): any changed bit, or two swapped values, moves it."""
@@ -61,7 +75,10 @@ def bits_checksum(t: torch.Tensor) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
     for start in range(0, words.numel(), CHUNK_ELEMENTS):
         chunk = words[start : start + CHUNK_ELEMENTS].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
+        if start == 0:  # most tensors fit in one chunk
+            weights = _position_weights(flat.device, chunk.numel())
+        else:
+            weights = torch.arange(start, start + chunk.numel(), device=flat.device, dtype=torch.int64) % 65521 + 1
         total += (chunk * weights).sum()
     return total
 
