@@ -87,7 +87,7 @@ class BenchCase:
     ceiling: CeilingKind = "copy"  # what fraction-of-ceiling figures are of
     l2: Literal["cold", "warm"] = "cold"
     modes: tuple[TimingMode, ...] = ("graph", "eager")
-    window: int = 10  # calls per timed window in eager and wall modes
+    window: int = 5  # calls per timed window in eager and wall modes
     gpu_busy: bool = False  # also report the GPU's busy time per call (host-bound steps)
     calls_per_round: int | None = None  # overrides the run's policy (long steps)
     cold_calls: int = 1  # calls the cold figure covers (a captured step captures on call 4)
