@@ -1,6 +1,6 @@
 """CapturedOptimizer: the refusals and host-side checks on the CPU; on a GPU, captured steps bitwise
-equal to eager ones (constant lr, an 8x LR schedule, weight decay changed mid-run, a checkpoint
-mid-run, release), and each saboteur caught by that comparison."""
+equal to eager ones (constant lr, an 8x LR schedule, weight decay, momentum and betas changed
+mid-run, a checkpoint mid-run, release), and each saboteur caught by that comparison."""
 
 from __future__ import annotations
 
@@ -94,6 +94,10 @@ def as_if_captured(captured: CapturedOptimizer) -> None:
     captured._captured = captured._prepare_capture()
 
 
+def fp32(value) -> float:
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
 @pytest.mark.parametrize("make", [
     lambda p: Muon([p], lr=0.1),
     lambda p: torch.optim.AdamW([p], lr=0.1),
@@ -147,13 +151,13 @@ def test_muon_live_values_may_change_others_may_not():
     captured = stepped_muon()
     record = captured._prepare_capture()
     group = captured.param_groups[1]
-    group["lr"], group["weight_decay"] = 0.5, 0.1  # live: no complaint
-    group["betas"] = [0.9, 0.95]  # equal to the recorded tuple
+    group.update(lr=0.5, weight_decay=0.1, momentum=0.5, betas=(0.8, 0.9))  # live: no complaint
     captured._check_replay(record)
     captured._sync_live_values(record)
-    assert captured.optimizer._device_hyperparameters[1]["lr"].item() == 0.5
-    group["momentum"] = 0.5
-    with pytest.raises(CaptureError, match=r"param group 1: 'momentum' changed from 0.95 to 0.5 after capture.*"
+    live = captured.optimizer._device_hyperparameters[1]
+    assert (live["lr"].item(), live["momentum"].item(), live["beta1"].item()) == (0.5, 0.5, fp32(0.8))
+    group["eps"] = 1e-6
+    with pytest.raises(CaptureError, match=r"param group 1: 'eps' changed from 1e-08 to 1e-06 after capture.*"
                                            r"cannot be live.*release\(\)"):
         captured._check_replay(record)
 
@@ -392,6 +396,13 @@ def set_weight_decay(value):
     return change
 
 
+def set_momentum_and_betas(momentum, betas):
+    def change(stepper):
+        for group in stepper.param_groups:
+            group.update(momentum=momentum, betas=betas)
+    return change
+
+
 def assert_same(reference_params, params):
     difference = first_difference(reference_params, params)
     assert difference is None, difference
@@ -404,7 +415,7 @@ def assert_differ(reference_params, sabotaged_params):
 @needs_cuda
 @pytest.mark.cuda
 def test_muon_capturable_eager_is_bitwise_plain_on_gpu():
-    changes = {10: set_weight_decay(0.1)}
+    changes = {10: set_weight_decay(0.1), 14: set_momentum_and_betas(0.8, (0.8, 0.9))}
     plain, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
     capturable, _, _ = train(lambda params: muon(params, capturable=True), schedule=warmup_cosine, before_step=changes)
     assert_same(plain, capturable)
@@ -439,6 +450,16 @@ def test_muon_weight_decay_changed_mid_run():
     changes = {10: set_weight_decay(0.1), 18: set_weight_decay(0.0)}
     reference, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
     captured, _, _ = train(wrapped("muon"), schedule=warmup_cosine, before_step=changes)
+    assert_same(reference, captured)
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_muon_momentum_and_betas_changed_mid_run():
+    changes = {10: set_momentum_and_betas(0.8, (0.8, 0.9)), 18: set_momentum_and_betas(0.95, (0.9, 0.999))}
+    reference, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
+    captured, stepper, _ = train(wrapped("muon"), schedule=warmup_cosine, before_step=changes)
+    assert stepper.captured
     assert_same(reference, captured)
 
 

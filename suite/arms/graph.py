@@ -12,11 +12,11 @@ replays the kernels, pointers and scalars it recorded, so
 
 What this wrapper does about each:
 
-- Live hyperparameters are device tensors refreshed in place before every replay: Muon's lr and
-  weight_decay through its sync_hyperparameters(); for torch.optim.Adam / AdamW the wrapper turns
-  each group's lr into a 0-d device tensor (torch LR schedulers fill a tensor lr in place). Every
-  other group value (betas, eps, momentum, AdamW's weight_decay, ...) is recorded at capture, and a
-  change raises before the replay, naming the group, the key and both values.
+- Live hyperparameters are device tensors refreshed in place before every replay: Muon's lr,
+  weight_decay, momentum and betas through its sync_hyperparameters(); for torch.optim.Adam / AdamW
+  the wrapper turns each group's lr into a 0-d device tensor (torch LR schedulers fill a tensor lr
+  in place). Every other group value (eps, torch AdamW's betas and weight_decay, ...) is recorded
+  at capture, and a change raises before the replay, naming the group, the key and both values.
 - A capture is refused while a requires_grad parameter has no grad, or a parameter with a grad
   has no optimizer state (the warm-up steps create it).
 - Before each replay, every parameter's storage and grad storage is checked against the capture
