@@ -1,5 +1,5 @@
 """The Muon reference optimizer on the CPU: Newton-Schulz, scale rules, the Muon and AdamW updates
-against independent re-implementations, group
+against independent re-implementations (the float64 Muon the optimizer gates share), group
 inference, and the capturable mode's bitwise equality with the plain one under live lr, weight
 decay, momentum and betas (the GPU side of that contract is in test_graph_capture_arm.py)."""
 
@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from suite.arms.muon import NS_COEFFICIENTS, Muon, muon_scale, newton_schulz
+from gates.optim_loop import muon_float64
+from suite.arms.muon import Muon, muon_scale, newton_schulz
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -115,30 +116,6 @@ def test_scale_rules():
 # --------------------------------------------------------------------------------------------
 # The updates against independent re-implementations
 # --------------------------------------------------------------------------------------------
-
-
-def newton_schulz_float64(G: torch.Tensor, steps: int) -> torch.Tensor:
-    a, b, c = NS_COEFFICIENTS
-    X = G.double() / G.double().norm()
-    if X.shape[0] > X.shape[1]:
-        return newton_schulz_float64(G.T, steps).T
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X
-
-
-def muon_float64(p0, grads, lr, momentum, nesterov, weight_decay, rule, ns_steps):
-    p = p0.double().clone()
-    m = torch.zeros_like(p)
-    rows, cols = p.shape
-    scale = max(1, rows / cols) ** 0.5 if rule == "spectral" else 0.2 * max(rows, cols) ** 0.5
-    for g in grads:
-        g = g.double()
-        m = momentum * m + g
-        u = g + momentum * m if nesterov else m
-        p = p * (1 - lr * weight_decay) - lr * scale * newton_schulz_float64(u, ns_steps)
-    return p, m
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
