@@ -6,7 +6,9 @@ w2 of d x 4d, two norm vectors) is trained from saved initial parameters through
 gradient sets by gates.optim_loop.train, for Muon (matrices) + AdamW (vectors) and for torch
 AdamW (foreach, torch's default, and fused), in the scenarios of gates.optim_loop.SCENARIOS:
 constant lr; warm-up + cosine lr through LambdaLR; weight decay changed mid-run (Muon only);
-a state_dict saved at K/2, loaded into fresh optimizers, continued.
+a state_dict saved at K/2, loaded into fresh optimizers, continued; and OneCycleLR, which cycles
+Muon's lr and betas[0] every step (torch AdamW reads betas as host numbers: lr only). The arm's
+schedulers attach to the CapturedOptimizer itself, the reference's to the eager optimizer.
 """
 
 from __future__ import annotations

@@ -9,12 +9,16 @@ whole, for the index and ULP distance.
 
 Scenarios:
 - constant: a constant lr.
-- schedule: warm-up + cosine lr (an 8x swing) through LambdaLR on the optimizer.
+- schedule: warm-up + cosine lr (an 8x swing) through LambdaLR on the stepper (the wrapper).
 - wd-change: weight decay raised tenfold at K/2.
 - resume: state_dict at K/2 loaded into fresh optimizers, then continued.
+- onecycle: OneCycleLR with cycle_momentum=True on the stepper: lr and momentum change every step.
+  Muon's defaults hold "betas", so it cycles betas[0] of every group (read by the AdamW group).
+- onecycle-lr: OneCycleLR with cycle_momentum=False: lr only.
 
-torch's AdamW reads weight_decay as a host number, which a captured step cannot follow
-(CapturedOptimizer refuses the change; the tests prove it), so its kinds do not run wd-change.
+torch's AdamW reads weight_decay and betas as host numbers, which a captured step cannot follow
+(CapturedOptimizer refuses the change; the tests prove it), so its kinds run neither wd-change nor
+onecycle: their one-cycle scenario is onecycle-lr.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ from suite.harness.parity import bits_checksum
 MUON_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-4, 0.01
 ADAMW_BETAS = (0.9, 0.95)
 SCENARIOS = {
-    "muon": ("constant", "schedule", "wd-change", "resume"),
-    "adamw": ("constant", "schedule", "resume"),
-    "adamw-fused": ("constant", "schedule", "resume"),
+    "muon": ("constant", "schedule", "wd-change", "resume", "onecycle"),
+    "adamw": ("constant", "schedule", "resume", "onecycle-lr"),
+    "adamw-fused": ("constant", "schedule", "resume", "onecycle-lr"),
 }
 
 # (optimizer, params by name) -> what train() steps: the optimizer wrapped, e.g. CapturedOptimizer.
@@ -72,10 +76,16 @@ def lambda_schedule(steps: int) -> Callable[[int], float]:
     return factor
 
 
-def make_scheduler(scenario: str, optimizer: torch.optim.Optimizer, steps: int):
-    """The scenario's LR scheduler on `optimizer`, or None."""
+def make_scheduler(scenario: str, stepper: torch.optim.Optimizer, steps: int):
+    """The scenario's LR scheduler on `stepper`, or None."""
+    lr_scheduler = torch.optim.lr_scheduler
     if scenario == "schedule":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda_schedule(steps))
+        return lr_scheduler.LambdaLR(stepper, lambda_schedule(steps))
+    if scenario in ("onecycle", "onecycle-lr"):
+        # each group peaks at its own configured lr (float() of a tensor lr reads it once, here)
+        max_lr = [float(group["lr"]) for group in stepper.param_groups]
+        return lr_scheduler.OneCycleLR(stepper, max_lr=max_lr, total_steps=steps,
+                                       cycle_momentum=scenario == "onecycle")
     return None
 
 
@@ -90,7 +100,7 @@ def train(kind: str, scenario: str, buffers: Buffers, steps: int, wrap: Wrap | N
     def build():
         optimizer = make_optimizer(kind, params, capturable=wrap is not None)
         stepper = optimizer if wrap is None else wrap(optimizer, params)
-        return stepper, make_scheduler(scenario, optimizer, steps)
+        return stepper, make_scheduler(scenario, stepper, steps)
 
     stepper, scheduler = build()
     prefix = f"{kind}-{scenario}"

@@ -5,12 +5,14 @@ import json
 
 import pytest
 import torch
+from torch.optim import lr_scheduler
 from typer.testing import CliRunner
 
 import gates
 from cli import app
 from gates import graph_capture as gc
 from gates import optim_loop
+from suite.arms.graph import CapturedOptimizer
 from suite.errors import ExitCode
 from suite.harness import parity
 
@@ -44,10 +46,22 @@ def test_schedule_swings_at_least_eightfold():
 
 
 def test_scenarios_per_optimizer():
-    assert optim_loop.SCENARIOS["muon"] == ("constant", "schedule", "wd-change", "resume")
-    # torch AdamW reads weight decay as a host number: it cannot change under capture
+    assert optim_loop.SCENARIOS["muon"] == ("constant", "schedule", "wd-change", "resume", "onecycle")
+    # torch AdamW reads weight decay and betas as host numbers: neither can change under capture
     for kind in ("adamw", "adamw-fused"):
-        assert optim_loop.SCENARIOS[kind] == ("constant", "schedule", "resume")
+        assert optim_loop.SCENARIOS[kind] == ("constant", "schedule", "resume", "onecycle-lr")
+
+
+def test_schedulers_attach_to_the_stepper():
+    params = {"w": torch.zeros(4, 4, requires_grad=True), "g": torch.zeros(4, requires_grad=True)}
+    captured = CapturedOptimizer(optim_loop.make_optimizer("muon", params, capturable=True))
+    assert optim_loop.make_scheduler("constant", captured, 20) is None
+    schedule = optim_loop.make_scheduler("schedule", captured, 20)
+    assert isinstance(schedule, lr_scheduler.LambdaLR) and schedule.optimizer is captured
+    onecycle = optim_loop.make_scheduler("onecycle", captured, 20)
+    assert isinstance(onecycle, lr_scheduler.OneCycleLR) and onecycle.optimizer is captured
+    assert onecycle.cycle_momentum and onecycle.use_beta1  # Muon's defaults hold betas
+    assert not optim_loop.make_scheduler("onecycle-lr", captured, 20).cycle_momentum
 
 
 @pytest.mark.parametrize("scenario", optim_loop.SCENARIOS["muon"])
@@ -95,9 +109,10 @@ def test_captured_step_is_bitwise_eager_in_every_scenario(judged_tiny):
     result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
     assert result.passed, result.failures[:5]
     prefixes = {name.split("/")[0] for name in outputs}
-    assert prefixes == {"muon-constant", "muon-schedule", "muon-wd-change", "muon-resume",
-                        "adamw-constant", "adamw-schedule", "adamw-resume",
-                        "adamw-fused-constant", "adamw-fused-schedule", "adamw-fused-resume"}
+    assert prefixes == {"muon-constant", "muon-schedule", "muon-wd-change", "muon-resume", "muon-onecycle",
+                        "adamw-constant", "adamw-schedule", "adamw-resume", "adamw-onecycle-lr",
+                        "adamw-fused-constant", "adamw-fused-schedule", "adamw-fused-resume",
+                        "adamw-fused-onecycle-lr"}
 
 
 @pytest.mark.cuda
