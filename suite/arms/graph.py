@@ -441,7 +441,6 @@ class CapturedOptimizer(torch.optim.Optimizer):
 
     def _capture(self) -> None:
         record = self._prepare_capture()
-        self._require_cuda()
         if self._syncs_itself:
             # Every live value at its current setting, lr included: a baked lr is the capture's.
             self.optimizer.sync_hyperparameters()
