@@ -3,14 +3,12 @@ against the same optimizer stepped eagerly, bit for bit, over K saved gradient s
 
 A transformer-shaped parameter set (per layer: wq, wk, wv, wo of d x d, w1, w3 of 4d x d,
 w2 of d x 4d, two norm vectors) is trained from saved initial parameters through K saved
-gradient sets in four scenarios, for Muon (matrices) + AdamW (vectors) and for torch AdamW
-(foreach, torch's default, and fused):
-constant lr; warm-up + cosine lr through a torch LR scheduler (an 8x swing); weight decay
-changed mid-run (Muon: torch AdamW reads it as a host number, so the wrapper refuses that
-change, which tests prove); and a state_dict saved at K/2, loaded into fresh optimizers,
-continued. Each step's parameters are reduced to a position-weighted checksum of their bits,
-so the first differing output names the step and tensor of the first divergence; the final
-parameters are compared whole, for the index and ULP distance.
+gradient sets by gates.optim_loop.train, for Muon (matrices) + AdamW (vectors) and for torch
+AdamW (foreach, torch's default, and fused), in the scenarios of gates.optim_loop.SCENARIOS:
+constant lr; warm-up + cosine lr through LambdaLR; weight decay changed mid-run (Muon only);
+a state_dict saved at K/2, loaded into fresh optimizers, continued; and OneCycleLR, which cycles
+Muon's lr and betas[0] every step (torch AdamW reads betas as host numbers: lr only). The arm's
+schedulers attach to the CapturedOptimizer itself, the reference's to the eager optimizer.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from gates.optim_loop import ADAMW_LR, MUON_LR, SCENARIOS, WEIGHT_DECAY, Wrap, param_names, train
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.harness.gate import (
@@ -33,11 +32,7 @@ from suite.harness.gate import (
     Preset,
     Saboteur,
 )
-from suite.harness.parity import bits_checksum
 
-MUON_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-4, 0.01
-SCENARIOS = ("constant", "schedule", "wd-change", "resume")
-ADAMW_SCENARIOS = ("constant", "schedule", "resume")  # its weight decay cannot be live
 MATRICES = (("wq", 1, 1), ("wk", 1, 1), ("wv", 1, 1), ("wo", 1, 1), ("w1", 4, 1), ("w3", 4, 1), ("w2", 1, 4))
 
 
@@ -54,9 +49,10 @@ def _shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
 
 def _preset(name: str, layers: int, d: int, steps: int = 20, standard: bool = True, note: str = "") -> Preset:
     n = sum(math.prod(s) for s in _shapes(Preset(name, dict(layers=layers, d=d))).values())
-    # fp32: initial params and K grad sets; the final params of every scenario (7) for the
+    # fp32: initial params and K grad sets; the final params of every scenario for the
     # reference and for the arm's two runs; a run's params, grads and optimizer state
-    memory = 4 * n * (steps + 1 + 3 * 7 + 4) + (1 << 30)
+    scenarios = sum(map(len, SCENARIOS.values()))
+    memory = 4 * n * (steps + 1 + 3 * scenarios + 4) + (1 << 30)
     return Preset(name, dict(layers=layers, d=d, steps=steps, params=n), where="cuda",
                   standard=standard, memory_bytes=memory, note=note)
 
@@ -88,89 +84,11 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     return dict(steps=steps, params=sum(t.numel() for k, t in buffers.items() if k.startswith("param/")))
 
 
-# ---- the training loop every scenario runs ----
-
-def _names(buffers: Buffers) -> list[str]:
-    return [k.removeprefix("param/") for k in buffers if k.startswith("param/")]
-
-
-def _optimizer(kind: str, params: dict[str, torch.Tensor], captured: bool) -> torch.optim.Optimizer:
-    matrices = [p for p in params.values() if p.dim() == 2]
-    vectors = [p for p in params.values() if p.dim() == 1]
-    if kind == "muon":
-        return Muon([{"params": matrices, "use_muon": True}, {"params": vectors, "use_muon": False, "lr": ADAMW_LR}],
-                    lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=captured)
-    # eager and captured AdamW differ only in the graph: both capturable, both with a tensor lr
-    lr = torch.tensor(ADAMW_LR, device=matrices[0].device)
-    implementation = {"adamw": dict(foreach=True), "adamw-fused": dict(fused=True)}[kind]
-    return torch.optim.AdamW(matrices + vectors, lr=lr, weight_decay=WEIGHT_DECAY, betas=(0.9, 0.95),
-                             capturable=True, **implementation)
-
-
-def _schedule(steps: int) -> Callable[[int], float]:
-    warm = max(1, steps // 4)
-
-    def factor(step: int) -> float:  # 1/8 -> 1 over the warm-up, then cosine back to 1/8
-        if step < warm:
-            return 0.125 + 0.875 * step / warm
-        progress = (step - warm) / max(1, steps - warm)
-        return 0.125 + 0.875 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-Wrap = Callable[[torch.optim.Optimizer, dict[str, torch.Tensor]], Any]
-
-
-def _train(kind: str, scenario: str, buffers: Buffers, preset: Preset, wrap: Wrap | None,
-           swap_grads: bool = False) -> Outputs:
-    """K steps from the saved initial params; wrap=None steps the optimizer eagerly."""
-    names = _names(buffers)
-    params = {n: buffers[f"param/{n}"].clone().requires_grad_() for n in names}
-    for p in params.values():
-        p.grad = torch.zeros_like(p)
-
-    def build():
-        inner = _optimizer(kind, params, captured=wrap is not None)
-        stepper = inner if wrap is None else wrap(inner, params)
-        schedule = None
-        if scenario == "schedule":
-            schedule = torch.optim.lr_scheduler.LambdaLR(inner, _schedule(preset.params["steps"]))
-        return stepper, schedule
-
-    stepper, schedule = build()
-    steps = preset.params["steps"]
-    prefix = f"{kind}-{scenario}"
-    outputs: Outputs = {}
-    for step in range(steps):
-        for n, p in params.items():
-            grad = buffers[f"grad{step:02d}/{n}"]
-            if swap_grads:
-                p.grad = grad.clone()  # a fresh tensor each step, as zero_grad(set_to_none) + backward
-            else:
-                p.grad.copy_(grad)
-        stepper.step()
-        if schedule is not None:
-            schedule.step()
-        for n, p in params.items():
-            outputs[f"{prefix}/step{step:02d}/{n}"] = bits_checksum(p)
-        if step == steps // 2 - 1 and scenario == "wd-change":
-            for group in stepper.param_groups:
-                group["weight_decay"] = 10 * WEIGHT_DECAY
-        if step == steps // 2 - 1 and scenario == "resume":
-            state = stepper.state_dict()
-            stepper, schedule = build()
-            stepper.load_state_dict(state)
-    for n, p in params.items():
-        outputs[f"{prefix}/final/{n}"] = p.detach()
-    return outputs
-
-
 def _all_scenarios(buffers: Buffers, preset: Preset, wrap: Wrap | None, swap_grads: bool = False) -> Outputs:
     outputs: Outputs = {}
-    for kind, scenarios in (("muon", SCENARIOS), ("adamw", ADAMW_SCENARIOS), ("adamw-fused", ADAMW_SCENARIOS)):
+    for kind, scenarios in SCENARIOS.items():
         for scenario in scenarios:
-            outputs.update(_train(kind, scenario, buffers, preset, wrap, swap_grads))
+            outputs.update(train(kind, scenario, buffers, preset.params["steps"], wrap, swap_grads))
     return outputs
 
 
@@ -210,7 +128,7 @@ def _step(make: Callable[[str, list[torch.Tensor]], Any]) -> Callable[[BenchCase
     saved gradients; one timed call is one step."""
 
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
-        names = _names(buffers)
+        names = param_names(buffers)
         params = [buffers[f"param/{n}"].clone().requires_grad_() for n in names]
         for p, n in zip(params, names):
             p.grad = buffers[f"grad00/{n}"].clone()

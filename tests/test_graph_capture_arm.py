@@ -1,6 +1,7 @@
-"""CapturedOptimizer: the refusals and host-side checks on the CPU; on a GPU, captured steps bitwise
-equal to eager ones (constant lr, an 8x LR schedule, weight decay changed mid-run, a checkpoint
-mid-run, release), and each saboteur caught by that comparison."""
+"""CapturedOptimizer: the refusals, host-side checks and optimizer interface (LR schedulers, closure,
+hooks) on the CPU; on a GPU, captured steps bitwise equal to eager ones (constant lr, an 8x LR
+schedule, OneCycleLR, weight decay, momentum and betas changed mid-run, a checkpoint mid-run,
+release, a closure), and each saboteur caught by that comparison."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.optim import lr_scheduler
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from suite.arms.graph import CapturedOptimizer, CaptureError
 from suite.arms.muon import Muon
@@ -94,6 +96,31 @@ def as_if_captured(captured: CapturedOptimizer) -> None:
     captured._captured = captured._prepare_capture()
 
 
+def stepping_on_the_cpu(captured: CapturedOptimizer) -> CapturedOptimizer:
+    """Lets the wrapper's eager (warm-up) steps run the inner step on the CPU, with no side stream:
+    what the wrapper does around a step (closure, hooks, scheduler counting) is then testable here."""
+    captured._require_cuda = lambda: None
+    captured._eager_step = captured.optimizer.step
+    return captured
+
+
+def fp32(value) -> float:
+    return torch.tensor(float(value), dtype=torch.float32).item()
+
+
+class CountItemCalls(TorchDispatchMode):
+    """Counts device-to-host reads of a tensor's value (item(), a tensor passed as a python number)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("make", [
     lambda p: Muon([p], lr=0.1),
     lambda p: torch.optim.AdamW([p], lr=0.1),
@@ -147,13 +174,13 @@ def test_muon_live_values_may_change_others_may_not():
     captured = stepped_muon()
     record = captured._prepare_capture()
     group = captured.param_groups[1]
-    group["lr"], group["weight_decay"] = 0.5, 0.1  # live: no complaint
-    group["betas"] = [0.9, 0.95]  # equal to the recorded tuple
+    group.update(lr=0.5, weight_decay=0.1, momentum=0.5, betas=(0.8, 0.9))  # live: no complaint
     captured._check_replay(record)
     captured._sync_live_values(record)
-    assert captured.optimizer._device_hyperparameters[1]["lr"].item() == 0.5
-    group["momentum"] = 0.5
-    with pytest.raises(CaptureError, match=r"param group 1: 'momentum' changed from 0.95 to 0.5 after capture.*"
+    live = captured.optimizer._device_hyperparameters[1]
+    assert (live["lr"].item(), live["momentum"].item(), live["beta1"].item()) == (0.5, 0.5, fp32(0.8))
+    group["eps"] = 1e-6
+    with pytest.raises(CaptureError, match=r"param group 1: 'eps' changed from 1e-08 to 1e-06 after capture.*"
                                            r"cannot be live.*release\(\)"):
         captured._check_replay(record)
 
@@ -185,9 +212,31 @@ def test_adamw_lr_is_a_live_device_tensor():
 def test_adamw_weight_decay_is_not_live():
     captured = stepped_adamw()
     record = captured._prepare_capture()
+    captured.param_groups[0]["betas"] = [0.9, 0.999]  # equal to the recorded tuple
+    captured._check_replay(record)
     captured.param_groups[0]["weight_decay"] = 0.1
     with pytest.raises(CaptureError, match="param group 0: 'weight_decay' changed from 0.01 to 0.1"):
         captured._check_replay(record)
+
+
+def test_adamw_tensor_betas_are_refused():
+    opt = torch.optim.AdamW([torch.zeros(3, requires_grad=True)], lr=1e-3,
+                            betas=(torch.tensor(0.9), torch.tensor(0.99)), capturable=True)
+    with pytest.raises(ValueError, match=r"param groups \[0\] have tensor betas.*item\(\).*pass float betas"):
+        CapturedOptimizer(opt)
+
+
+def test_torch_fused_adamw_reads_tensor_betas_on_the_host():
+    """Why tensor betas are refused: torch's kernels take betas as host numbers, so a tensor beta is
+    read back with item() every step (on the GPU a sync that a capture cannot contain; the foreach
+    and for-loop steps too, see test_torch_adamw_reads_tensor_betas_on_the_host_on_gpu)."""
+    p = torch.randn(4, 4, requires_grad=True)
+    p.grad = torch.randn(4, 4)
+    opt = torch.optim.AdamW([p], lr=1e-3, betas=(torch.tensor(0.9), torch.tensor(0.99)), fused=True)
+    opt.step()
+    with CountItemCalls() as reads:
+        opt.step()
+    assert reads.count >= 2
 
 
 def test_baked_lr_saboteur_changes_go_unnoticed():
@@ -287,12 +336,117 @@ def test_release_load_state_dict_and_add_param_group_re_warm():
         assert not captured.captured and captured._eager_steps_left == 2
 
 
-def test_lr_schedulers_attach_to_the_inner_optimizer():
-    captured = CapturedOptimizer(tiny_muon())
-    with pytest.raises(TypeError):
-        lr_scheduler.LambdaLR(captured, lambda step: 1.0)
-    lr_scheduler.LambdaLR(captured.optimizer, lambda step: 0.5)
-    assert captured.param_groups[0]["lr"] == 0.01
+def test_the_wrapper_is_an_optimizer_with_the_inner_ones_groups_state_and_defaults():
+    captured = stepped_muon()
+    inner = captured.optimizer
+    assert isinstance(captured, torch.optim.Optimizer)
+    assert captured.param_groups is inner.param_groups and captured.state is inner.state
+    assert captured.defaults is inner.defaults and "betas" in captured.defaults
+    inner.add_param_group({"params": [("extra", torch.zeros(2, requires_grad=True))]})
+    assert len(captured.param_groups) == 3
+    with pytest.raises(TypeError, match="cannot be pickled or copied.*state_dict"):
+        copy.deepcopy(captured)
+
+
+def test_lr_schedulers_attach_to_the_wrapper_or_the_inner_optimizer():
+    captured = stepping_on_the_cpu(CapturedOptimizer(tiny_muon(), warmup_steps=100))
+    scheduler = lr_scheduler.LambdaLR(captured, lambda step: 0.5**step)
+    assert [group["lr"] for group in captured.optimizer.param_groups] == [0.02, 0.02]
+    with warnings.catch_warnings():
+        # no "lr_scheduler.step() before optimizer.step()": the scheduler counts the wrapper's steps
+        warnings.simplefilter("error")
+        for _ in range(3):
+            backward(captured.optimizer)
+            captured.step()
+            captured.zero_grad()
+            scheduler.step()
+    assert [group["lr"] for group in captured.param_groups] == [0.02 * 0.5**3] * 2
+    assert scheduler.state_dict()["_step_count"] == 4
+    lr_scheduler.LambdaLR(CapturedOptimizer(tiny_muon()).optimizer, lambda step: 0.5)
+
+
+def test_step_with_a_closure_evaluates_it_once_with_grad_and_returns_its_loss():
+    captured = stepping_on_the_cpu(CapturedOptimizer(tiny_muon(), warmup_steps=100))
+    params = [p for group in captured.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in params]
+    grad_enabled = []
+
+    def closure():
+        grad_enabled.append(torch.is_grad_enabled())
+        captured.zero_grad()
+        loss = sum((p * p).sum() for p in params)
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = captured.step(closure)
+    assert grad_enabled == [True]  # once: the inner step is not handed the closure
+    assert loss.item() == pytest.approx(sum((b * b).sum() for b in before).item())
+    assert all(not torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_step_on_cpu_params_refuses_before_the_closure():
+    called = []
+    with pytest.raises(CouldNotRun, match="CUDA graphs need every parameter on a CUDA device"):
+        stepped_muon().step(lambda: called.append(True))
+    assert not called
+
+
+def test_hooks_registered_on_the_wrapper_run():
+    captured = stepping_on_the_cpu(CapturedOptimizer(tiny_muon(), warmup_steps=100))
+    seen = []
+    captured.register_step_pre_hook(lambda opt, args, kwargs: seen.append(("step pre", opt)))
+    captured.register_step_post_hook(lambda opt, args, kwargs: seen.append(("step post", opt)))
+    captured.register_state_dict_post_hook(lambda opt, state: seen.append(("state_dict", opt)))
+    captured.register_load_state_dict_pre_hook(lambda opt, state: seen.append(("load", opt)))
+    backward(captured.optimizer)
+    captured.step()
+    captured.load_state_dict(captured.state_dict())
+    # state_dict and load_state_dict are the inner optimizer's, hooks included
+    assert seen == [("step pre", captured), ("step post", captured), ("state_dict", captured.optimizer),
+                    ("load", captured.optimizer)]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no step here
+def test_onecycle_on_the_wrapper_drives_muon_lr_and_betas_on_the_device():
+    captured = stepped_muon()
+    record = captured._prepare_capture()
+    # built after the capture: its bookkeeping keys (max_lr, max_momentum, ...) are never read by a step
+    scheduler = lr_scheduler.OneCycleLR(captured, max_lr=[0.02, 1e-3], total_steps=10)
+    for _ in range(9):
+        captured._check_replay(record)
+        captured._sync_live_values(record)
+        for index, group in enumerate(captured.param_groups):
+            live = captured.optimizer._device_hyperparameters[index]
+            beta1 = group["betas"][0]
+            assert (live["lr"].item(), live["beta1"].item()) == (fp32(group["lr"]), fp32(beta1))
+            assert live["one_minus_beta1"].item() == fp32(1 - beta1)
+            assert live["momentum"].item() == fp32(0.95)  # Muon's defaults hold betas: OneCycleLR cycles those
+        scheduler.step()
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # no step here
+def test_onecycle_on_wrapped_adamw_drives_the_lr_and_refuses_cycled_betas():
+    captured = stepped_adamw()
+    lr = captured.param_groups[0]["lr"]
+    scheduler = lr_scheduler.OneCycleLR(captured, max_lr=1e-3, total_steps=10, cycle_momentum=False)
+    sgd = torch.optim.SGD([torch.zeros(1)], lr=1e-3)  # the same schedule on float lrs
+    reference = lr_scheduler.OneCycleLR(sgd, max_lr=1e-3, total_steps=10, cycle_momentum=False)
+    record = captured._prepare_capture()
+    for _ in range(9):
+        scheduler.step()
+        reference.step()
+        captured._check_replay(record)
+        captured._sync_live_values(record)
+        assert captured.param_groups[0]["lr"] is lr and lr.item() == fp32(sgd.param_groups[0]["lr"])
+
+    captured = stepped_adamw()
+    scheduler = lr_scheduler.OneCycleLR(captured, max_lr=1e-3, total_steps=10)  # cycle_momentum=True
+    record = captured._prepare_capture()
+    scheduler.step()
+    with pytest.raises(CaptureError, match=r"'betas' changed from \(0.95, 0.999\) to \(0.89.*release.*"
+                                           r"item\(\).*cycle_momentum=False.*Muon's AdamW groups keep betas live"):
+        captured._check_replay(record)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,22 +473,23 @@ def muon(params, capturable: bool) -> Muon:
     return Muon(groups, lr=LR, weight_decay=0.01, capturable=capturable)
 
 
-def adamw(params, lr) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, capturable=True)
+def adamw(params, lr, fused: bool = False) -> torch.optim.AdamW:
+    """torch's AdamW, foreach (its default on the GPU) or fused."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, capturable=True, fused=fused or None)
 
 
 def eager(kind: str):
-    """The reference: Muon(capturable=False), and for AdamW the capturable optimizer with the 0-d
-    device lr that CapturedOptimizer gives it."""
+    """The reference: Muon(capturable=False), and for AdamW ("adamw", "adamw-fused") the capturable
+    optimizer with the 0-d device lr that CapturedOptimizer gives it."""
     if kind == "muon":
         return lambda params: muon(params, capturable=False)
-    return lambda params: adamw(params, torch.tensor(LR, device="cuda"))
+    return lambda params: adamw(params, torch.tensor(LR, device="cuda"), fused=kind == "adamw-fused")
 
 
 def wrapped(kind: str, **wrapper_kwargs):
     if kind == "muon":
         return lambda params: CapturedOptimizer(muon(params, capturable=True), **wrapper_kwargs)
-    return lambda params: CapturedOptimizer(adamw(params, LR), **wrapper_kwargs)
+    return lambda params: CapturedOptimizer(adamw(params, LR, fused=kind == "adamw-fused"), **wrapper_kwargs)
 
 
 def warmup_cosine(opt: torch.optim.Optimizer):
@@ -342,6 +497,15 @@ def warmup_cosine(opt: torch.optim.Optimizer):
     warmup = lr_scheduler.LinearLR(opt, start_factor=0.125, total_iters=5)
     cosine = lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS - 5, eta_min=LR / 8)
     return lr_scheduler.SequentialLR(opt, [warmup, cosine], milestones=[5])
+
+
+def onecycle(cycle_momentum: bool):
+    """OneCycleLR over the run, each group peaking at its own lr; cycle_momentum=True also cycles
+    betas[0] (Muon's and AdamW's defaults hold betas)."""
+    def attach(opt: torch.optim.Optimizer):
+        max_lr = [float(group["lr"]) for group in opt.param_groups]
+        return lr_scheduler.OneCycleLR(opt, max_lr=max_lr, total_steps=STEPS, cycle_momentum=cycle_momentum)
+    return attach
 
 
 def feed_in_place(params, grads):
@@ -359,16 +523,13 @@ def feed_fresh(params, grads):
         p.grad = g.clone()
 
 
-def inner(stepper):
-    return stepper.optimizer if isinstance(stepper, CapturedOptimizer) else stepper
-
-
 def train(make, *, schedule=None, steps=STEPS, feed=feed_in_place, before_step=None):
-    """Fresh params, make(params) -> optimizer or CapturedOptimizer, steps 0..steps.
-    before_step: {step: fn(stepper)}, run after the grads are in and before step()."""
+    """Fresh params, make(params) -> optimizer or CapturedOptimizer, steps 0..steps; the scheduler
+    attaches to what make returns. before_step: {step: fn(stepper)}, run after the grads are in and
+    before step()."""
     params = make_params()
     stepper = make(params)
-    scheduler = schedule(inner(stepper)) if schedule else None
+    scheduler = schedule(stepper) if schedule else None
     resume(params, stepper, scheduler, 0, steps, feed, before_step)
     return params, stepper, scheduler
 
@@ -392,6 +553,13 @@ def set_weight_decay(value):
     return change
 
 
+def set_momentum_and_betas(momentum, betas):
+    def change(stepper):
+        for group in stepper.param_groups:
+            group.update(momentum=momentum, betas=betas)
+    return change
+
+
 def assert_same(reference_params, params):
     difference = first_difference(reference_params, params)
     assert difference is None, difference
@@ -404,7 +572,7 @@ def assert_differ(reference_params, sabotaged_params):
 @needs_cuda
 @pytest.mark.cuda
 def test_muon_capturable_eager_is_bitwise_plain_on_gpu():
-    changes = {10: set_weight_decay(0.1)}
+    changes = {10: set_weight_decay(0.1), 14: set_momentum_and_betas(0.8, (0.8, 0.9))}
     plain, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
     capturable, _, _ = train(lambda params: muon(params, capturable=True), schedule=warmup_cosine, before_step=changes)
     assert_same(plain, capturable)
@@ -444,6 +612,54 @@ def test_muon_weight_decay_changed_mid_run():
 
 @needs_cuda
 @pytest.mark.cuda
+def test_muon_momentum_and_betas_changed_mid_run():
+    changes = {10: set_momentum_and_betas(0.8, (0.8, 0.9)), 18: set_momentum_and_betas(0.95, (0.9, 0.999))}
+    reference, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
+    captured, stepper, _ = train(wrapped("muon"), schedule=warmup_cosine, before_step=changes)
+    assert stepper.captured
+    assert_same(reference, captured)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["muon", "adamw", "adamw-fused"])
+def test_onecycle_on_the_wrapper_matches_eager(kind):
+    # Muon: lr and betas[0] cycled, both live; torch AdamW: lr only (its betas are host numbers)
+    schedule = onecycle(cycle_momentum=kind == "muon")
+    reference, _, _ = train(eager(kind), schedule=schedule)
+    captured, stepper, _ = train(wrapped(kind), schedule=schedule)
+    assert stepper.captured
+    assert_same(reference, captured)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["adamw", "adamw-fused"])
+def test_adamw_cycled_momentum_is_refused_at_the_first_replay(kind):
+    with pytest.raises(CaptureError, match="'betas' changed from .*cycle_momentum=False"):
+        train(wrapped(kind), schedule=onecycle(cycle_momentum=True))
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("implementation", [dict(foreach=False), dict(foreach=True), dict(fused=True)],
+                         ids=["for-loop", "foreach", "fused"])
+def test_torch_adamw_reads_tensor_betas_on_the_host_on_gpu(implementation):
+    """Why CapturedOptimizer refuses tensor betas: every capturable AdamW step reads them back to the
+    host (a sync, which a capture cannot contain). If this fails, torch has made them device values."""
+    p = torch.randn(8, 8, device="cuda", requires_grad=True)
+    p.grad = torch.randn_like(p)
+    betas = (torch.tensor(0.9, device="cuda"), torch.tensor(0.99, device="cuda"))
+    opt = torch.optim.AdamW([p], lr=torch.tensor(1e-3, device="cuda"), betas=betas, capturable=True,
+                            **implementation)
+    opt.step()
+    with CountItemCalls() as reads:
+        opt.step()
+    assert reads.count >= 1
+
+
+@needs_cuda
+@pytest.mark.cuda
 def test_adamw_weight_decay_change_is_refused_then_release_recaptures():
     def change_refused_release(stepper):
         set_weight_decay(0.1)(stepper)
@@ -471,7 +687,7 @@ def test_checkpoint_mid_run_continues_bitwise(kind):
 
     params = [p.detach().clone().requires_grad_() for p in first_params]
     resumed = wrapped(kind)(params)
-    scheduler = warmup_cosine(resumed.optimizer)
+    scheduler = warmup_cosine(resumed)
     resumed.load_state_dict(checkpoint["optimizer"])
     scheduler.load_state_dict(checkpoint["scheduler"])
     resume(params, resumed, scheduler, start=12)
@@ -500,7 +716,7 @@ def test_zero_grad_set_to_none_warns_once_and_works():
 
     params = make_params()
     captured = wrapped("muon")(params)
-    scheduler = warmup_cosine(captured.optimizer)
+    scheduler = warmup_cosine(captured)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for grads in make_grads():
@@ -600,7 +816,9 @@ def model_loss(params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: t
     return -(log_probs * F.one_hot(targets, VOCAB)).sum(-1).mean()
 
 
-def train_model(capture: bool) -> list[torch.Tensor]:
+def train_model(capture: bool, closure: bool = False) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(final params, the losses). The scheduler attaches to the inner optimizer (the other tests
+    attach theirs to the wrapper); closure=True hands step() the forward and backward."""
     params = model_params()
     marked = ("embed", "head")
     groups = [
@@ -612,19 +830,39 @@ def train_model(capture: bool) -> list[torch.Tensor]:
     stepper = CapturedOptimizer(opt) if capture else opt
     scheduler = lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 5) * (0.25 if step > 15 else 1.0))
     gen = torch.Generator().manual_seed(7)
+    losses = []
     for _ in range(STEPS):
         tokens = torch.randint(VOCAB, (BATCH, SEQ + 1), generator=gen).cuda()
-        stepper.zero_grad(set_to_none=False)
-        model_loss(params, tokens[:, :-1], tokens[:, 1:]).backward()
-        stepper.step()
+
+        def forward_backward():
+            stepper.zero_grad(set_to_none=False)
+            loss = model_loss(params, tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            return loss
+
+        if closure:
+            losses.append(stepper.step(forward_backward))
+        else:
+            losses.append(forward_backward())
+            stepper.step()
         scheduler.step()
     torch.cuda.synchronize()
     assert [g["use_muon"] for g in opt.param_groups] == [True, False, False]
     assert not capture or stepper.captured
-    return list(params.values())
+    return list(params.values()), torch.stack(losses).detach()
 
 
 @needs_cuda
 @pytest.mark.cuda
 def test_model_like_training_is_bitwise_eager():
-    assert_same(train_model(capture=False), train_model(capture=True))
+    assert_same(train_model(capture=False)[0], train_model(capture=True)[0])
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_step_with_a_closure_is_bitwise_eager():
+    eager_params, eager_losses = train_model(capture=False, closure=True)
+    captured_params, captured_losses = train_model(capture=True, closure=True)
+    assert_same(eager_params, captured_params)
+    assert bitwise_equal(eager_losses, captured_losses)
+    assert_same(train_model(capture=False)[0], captured_params)  # the closure changes only who calls it

@@ -1,6 +1,7 @@
 """The Muon reference optimizer on the CPU: Newton-Schulz, scale rules, the Muon and AdamW updates
-against independent re-implementations, group inference, and the capturable mode's bitwise
-equality with the plain one (the GPU side of that contract is in test_graph_capture_arm.py)."""
+against independent re-implementations (the float64 Muon the optimizer gates share), group
+inference, and the capturable mode's bitwise equality with the plain one under live lr, weight
+decay, momentum and betas (the GPU side of that contract is in test_graph_capture_arm.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import math
 import pytest
 import torch
 
-from suite.arms.muon import NS_COEFFICIENTS, Muon, muon_scale, newton_schulz
+from gates.optim_loop import muon_float64
+from suite.arms.muon import Muon, muon_scale, newton_schulz
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -116,30 +118,6 @@ def test_scale_rules():
 # --------------------------------------------------------------------------------------------
 
 
-def newton_schulz_float64(G: torch.Tensor, steps: int) -> torch.Tensor:
-    a, b, c = NS_COEFFICIENTS
-    X = G.double() / G.double().norm()
-    if X.shape[0] > X.shape[1]:
-        return newton_schulz_float64(G.T, steps).T
-    for _ in range(steps):
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X
-
-
-def muon_float64(p0, grads, lr, momentum, nesterov, weight_decay, rule, ns_steps):
-    p = p0.double().clone()
-    m = torch.zeros_like(p)
-    rows, cols = p.shape
-    scale = max(1, rows / cols) ** 0.5 if rule == "spectral" else 0.2 * max(rows, cols) ** 0.5
-    for g in grads:
-        g = g.double()
-        m = momentum * m + g
-        u = g + momentum * m if nesterov else m
-        p = p * (1 - lr * weight_decay) - lr * scale * newton_schulz_float64(u, ns_steps)
-    return p, m
-
-
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("rule", ["spectral", "rms"])
 @pytest.mark.parametrize("shape", [(16, 24), (24, 16)])
@@ -237,13 +215,13 @@ def warmup_then_flat(step: int) -> float:
 
 
 def run(params, capturable, grads, start=0, opt=None, scheduler=None):
-    """Steps start..len(grads) with a LambdaLR warm-up and weight decay raised at step 5."""
+    """Steps start..len(grads) with a LambdaLR warm-up; weight decay, momentum and betas changed at step 5."""
     opt = opt or Muon(groups(params), lr=0.02, weight_decay=0.01, capturable=capturable)
     scheduler = scheduler or torch.optim.lr_scheduler.LambdaLR(opt, warmup_then_flat)
     for step in range(start, len(grads)):
         if step == 5:
             for group in opt.param_groups:
-                group["weight_decay"] = 0.2
+                group.update(weight_decay=0.2, momentum=0.8, betas=(0.7, 0.99))
         set_grads(params, grads[step])
         opt.step()
         scheduler.step()
@@ -257,23 +235,34 @@ def test_capturable_on_cpu_is_bitwise_equal_to_plain():
     capturable_params = clone_params(make_params())
     captured, _ = run(capturable_params, True, grads)
     assert_states_bitwise(plain, captured)
-    # The device copies follow the host floats the scheduler and the test set.
+    # The device copies follow the host numbers the scheduler and the test set.
     for index, group in enumerate(captured.param_groups):
         assert isinstance(group["lr"], float)
         live = captured._device_hyperparameters[index]
         assert live["lr"].dtype == torch.float32 and live["lr"].device.type == "cpu"
-        assert live["weight_decay"].item() == pytest.approx(0.2)
+        assert live["weight_decay"].item() == fp32(0.2) and live["momentum"].item() == fp32(0.8)
+        assert (live["beta1"].item(), live["beta2"].item()) == (fp32(0.7), fp32(0.99))
+        # 1 - beta is rounded from double once, not computed from the rounded beta
+        assert live["one_minus_beta2"].item() == fp32(1 - 0.99) != fp32(1 - fp32(0.99))
+
+
+def fp32(value: float) -> float:
+    return torch.tensor(value, dtype=torch.float32).item()
 
 
 def test_sync_hyperparameters_fills_in_place():
     opt = Muon([torch.zeros(3, 3)], lr=0.1, capturable=True)
     opt.sync_hyperparameters()
-    lr = opt._device_hyperparameters[0]["lr"]
-    opt.param_groups[0]["lr"] = 0.25
-    opt.sync_hyperparameters(["lr"])
-    assert opt._device_hyperparameters[0]["lr"] is lr and lr.item() == 0.25
+    live = dict(opt._device_hyperparameters[0])
+    opt.param_groups[0].update(lr=0.25, momentum=0.5, betas=(0.6, 0.7))
+    opt.sync_hyperparameters(["lr", "betas"])
+    assert opt._device_hyperparameters[0] == live  # the same tensors
+    assert live["lr"].item() == 0.25 and live["beta1"].item() == fp32(0.6) and live["beta2"].item() == fp32(0.7)
+    assert live["momentum"].item() == fp32(0.95)  # not asked for
+    opt.sync_hyperparameters(["momentum"])
+    assert live["momentum"].item() == 0.5
     with pytest.raises(ValueError, match="not live"):
-        opt.sync_hyperparameters(["momentum"])
+        opt.sync_hyperparameters(["eps"])
 
 
 @pytest.mark.parametrize("saved_capturable,loaded_capturable", [(False, False), (True, True), (False, True)])
@@ -331,3 +320,29 @@ def test_lr_schedulers_drive_the_device_lr(name):
             assert live.item() == torch.tensor(group["lr"], dtype=torch.float32).item(), step
         scheduler.step()
         reference.step()
+
+
+def test_onecycle_cycles_betas_and_stays_bitwise():
+    """Muon's defaults hold betas, so OneCycleLR(cycle_momentum=True) writes betas[0] of every group
+    (the AdamW groups read it) and leaves momentum alone; capturable=True follows it bit for bit."""
+    grads = make_grads(make_params(), 12)
+    runs = []
+    for capturable in (False, True):
+        params = make_params()
+        opt = Muon(groups(params), lr=0.02, capturable=capturable)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.02, 3e-3], total_steps=len(grads))
+        beta1s = []
+        for step_grads in grads:
+            set_grads(params, step_grads)
+            opt.step()
+            scheduler.step()
+            beta1s.append([group["betas"][0] for group in opt.param_groups])
+            if capturable:
+                opt.sync_hyperparameters()
+                for index, group in enumerate(opt.param_groups):
+                    live = opt._device_hyperparameters[index]
+                    assert live["lr"].item() == fp32(group["lr"]) and live["beta1"].item() == fp32(group["betas"][0])
+        assert all(group["momentum"] == 0.95 for group in opt.param_groups)
+        assert len({b for step in beta1s for b in step}) > len(grads) // 2  # changed (nearly) every step
+        runs.append(opt)
+    assert_states_bitwise(*runs)

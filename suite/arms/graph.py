@@ -12,11 +12,14 @@ replays the kernels, pointers and scalars it recorded, so
 
 What this wrapper does about each:
 
-- Live hyperparameters are device tensors refreshed in place before every replay: Muon's lr and
-  weight_decay through its sync_hyperparameters(); for torch.optim.Adam / AdamW the wrapper turns
-  each group's lr into a 0-d device tensor (torch LR schedulers fill a tensor lr in place). Every
-  other group value (betas, eps, momentum, AdamW's weight_decay, ...) is recorded at capture, and a
-  change raises before the replay, naming the group, the key and both values.
+- Live hyperparameters are device tensors refreshed in place before every replay: Muon's lr,
+  weight_decay, momentum and betas through its sync_hyperparameters(); for torch.optim.Adam / AdamW
+  the wrapper turns each group's lr into a 0-d device tensor (torch LR schedulers fill a tensor lr
+  in place). Every other group value (eps, torch AdamW's betas and weight_decay, ...) is recorded
+  at capture, and a change raises before the replay, naming the group, the key and both values.
+  torch's Adam/AdamW cannot have live betas: every implementation (for-loop, foreach, fused) reads
+  a tensor beta back to the host with item() (torch 2.11 to 2.13), which a capture cannot contain,
+  so tensor betas are refused up front.
 - A capture is refused while a requires_grad parameter has no grad, or a parameter with a grad
   has no optimizer state (the warm-up steps create it).
 - Before each replay, every parameter's storage and grad storage is checked against the capture
@@ -27,6 +30,9 @@ Recipe (torch's whole-network capture): warmup_steps eager steps on a side strea
 captured on that stream and replayed at once (a capture only records); every later step() is a
 replay. release(), add_param_group and load_state_dict drop the graph and warm up again.
 
+The wrapper is a torch.optim.Optimizer whose param_groups, state and defaults are the inner
+optimizer's own objects, so LR schedulers (and anything else that takes an optimizer) attach to it.
+
 The saboteurs a gate must catch are built from public pieces: live_lr=False (lr read at capture
 and never refreshed nor checked), check_grads=False (a swapped grad tensor goes unnoticed), and
 exclude=[params] (those params are left out of the captured step).
@@ -35,7 +41,8 @@ exclude=[params] (those params are left out of the captured step).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +51,16 @@ import torch
 from suite.arms.muon import param_label
 from suite.errors import CouldNotRun
 
-# Group keys a step never reads: LR schedulers add initial_lr, named-parameter optimizers param_names.
-_NOT_READ_BY_STEP = frozenset({"params", "param_names", "initial_lr"})
+# Group keys a step never reads: LR schedulers' bookkeeping (initial_lr; OneCycleLR's max_lr, min_lr,
+# max_momentum, base_momentum; SWALR's swa_lr), named-parameter optimizers' param_names.
+_NOT_READ_BY_STEP = frozenset({"params", "param_names", "initial_lr", "max_lr", "min_lr", "max_momentum",
+                               "base_momentum", "swa_lr"})
+# Why a host-read value cannot be live, where the reason is not plain.
+_WHY_NOT_LIVE = {
+    "betas": "torch's Adam/AdamW pass betas to their kernels as host numbers (a tensor beta is read back "
+             "with item()): OneCycleLR and CyclicLR change betas[0] every step unless cycle_momentum=False; "
+             "Muon's AdamW groups keep betas live.",
+}
 
 
 class CaptureError(RuntimeError):
@@ -95,24 +110,27 @@ class _Capture:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class CapturedOptimizer:
+class CapturedOptimizer(torch.optim.Optimizer):
     """Steps `optimizer` eagerly warmup_steps times, then as replays of one captured CUDA graph.
 
     optimizer: Muon(capturable=True) (or any optimizer with live_hyperparameters and
-    sync_hyperparameters(keys)), or torch.optim.Adam / AdamW(capturable=True).
+    sync_hyperparameters(keys)), or torch.optim.Adam / AdamW(capturable=True) with float betas.
 
-    LR schedulers need a torch.optim.Optimizer, so attach them to the inner optimizer:
+    An optimizer itself, sharing the inner one's param_groups, state and defaults, so LR schedulers
+    attach to it (or to captured.optimizer):
 
         captured = CapturedOptimizer(Muon(groups, lr=0.02, capturable=True))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(captured.optimizer, schedule)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(captured, max_lr=[0.02, 3e-4], total_steps=steps)
         for batch in data:
             loss(batch).backward()
             captured.step()
             captured.zero_grad()      # in place once captured
-            scheduler.step()          # the new lr reaches the next replay
+            scheduler.step()          # the new lr and betas reach the next replay
 
     Build the scheduler after the wrapper (it turns an Adam lr into a device tensor), and load
-    checkpoints through the wrapper (its load_state_dict re-captures).
+    checkpoints through the wrapper (its load_state_dict re-captures). step(closure) evaluates the
+    closure eagerly first (a graph cannot contain it; its backward must accumulate into the grads
+    the graph reads, so zero them in place) and returns its loss.
 
     Saboteurs (known-bad variants, for gates): live_lr=False, check_grads=False, exclude=[params].
     """
@@ -153,6 +171,11 @@ class CapturedOptimizer:
         self._captured: _Capture | None = None
         self._eager_steps_left = warmup_steps
         self._warned_set_to_none = False
+        # torch.optim.Optimizer.__init__ would build groups and state of its own; the wrapper's are the
+        # inner optimizer's (the properties below), so only the base class's step hooks are set up.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._patch_step_function()
 
     # ----------------------------------------------------------------------------------------
     # The optimizer's interface
@@ -167,22 +190,33 @@ class CapturedOptimizer:
         return self.optimizer.state
 
     @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
     def captured(self) -> bool:
         """Whether step() now replays a graph."""
         return self._captured is not None
 
-    def step(self) -> None:
-        """An eager warm-up step, the capture (recorded, then replayed once), or a replay."""
+    def step(self, closure: Callable[[], Any] | None = None):
+        """An eager warm-up step, the capture (recorded, then replayed once), or a replay; after the
+        closure, if given, whose loss it returns."""
+        if self._captured is None:
+            self._require_cuda()  # before the closure's forward and backward
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if self._captured is not None:
             self._check_replay(self._captured)
             self._sync_live_values(self._captured)
             self._captured.graph.replay()
         elif self._eager_steps_left > 0:
-            self._require_cuda()
             self._eager_step()
             self._eager_steps_left -= 1
         else:
             self._capture()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The optimizer's zero_grad before capture; in place once captured."""
@@ -215,6 +249,26 @@ class CapturedOptimizer:
         self._make_lr_live()
         self.release()
 
+    # state_dict and load_state_dict are the inner optimizer's, so their hooks live there.
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
+    def __getstate__(self):
+        raise TypeError(
+            "CapturedOptimizer cannot be pickled or copied: it holds a CUDA graph of its optimizer's tensors; "
+            "save and load state_dict() instead"
+        )
+
     def release(self) -> None:
         """Drop the graph (and its memory pool); the next warmup_steps steps run eagerly, then a fresh capture."""
         self._captured = None
@@ -225,12 +279,23 @@ class CapturedOptimizer:
     # ----------------------------------------------------------------------------------------
 
     def _require_capturable(self) -> None:
-        groups = [index for index, group in enumerate(self.optimizer.param_groups) if not group.get("capturable")]
-        if groups:
+        groups = self.optimizer.param_groups
+        not_capturable = [index for index, group in enumerate(groups) if not group.get("capturable")]
+        if not_capturable:
             raise ValueError(
-                f"CapturedOptimizer: {type(self.optimizer).__name__} param groups {groups} have capturable=False: "
-                f"their step reads hyperparameters or the step count on the host, which a graph would freeze at "
-                f"capture; construct the optimizer with capturable=True"
+                f"CapturedOptimizer: {type(self.optimizer).__name__} param groups {not_capturable} have "
+                f"capturable=False: their step reads hyperparameters or the step count on the host, which a graph "
+                f"would freeze at capture; construct the optimizer with capturable=True"
+            )
+        if self._syncs_itself:
+            return
+        tensor_betas = [index for index, group in enumerate(groups)
+                        if any(isinstance(beta, torch.Tensor) for beta in group["betas"])]
+        if tensor_betas:
+            raise ValueError(
+                f"CapturedOptimizer: {type(self.optimizer).__name__} param groups {tensor_betas} have tensor betas, "
+                f"which its step reads back to the host with item() (a sync that a CUDA graph cannot capture); "
+                f"pass float betas (they are then fixed at capture: a change raises before the replay)"
             )
 
     def _require_cuda(self) -> None:
@@ -335,10 +400,11 @@ class CapturedOptimizer:
             old, new = frozen.get(key, _ABSENT), current.get(key, _ABSENT)
             if not _same(old, new):
                 live = ", ".join(repr(key) for key in self._synced_keys) or "none"
+                why = f" {_WHY_NOT_LIVE[key]}" if key in _WHY_NOT_LIVE else ""
                 raise CaptureError(
                     f"CapturedOptimizer: param group {index}: {key!r} changed from {old!r} to {new!r} after "
                     f"capture, but the captured step read it as a host number, so it cannot be live (live: "
-                    f"{live}); call release() to re-capture with the new value"
+                    f"{live}); call release() to re-capture with the new value.{why}"
                 )
 
     # ----------------------------------------------------------------------------------------
@@ -375,7 +441,6 @@ class CapturedOptimizer:
 
     def _capture(self) -> None:
         record = self._prepare_capture()
-        self._require_cuda()
         if self._syncs_itself:
             # Every live value at its current setting, lr included: a baked lr is the capture's.
             self.optimizer.sync_hyperparameters()

@@ -19,12 +19,13 @@ heads) get AdamW: Adam moments with bias correction and decoupled weight decay.
 
 Capture. A CUDA graph replays its kernels with the scalars they had at capture, so a step that
 passes lr to a kernel as a python float keeps the capture's lr forever. With capturable=True each
-group's lr and weight_decay live in 0-d fp32 tensors on the group's device, which
-sync_hyperparameters() refills in place from the group's python floats (what LR schedulers set),
-and the AdamW step count is a device tensor, so no step reads a device value on the host.
+group's lr, weight_decay, momentum and betas live in 0-d fp32 tensors on the group's device, which
+sync_hyperparameters() refills in place from the group's python numbers (what LR schedulers set,
+OneCycleLR's and CyclicLR's momentum cycling included), and the AdamW step count is a device
+tensor, so no step reads a device value on the host.
 
 Bitwise contract. capturable=False runs the same tensor ops on the same dtypes; only its 0-d
-tensors are made afresh from the floats every step (torch.full, the same fill). Eager
+tensors are made afresh from the python numbers every step (torch.full, the same fill). Eager
 non-capturable, eager capturable and a replayed capture therefore agree bit for bit.
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +84,28 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _device_values(group: dict, key: str) -> dict[str, float]:
+    """The 0-d device tensors that the live group key `key` fills, by name, with their host values."""
+    if key == "betas":
+        beta1, beta2 = group["betas"]
+        # 1 - beta is taken in double and rounded once, as torch's AdamW passes it to its kernels:
+        # 1 - fp32(beta) keeps beta's rounding error, 1.3e-5 relative for beta = 0.999.
+        return {"beta1": beta1, "beta2": beta2, "one_minus_beta1": 1 - beta1, "one_minus_beta2": 1 - beta2}
+    return {key: group[key]}
+
+
+class StepScalars(NamedTuple):
+    """A param group's hyperparameters for one step: 0-d fp32 tensors on the group's device."""
+
+    lr: torch.Tensor
+    decay: torch.Tensor  # 1 - lr * weight_decay
+    momentum: torch.Tensor
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    one_minus_beta1: torch.Tensor
+    one_minus_beta2: torch.Tensor
+
+
 def param_label(group: dict, position: int) -> str:
     """A parameter's name for messages: its name when the optimizer was given named parameters."""
     names = group.get("param_names")
@@ -95,17 +119,20 @@ class Muon(torch.optim.Optimizer):
 
     A group without "use_muon" gets Muon when every param in it is 2-D, AdamW otherwise; mark
     embeddings and output heads use_muon=False. Every hyperparameter can be overridden per group.
-    group["lr"] and group["weight_decay"] stay python floats, so torch LR schedulers work as usual.
+    The group's values stay python numbers, so torch LR schedulers work as usual. The defaults hold
+    "betas", so OneCycleLR and CyclicLR with cycle_momentum=True cycle betas[0] (of every group; the
+    AdamW groups read it) and leave the Muon groups' momentum alone.
 
-    capturable=True keeps lr and weight_decay in device tensors (see the module docstring); an eager
-    step refreshes them itself, a capture wrapper calls sync_hyperparameters() before each replay.
+    capturable=True keeps lr, weight_decay, momentum and betas in device tensors (see the module
+    docstring); an eager step refreshes them itself, a capture wrapper calls sync_hyperparameters()
+    before each replay.
 
     Subclasses change the per-parameter update by overriding muon_update, orthogonalize or
-    adamw_update; each receives lr and decay (= 1 - lr * weight_decay) as 0-d fp32 device tensors.
+    adamw_update; each receives the group's StepScalars (0-d fp32 device tensors).
     """
 
     # The hyperparameters a captured step reads from device tensors, hence may change between replays.
-    live_hyperparameters = ("lr", "weight_decay")
+    live_hyperparameters = ("lr", "weight_decay", "momentum", "betas")
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, scale: str = "spectral", ns_steps: int = 5,
@@ -152,14 +179,14 @@ class Muon(torch.optim.Optimizer):
                     f"Muon keeps its own device copy; LR schedulers set python floats)"
                 )
         if not (_is_number(group["momentum"]) and 0 <= group["momentum"] < 1):
-            raise ValueError(f"{where}: momentum must be in [0, 1), not {group['momentum']!r}")
+            raise ValueError(f"{where}: momentum must be a python number in [0, 1), not {group['momentum']!r}")
         if group["scale"] not in SCALE_RULES:
             raise ValueError(f"{where}: scale must be one of {SCALE_RULES}, not {group['scale']!r}")
         if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
             raise ValueError(f"{where}: ns_steps must be an int >= 1, not {group['ns_steps']!r}")
         betas = group["betas"]
         if not (len(betas) == 2 and all(_is_number(beta) and 0 <= beta < 1 for beta in betas)):
-            raise ValueError(f"{where}: betas must be two numbers in [0, 1), not {betas!r}")
+            raise ValueError(f"{where}: betas must be two python numbers in [0, 1), not {betas!r}")
         if not (_is_number(group["eps"]) and group["eps"] >= 0):
             raise ValueError(f"{where}: eps must be a number >= 0, not {group['eps']!r}")
         devices = {p.device for p in params}
@@ -189,14 +216,15 @@ class Muon(torch.optim.Optimizer):
             tensors = self._device_hyperparameters.get(index)
             if tensors is None:
                 device = group["params"][0].device
-                tensors = {key: torch.zeros((), dtype=torch.float32, device=device)
-                           for key in self.live_hyperparameters}
+                tensors = {name: torch.zeros((), dtype=torch.float32, device=device)
+                           for key in self.live_hyperparameters for name in _device_values(group, key)}
                 self._device_hyperparameters[index] = tensors
             for key in keys:
-                tensors[key].fill_(group[key])
+                for name, value in _device_values(group, key).items():
+                    tensors[name].fill_(value)
 
-    def _step_scalars(self, index: int, group: dict, capturing: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lr, 1 - lr * weight_decay) as 0-d fp32 tensors on the group's device."""
+    def _step_scalars(self, index: int, group: dict, capturing: bool) -> StepScalars:
+        """The group's live values: its device tensors when capturable, else made from its numbers."""
         if group["capturable"]:
             tensors = self._device_hyperparameters.get(index)
             if tensors is None:
@@ -204,18 +232,20 @@ class Muon(torch.optim.Optimizer):
                     f"Muon: param group {index} has no device hyperparameters yet; call "
                     f"sync_hyperparameters() (or run one eager step) before capturing"
                 )
-            lr, weight_decay = tensors["lr"], tensors["weight_decay"]
         elif capturing:
             raise RuntimeError(
-                f"Muon: param group {index} has capturable=False, so a CUDA graph would keep the lr and "
-                f"weight_decay of the capture forever; construct Muon(..., capturable=True)"
+                f"Muon: param group {index} has capturable=False, so a CUDA graph would keep the "
+                f"{', '.join(self.live_hyperparameters)} of the capture forever; construct Muon(..., capturable=True)"
             )
         else:
-            # The same fill as sync_hyperparameters, so both modes multiply by the same bits.
+            # The same fill as sync_hyperparameters, so both modes compute with the same bits.
             device = group["params"][0].device
-            lr = torch.full((), group["lr"], dtype=torch.float32, device=device)
-            weight_decay = torch.full((), group["weight_decay"], dtype=torch.float32, device=device)
-        return lr, 1 - lr * weight_decay
+            tensors = {name: torch.full((), value, dtype=torch.float32, device=device)
+                       for key in self.live_hyperparameters for name, value in _device_values(group, key).items()}
+        lr = tensors["lr"]
+        return StepScalars(lr=lr, decay=1 - lr * tensors["weight_decay"], momentum=tensors["momentum"],
+                           beta1=tensors["beta1"], beta2=tensors["beta2"],
+                           one_minus_beta1=tensors["one_minus_beta1"], one_minus_beta2=tensors["one_minus_beta2"])
 
     # ----------------------------------------------------------------------------------------
     # Step
@@ -235,25 +265,24 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            lr, decay = self._step_scalars(index, group, capturing)
+            scalars = self._step_scalars(index, group, capturing)
             update = self.muon_update if group["use_muon"] else self.adamw_update
             for p in params:
                 if p.grad.is_sparse:
                     raise RuntimeError("Muon does not support sparse gradients; use dense embeddings")
-                update(p, p.grad, self.state[p], group, lr, decay)
+                update(p, p.grad, self.state[p], group, scalars)
         return loss
 
     def muon_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
-                    lr: torch.Tensor, decay: torch.Tensor) -> None:
+                    scalars: StepScalars) -> None:
         """One Muon step of the matrix p, in place."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
-        momentum = group["momentum"]
-        buf.mul_(momentum).add_(grad)
-        update = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-        p.mul_(decay)
-        p.sub_(self.orthogonalize(update, group) * lr)
+        buf.mul_(scalars.momentum).add_(grad)
+        update = grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
+        p.mul_(scalars.decay)
+        p.sub_(self.orthogonalize(update, group) * scalars.lr)
 
     def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """scale * newton_schulz(update), a new tensor: the direction a Muon step takes."""
@@ -261,7 +290,7 @@ class Muon(torch.optim.Optimizer):
         return newton_schulz(update, group["ns_steps"]).mul_(muon_scale(rows, cols, group["scale"]))
 
     def adamw_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
-                     lr: torch.Tensor, decay: torch.Tensor) -> None:
+                     scalars: StepScalars) -> None:
         """One AdamW step of p, in place; bias correction is computed on the device."""
         if not state:
             # A device step count in both modes: the same bias-correction kernels, captured or not.
@@ -269,15 +298,15 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-        beta1, beta2 = group["betas"]
         step.add_(1)
-        p.mul_(decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
+        p.mul_(scalars.decay)
+        exp_avg.lerp_(grad, scalars.one_minus_beta1)
+        # addcmul_'s factor is a host number (a tensor one is read back with item()), so scale a copy
+        exp_avg_sq.mul_(scalars.beta2).addcmul_(grad, grad * scalars.one_minus_beta2)
+        bias_correction1 = 1 - scalars.beta1**step
+        bias_correction2 = 1 - scalars.beta2**step
         denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(group["eps"])
-        p.sub_(exp_avg.div(denom).mul_(lr / bias_correction1))
+        p.sub_(exp_avg.div(denom).mul_(scalars.lr / bias_correction1))
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints
