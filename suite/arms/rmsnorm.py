@@ -363,6 +363,12 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
     )
 
 
+def _counter_slots(n_cols: int, device: torch.device) -> int:
+    """Counter slots the forward puts after the rstd: a function of N and the device only (any
+    row count gives the same), so a fake tensor with a symbolic row count has its size."""
+    return _launch_config(1, n_cols, device).n_counters
+
+
 # --------------------------------------------------------------------------------------------
 # Launches. The private functions take (M, N) tensors with unit column stride and the config,
 # and check nothing: the autograd path calls them, having checked once.
@@ -495,7 +501,7 @@ def rms_norm_backward_reduced(
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd and public API
+# Autograd, torch.compile and public API
 # --------------------------------------------------------------------------------------------
 
 
@@ -530,6 +536,53 @@ class _RMSNormFunction(torch.autograd.Function):
         return _y_like(dx, dy), dw, None, None
 
 
+# Under torch.compile the same kernels run as custom ops: opaque to dynamo (no graph break),
+# shapes from the fake implementations. stats is not declared mutated by the backward op: its
+# counters are back at zero when the op's launch ends.
+@torch.library.custom_op("suite::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d, weight, cfg = _prepare(x, weight)
+    y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
+    return y.view(x.shape), stats
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset):
+    n_cols = x.shape[-1]
+    # the hidden size picks the config, so it is specialised on (int() guards on it)
+    stats = x.new_empty(x.numel() // n_cols + _counter_slots(int(n_cols), x.device), dtype=torch.float32)
+    return x.new_empty(x.shape), stats
+
+
+@torch.library.custom_op("suite::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = rms_norm_backward_reduced(_as_rows(dy), _as_rows(x), weight, stats, offset)
+    return dx.view(x.shape), dw
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, stats, offset):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.offset = offset
+
+
+def _op_backward(ctx, dy, _dstats):
+    x, weight, stats = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, stats, ctx.offset)
+    return dx, dw, None, None
+
+
+_rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
 def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"rms_norm: x must be bfloat16, float16 or float32, not {x.dtype}")
@@ -549,6 +602,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     """Fused RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype."""
     _validate(x, weight)
     eps, offset = float(eps), float(offset)
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd_op(x, weight, eps, offset)[0]
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps, offset)
     x2d, weight, cfg = _prepare(x, weight)
