@@ -189,6 +189,13 @@ def test_folded_dw_matches_the_two_stage_blocks_bit_for_bit(monkeypatch, rows, n
         assert_same_bits(dw, dw_two, "dw")
 
 
+def test_partial_sums_pad_with_negative_zero_so_zero_signs_survive():
+    partials = torch.full((5, 130), -0.0, device=DEVICE)  # 5 rows: groups of 3 and 2, padded
+    partials[2, :65] = 0.0
+    dw = arm.reduce_dw_partials(partials, torch.float32)
+    assert torch.equal(torch.signbit(dw), torch.arange(130, device=DEVICE) >= 65)
+
+
 def test_group_sizes_keep_counters_within_the_slots_the_forward_zeroes():
     for n_parts in range(1, 1200):
         group_size = arm.dw_group_size(n_parts)

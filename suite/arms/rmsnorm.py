@@ -153,16 +153,18 @@ def _sum_rows(ROWS, first, count, row_step, n_cols, cols, BLOCK_N: tl.constexpr,
     partials through here gets the same bits whatever its layout or program split.
 
     The sum starts from -0.0 and masked rows load -0.0: x + -0.0 == x for every x, so padding
-    never changes a bit. Loads bypass L1 (.cg): other programs wrote these rows.
+    never changes a bit. (-0.0 is made from its bits: the compiler turns a literal -0.0 into
+    0 - 0.0 = +0.0.) Loads bypass L1 (.cg): other programs wrote these rows.
     """
-    acc = tl.full([BLOCK_N], -0.0, tl.float32)
+    negative_zero = tl.full([BLOCK_N], -(2**31), tl.int32).to(tl.float32, bitcast=True)
+    acc = negative_zero
     for i in range(0, count, UNROLL):
         for j in tl.static_range(UNROLL):
             row = tl.cast(first + (i + j) * row_step, tl.int64)
             # a row past `count` masks every column (a where, as the 3.9 interpreter's int1
             # scalar & vector gives int32)
             mask = cols < tl.where(i + j < count, n_cols, 0)
-            acc += tl.load(ROWS + row * n_cols + cols, mask=mask, other=-0.0, cache_modifier=".cg")
+            acc += tl.load(ROWS + row * n_cols + cols, mask=mask, other=negative_zero, cache_modifier=".cg")
     return acc
 
 
@@ -254,7 +256,7 @@ def _reduce_dw_partials_kernel(
     summed in order, then the group sums in order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    total = tl.full([BLOCK_N], -0.0, tl.float32)
+    total = tl.full([BLOCK_N], -(2**31), tl.int32).to(tl.float32, bitcast=True)  # -0.0, see _sum_rows
     for first in range(0, n_partials, group_size):
         group_rows = tl.minimum(group_size, n_partials - first)
         total += _sum_rows(PARTIALS, first, group_rows, 1, n_cols, cols, BLOCK_N, UNROLL)
