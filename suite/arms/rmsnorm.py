@@ -373,7 +373,9 @@ def _counter_slots(n_cols: int, device: torch.device) -> int:
 
 # --------------------------------------------------------------------------------------------
 # Launches. The private functions take (M, N) tensors with unit column stride and the config,
-# and check nothing: the autograd path calls them, having checked once.
+# and check nothing: the autograd path calls them, having checked once. Outputs come from
+# empty_like (cheaper than empty(shape, dtype, device)): an (M, N) tensor with unit column
+# stride is contiguous unless it has gaps between rows, and then empty_like is contiguous too.
 # --------------------------------------------------------------------------------------------
 
 
@@ -381,7 +383,7 @@ def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_sta
     """-> (y, stats or None); without stats (no backward to come) the rstd is not stored."""
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=device)
+    y = torch.empty_like(x2d)
     stats = torch.empty(n_rows + cfg.n_counters, dtype=torch.float32, device=device) if with_stats else None
     if n_rows:
         launch(
@@ -397,7 +399,7 @@ def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce
     """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0."""
     n_rows, n_cols = x2d.shape
     device = x2d.device
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=device)
+    dx = torch.empty_like(x2d)
     if n_rows == 0:
         if reduce_dw:
             return dx, torch.zeros(n_cols, dtype=weight.dtype, device=device)
