@@ -336,7 +336,7 @@ def kernel_resources(support, arm) -> dict[str, Any]:
     """Registers and spills of every cached compile of the backward kernel (the folded
     reduction must not cost the main loop its occupancy)."""
     out = {}
-    launches = support._launches.get(arm._rms_norm_bwd_kernel)
+    launches = support._launches.get(id(arm._rms_norm_bwd_kernel))
     for key, entry in (launches.entries.items() if launches else []):
         if entry is None:
             continue

@@ -137,6 +137,7 @@ class _KernelLaunches:
     """One kernel's cached launches, keyed by (device, argument key, meta)."""
 
     def __init__(self, kernel: JITFunction):
+        self.kernel = kernel  # held, so that its id keys _launches for good
         self.constexpr_positions = frozenset(p.num for p in kernel.params if p.is_constexpr)
         self.first_constexpr = min(self.constexpr_positions, default=len(kernel.params))
         self.entries: dict[tuple, _CachedLaunch | None] = {}
@@ -152,7 +153,8 @@ class _CachedLaunch:
         self.tail = tail  # parameters after the positional ones (constexprs from meta)
 
 
-_launches: dict[JITFunction, _KernelLaunches] = {}
+# Keyed by id(kernel): JITFunction.__hash__ hashes the source's sha under a lock, ~1 us a call.
+_launches: dict[int, _KernelLaunches] = {}
 _MISSING = object()
 
 
@@ -214,9 +216,9 @@ def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
     """Launch from the cache; False when this call must go through kernel[grid]."""
     if type(grid) is not tuple or not _hooks_idle(kernel):
         return False
-    launches = _launches.get(kernel)
+    launches = _launches.get(id(kernel))
     if launches is None:
-        launches = _launches[kernel] = _KernelLaunches(kernel)
+        launches = _launches[id(kernel)] = _KernelLaunches(kernel)
     # Triton compiles for, and launches on, the current device and its current stream.
     device = torch.cuda.current_device()
     try:
