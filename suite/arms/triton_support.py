@@ -213,7 +213,12 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
 
 
 def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
-    """Launch from the cache; False when this call must go through kernel[grid]."""
+    """Launch from the cache; False when this call must go through kernel[grid].
+
+    What the cached path skips besides the binding: Triton's check that the globals a kernel
+    reads have not changed since it compiled (ours read none but constexprs), and its options
+    from the environment (debug, instrumentation mode), which 3.6 reads once at import.
+    """
     if type(grid) is not tuple or not _hooks_idle(kernel):
         return False
     launches = _launches.get(id(kernel))
