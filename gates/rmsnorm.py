@@ -136,11 +136,13 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
 
 
 def _blocks(buffers: Buffers, preset: Preset, *, eps: float | None = None, partials=lambda p: p) -> Outputs:
+    """The arm's forward and backward in the two-stage form (the same bits as the arm's folded
+    dW reduction), so a saboteur can tamper with the partials between the stages."""
     shape = buffers["x"].shape
     x2, dy2 = buffers["x"].reshape(-1, shape[-1]), buffers["dy"].reshape(-1, shape[-1])
     weight, offset = buffers["weight"], preset.params["offset"]
-    y, rstd = rms_norm_forward(x2, weight, preset.params["eps"] if eps is None else eps, offset)
-    dx, dw_partials = rms_norm_backward(dy2, x2, weight, rstd, offset)
+    y, stats = rms_norm_forward(x2, weight, preset.params["eps"] if eps is None else eps, offset)
+    dx, dw_partials = rms_norm_backward(dy2, x2, weight, stats, offset)
     dw = reduce_dw_partials(partials(dw_partials), weight.dtype)
     return {"y": y.reshape(shape), "dx": dx.reshape(shape), "dw": dw}
 

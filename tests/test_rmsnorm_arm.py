@@ -75,8 +75,8 @@ def test_looped_path(monkeypatch, dtype, n):
 def test_looped_path_makes_several_partials(monkeypatch):
     monkeypatch.setattr(arm, "MAX_FUSED_N", 32)
     x, weight, dy = make((210, 50), torch.float32)
-    _, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
-    _, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     assert partials.shape[0] > 1
 
 
@@ -139,8 +139,8 @@ def test_deterministic():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_dw_partials_reduce_exactly(dtype):
     x, weight, dy = make((200, 96), torch.float32)
-    _, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
-    dx, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    dx, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     assert partials.dtype == torch.float32 and partials.shape[0] > 1
     dw = arm.reduce_dw_partials(partials, dtype)
     assert dw.dtype == dtype
@@ -148,6 +148,104 @@ def test_dw_partials_reduce_exactly(dtype):
     # Any fp32 summation order is within (G - 1) ulps of the magnitudes summed, plus dtype rounding.
     bound = partials.shape[0] * 2.0**-24 * partials.double().abs().sum(0) + exact.abs() * torch.finfo(dtype).eps
     assert ((dw.double() - exact).abs() <= bound).all()
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what=""):
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(bits(a), bits(b)), what
+
+
+@pytest.mark.parametrize(
+    "rows, n, programs, max_fused_n",
+    [
+        (200, 96, None, None),  # 4 partials: 2 groups of 2
+        (200, 130, 5, None),  # 5 partials: groups of 3 and 2
+        (2, 96, None, None),  # 2 row blocks, so 2 partials
+        (1, 96, None, None),  # 1 partial
+        (70, 100, 7, 32),  # looped: 4 column stripes, 7 programs -> 1 partial row per stripe
+        (210, 50, 9, 32),  # looped: 2 stripes x 4 partials
+    ],
+)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_folded_dw_matches_the_two_stage_blocks_bit_for_bit(monkeypatch, rows, n, programs, max_fused_n, weight_dtype):
+    if programs is not None:
+        monkeypatch.setattr(arm, "INTERPRETER_MAX_PROGRAMS", programs)
+    if max_fused_n is not None:
+        monkeypatch.setattr(arm, "MAX_FUSED_N", max_fused_n)
+    monkeypatch.setattr(arm, "_configs", {})
+    x, weight, dy = make((rows, n), torch.bfloat16, weight_dtype=weight_dtype)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    dx_two, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
+    dw_two = arm.reduce_dw_partials(partials, weight.dtype)
+    dx_folded, dw_folded = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
+    _, dx_autograd, dw_autograd = run(arm.rms_norm, x, weight, dy)
+    for dx in (dx_folded, dx_autograd):
+        assert_same_bits(dx, dx_two, "dx")
+    for dw in (dw_folded, dw_autograd):
+        assert_same_bits(dw, dw_two, "dw")
+
+
+def test_partial_sums_pad_with_negative_zero_so_zero_signs_survive():
+    partials = torch.full((5, 130), -0.0, device=DEVICE)  # 5 rows: groups of 3 and 2, padded
+    partials[2, :65] = 0.0
+    dw = arm.reduce_dw_partials(partials, torch.float32)
+    assert torch.equal(torch.signbit(dw), torch.arange(130, device=DEVICE) >= 65)
+
+
+def test_group_sizes_keep_counters_within_the_slots_the_forward_zeroes():
+    for n_parts in range(1, 1200):
+        group_size = arm.dw_group_size(n_parts)
+        n_groups = -(-n_parts // group_size)
+        assert n_groups <= group_size <= arm.dw_group_size(1200)
+        assert group_size * group_size < n_parts + 2 * group_size  # about sqrt(G)
+
+
+def test_folded_backward_leaves_its_counters_at_zero_and_repeats():
+    x, weight, dy = make((200, 96), torch.float32)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    counters = stats[200:].view(torch.int32)
+    assert counters.numel() >= arm._launch_config(200, 96, x.device).counters_used and not counters.any()
+    first = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
+    assert not counters.any()
+    second = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)  # e.g. retain_graph
+    for a, b in zip(first, second):
+        assert_same_bits(a, b)
+
+
+def test_stats_without_counter_slots_take_the_two_stage_path():
+    x, weight, dy = make((200, 96), torch.float32)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    expected = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
+    got = arm.rms_norm_backward_reduced(dy, x, weight, stats[:200].clone(), 0.0)
+    for a, b in zip(got, expected):
+        assert_same_bits(a, b)
+
+
+def test_forward_without_grad_gives_the_same_bits():
+    x, weight, _ = make((3, 40, 96), torch.bfloat16)
+    with torch.no_grad():
+        y = arm.rms_norm(x, weight)
+    assert_same_bits(y, arm.rms_norm(x, weight.detach().requires_grad_()).detach())
+
+
+def test_launch_config_cache_keys_on_the_profile(monkeypatch):
+    computed = []
+    compute = arm._compute_launch_config
+    monkeypatch.setattr(arm, "_configs", {})
+    monkeypatch.setattr(arm, "_compute_launch_config", lambda *a: computed.append(a) or compute(*a))
+    device = torch.device(DEVICE)
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    first = arm._launch_config(64, 96, device)
+    assert arm._launch_config(64, 96, device) is first and len(computed) == 1
+    monkeypatch.setenv("SUITE_PROFILE", "none")
+    arm._launch_config(64, 96, device)
+    monkeypatch.setattr(arm, "MAX_FUSED_N", 32)
+    arm._launch_config(64, 96, device)
+    assert len(computed) == 3
 
 
 def test_module_impls():
@@ -205,13 +303,14 @@ def test_more_than_2_31_elements():
     torch.manual_seed(0)
     x = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
     weight = (1 + 0.1 * torch.randn(n, device="cuda")).bfloat16()
-    y, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    y, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    rstd = stats[:rows]
     tail = slice(rows - 16, rows)  # rows whose offsets pass 2**31
     expected_rstd = torch.rsqrt(x[tail].float().pow(2).mean(-1) + 1e-6)
     torch.testing.assert_close(rstd[tail], expected_rstd, rtol=1e-5, atol=0)
     torch.testing.assert_close(y[tail], arm.rms_norm_reference(x[tail], weight), rtol=1.6e-2, atol=1e-2)
     del y
-    dx, _ = arm.rms_norm_backward(x, x, weight, rstd, 0.0)  # dy = x: any dy will do
+    dx, _ = arm.rms_norm_backward_reduced(x, x, weight, stats, 0.0)  # dy = x: any dy will do
     tail_x = x[tail].float().requires_grad_()
     (expected_dx,) = torch.autograd.grad(arm.rms_norm_reference(tail_x, weight.float()), tail_x, x[tail].float())
     torch.testing.assert_close(dx[tail].float(), expected_dx, rtol=2e-2, atol=2e-2)
@@ -219,19 +318,56 @@ def test_more_than_2_31_elements():
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.parametrize("shape", [(4096, 2048), (8192, 2880), (512, 65536)])
+def test_folded_dw_is_stable_over_repeated_launches(shape):
+    """The arrival counters and the last programs' reads race with every other program: a
+    memory-ordering bug would show as an occasional dW that differs from the two-stage one."""
+    x, weight, dy = make(shape, torch.bfloat16, weight_dtype=torch.float32)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
+    expected = arm.reduce_dw_partials(partials, weight.dtype)
+    assert arm._launch_config(*shape, x.device).n_parts >= 16  # several groups, two levels
+    dws = [arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)[1] for _ in range(100)]
+    assert all(torch.equal(bits(dw), bits(expected)) for dw in dws)
+    assert not stats[shape[0]:].view(torch.int32).any()
+
+
+def _blocks_and_autograd(x, weight, dy):
+    """Every kernel, every variant: the autograd path (folded dW) and the two-stage blocks."""
+    run(arm.rms_norm, x, weight, dy)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
+    arm.reduce_dw_partials(partials, weight.dtype)
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
 def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    recorded = []
     monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
-    monkeypatch.setattr(triton_support, "compiled_kernels", {})
+    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
     x, weight, dy = make((1024, n), torch.bfloat16)  # rows enough for the tallest tile
-    run(arm.rms_norm, x, weight, dy)
+    _blocks_and_autograd(x, weight, dy)
     expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_reduce_dw_partials_kernel"}
     if n > arm.MAX_FUSED_N:
         expected.add("_rms_norm_bwd_row_dot_kernel")
-    assert set(triton_support.compiled_kernels) == expected
-    for name, compiled in triton_support.compiled_kernels.items():
+    assert {name for name, _ in recorded} == expected
+    assert len({id(c) for name, c in recorded if name == "_rms_norm_bwd_kernel"}) == 2  # folded, two-stage
+    for name, compiled in recorded:
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+
+
+class _Recorder(dict):
+    """compiled_kernels that keeps every kernel recorded, variants of one kernel included."""
+
+    def __init__(self, into):
+        super().__init__()
+        self.into = into
+
+    def __setitem__(self, name, compiled):
+        self.into.append((name, compiled))
 
 
 @pytest.mark.cuda
@@ -245,19 +381,20 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
     driver = triton.runtime.driver.active
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
     monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
-    kernels = {}
+    kernels = []
 
     def compile_only(kernel, grid, *args, **meta):
         kernel.device_caches.clear()  # forget the sm_90 builds: the target is part of the cache
-        kernels[kernel.fn.__name__] = kernel.warmup(*args, grid=grid, **meta)
+        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **meta)))
         kernel.device_caches.clear()
 
     monkeypatch.setattr(arm, "launch", compile_only)
     x, weight, dy = make((1024, n), torch.bfloat16)
-    y, rstd = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
-    _, partials = arm.rms_norm_backward(dy, x, weight, rstd, 0.0)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
+    _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     arm.reduce_dw_partials(partials, weight.dtype)
-    assert "_rms_norm_bwd_kernel" in kernels
-    for name, compiled in kernels.items():
+    assert [name for name, _ in kernels].count("_rms_norm_bwd_kernel") == 2
+    for name, compiled in kernels:
         assert compiled.metadata.target.arch == 120, name
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

@@ -6,15 +6,19 @@ the zero-centred-weight variant (Gemma). The backward, with g = dy * (offset + w
     dx = rstd * (g - x * rstd^2 * mean(g * x))
     dw = sum over rows of dy * x * rstd
 
-dw is reduced in two deterministic stages, never with atomics: each backward program sums its
-own rows into one fp32 row of a [G, N] partials buffer, then a small kernel sums the G rows in
-a fixed order. The launch configuration is a pure function of the shape and the device, so a
-run reproduces its bits exactly.
+dw is reduced deterministically, never with atomic sums: each backward program sums its own
+rows into one fp32 row of a [G, N] partials buffer, and the G rows are then summed in a fixed
+order (in groups of `group_size`, then the group sums; see `_sum_rows`). The backward of
+`rms_norm` does that final sum in the same launch (`rms_norm_backward_reduced`); the two-stage
+blocks (`rms_norm_backward`, then `reduce_dw_partials`) give the same bits in two launches. The
+launch configuration is a pure function of the shape and the device, so a run reproduces its
+bits exactly.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -38,9 +42,17 @@ TARGET_TILE = 4096
 MAX_BLOCK_M = 64
 # Under the interpreter a few backward programs suffice to make several dW partials.
 INTERPRETER_MAX_PROGRAMS = 4
-# Stage 2 of dW: partial rows summed per step x columns per program.
-REDUCE_BLOCK_G = 32
+# Summing dW partials (see _sum_rows), rows are loaded UNROLL at a time before they are added,
+# to keep loads in flight; the order of the adds does not depend on it. The folded reduction
+# reads 4 fp32 per thread per row (one 16-byte load), so its 8 rows in flight take 32
+# registers, fewer than the main loop's tiles: occupancy is unchanged. The two-stage kernel
+# has 1 fp32 per thread per row (128 columns on 4 warps) and room for 32 rows.
+FOLD_UNROLL = 8
+FOLD_COLS_PER_WARP = 128
+REDUCE_UNROLL = 32
 REDUCE_BLOCK_N = 128
+# Configs cached per shape; a training run sees few shapes, variable lengths many.
+MAX_CACHED_CONFIGS = 4096
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -65,10 +77,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
 @triton.jit
 def _rms_norm_fwd_kernel(
-    X, W, Y, RSTD,
-    x_row_stride, n_rows, n_cols, eps, offset,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr,
+    X, W, Y, STATS,
+    x_row_stride, n_rows, n_cols, n_counters, eps, offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LOOPED: tl.constexpr, STORE_STATS: tl.constexpr,
 ):
+    """STATS: rstd of each row, then the backward's `n_counters` arrival counters, zeroed here
+    so that the backward of this call starts from zero (0.0f and int32 0 share their bits).
+    Without STORE_STATS (no backward to come) STATS is not written."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < n_rows
     wide_rows = rows.to(tl.int64)  # row * stride may pass 2**31 elements
@@ -100,7 +115,12 @@ def _rms_norm_fwd_kernel(
         scale = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = x * rstd[:, None] * scale[None, :]
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+    if STORE_STATS:
+        tl.store(STATS + rows, rstd, mask=row_mask)
+        if tl.program_id(0) == 0:
+            for start in range(0, n_counters, BLOCK_N):
+                slots = start + cols
+                tl.store(STATS + n_rows + slots, tl.zeros([BLOCK_N], tl.float32), mask=slots < n_counters)
 
 
 @triton.jit
@@ -127,18 +147,58 @@ def _rms_norm_bwd_row_dot_kernel(
 
 
 @triton.jit
+def _sum_rows(ROWS, first, count, row_step, n_cols, cols, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
+    """Sum of rows first, first + row_step, ... (`count` rows) of a [*, n_cols] fp32 buffer at
+    `cols`, added one row after another in that order, so every kernel that sums a set of
+    partials through here gets the same bits whatever its layout or program split.
+
+    The sum starts from -0.0 and masked rows load -0.0: x + -0.0 == x for every x, so padding
+    never changes a bit. (-0.0 is made from its bits: the compiler turns a literal -0.0 into
+    0 - 0.0 = +0.0.) Loads bypass L1 (.cg): other programs wrote these rows.
+    """
+    negative_zero = tl.full([BLOCK_N], -(2**31), tl.int32).to(tl.float32, bitcast=True)
+    acc = negative_zero
+    for i in range(0, count, UNROLL):
+        for j in tl.static_range(UNROLL):
+            row = tl.cast(first + (i + j) * row_step, tl.int64)
+            # a row past `count` masks every column (a where, as the 3.9 interpreter's int1
+            # scalar & vector gives int32)
+            mask = cols < tl.where(i + j < count, n_cols, 0)
+            acc += tl.load(ROWS + row * n_cols + cols, mask=mask, other=negative_zero, cache_modifier=".cg")
+    return acc
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, GX_SUM, DX, DW_PARTIALS,
-    dy_row_stride, x_row_stride, n_rows, n_cols, offset,
+    DY, X, W, STATS, GX_SUM, DX, DW_PARTIALS, DW,
+    dy_row_stride, x_row_stride, n_rows, n_cols, offset, group_size,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_FITS: tl.constexpr,
+    REDUCE_DW: tl.constexpr, FOLD_BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Grid (column stripes, G): program (s, p) handles stripe s of row blocks p, p + G, ...
 
     dx is written as it goes; dy * x * rstd is accumulated in registers and written once, as
     row p of the [G, N] partials. ROW_FITS: one stripe holds a whole row, so sum(g * x) is
     computed here; otherwise the row-dot kernel has put it in GX_SUM.
+
+    REDUCE_DW: sum the partials into DW here too (else `_reduce_dw_partials_kernel` does), with
+    no second launch and no atomic sums. An arrival counter per group of `group_size` partial
+    rows (per stripe) tells the group's last program to finish, which sums the group's rows
+    into the group's first row; a counter over the groups tells the last of those, which sums
+    the group rows into DW. Each counter is reset by the program that saw it full, so a second
+    backward of the same forward starts from zero too. The counters live after the rstd in
+    STATS, zeroed by the forward: one slot set per call, never shared between streams.
+
+    Memory ordering: each program's threads store their part of the row, a CTA barrier orders
+    those stores before thread 0's acq_rel (gpu scope) counter increment, which releases them;
+    the program that sees the count full acquired every earlier release, and Triton broadcasts
+    the atomic's result through shared memory behind a barrier, so all its threads read after
+    the acquire (and read through L2, see `_sum_rows`). Two levels keep the last program's
+    serial work to ~2 sqrt(G) rows (~33 at G = 264) where one level would make it G: one
+    program reads at a fraction of the GPU's bandwidth.
     """
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    stripe = tl.program_id(0)
+    cols = stripe * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     part = tl.program_id(1)
     n_parts = tl.num_programs(1)
@@ -151,7 +211,7 @@ def _rms_norm_bwd_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         x = tl.load(X + wide_rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + wide_rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        rstd = tl.load(STATS + rows, mask=row_mask, other=0.0)
         g = dy * scale[None, :]
         if ROW_FITS:
             gx_sum = tl.sum(g * x, axis=1)
@@ -162,20 +222,45 @@ def _rms_norm_bwd_kernel(
         dw_acc += dy * (x * rstd[:, None])
     tl.store(DW_PARTIALS + part.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
+    if REDUCE_DW:
+        n_groups = tl.cdiv(n_parts, group_size)
+        counters = (STATS + n_rows).to(tl.pointer_type(tl.int32), bitcast=True) + stripe * (n_groups + 1)
+        group = part // group_size
+        first = group * group_size
+        group_rows = tl.minimum(group_size, n_parts - first)
+        fold_cols = tl.arange(0, FOLD_BLOCK_N)
+        tl.debug_barrier()
+        if tl.atomic_add(counters + group, 1, sem="acq_rel", scope="gpu") == group_rows - 1:
+            tl.store(counters + group, 0)
+            for start in range(0, BLOCK_N, FOLD_BLOCK_N):
+                chunk = stripe * BLOCK_N + start + fold_cols
+                chunk_mask = chunk < n_cols
+                group_sum = _sum_rows(DW_PARTIALS, first, group_rows, 1, n_cols, chunk, FOLD_BLOCK_N, UNROLL)
+                tl.store(DW_PARTIALS + first.to(tl.int64) * n_cols + chunk, group_sum, mask=chunk_mask)
+            tl.debug_barrier()
+            if tl.atomic_add(counters + n_groups, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+                tl.store(counters + n_groups, 0)
+                for start in range(0, BLOCK_N, FOLD_BLOCK_N):
+                    chunk = stripe * BLOCK_N + start + fold_cols
+                    chunk_mask = chunk < n_cols
+                    total = _sum_rows(DW_PARTIALS, 0, n_groups, group_size, n_cols, chunk, FOLD_BLOCK_N, UNROLL)
+                    tl.store(DW + chunk, total.to(DW.dtype.element_ty), mask=chunk_mask)
+
 
 @triton.jit
 def _reduce_dw_partials_kernel(
-    PARTIALS, DW, n_partials, n_cols,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PARTIALS, DW, n_partials, n_cols, group_size,
+    BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
 ):
+    """The folded reduction's order in a launch of its own: each group of `group_size` rows
+    summed in order, then the group sums in order."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    for start in range(0, n_partials, BLOCK_G):
-        parts = start + tl.arange(0, BLOCK_G)
-        mask = (parts < n_partials)[:, None] & col_mask[None, :]
-        acc += tl.load(PARTIALS + parts.to(tl.int64)[:, None] * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    total = tl.full([BLOCK_N], -(2**31), tl.int32).to(tl.float32, bitcast=True)  # -0.0, see _sum_rows
+    for first in range(0, n_partials, group_size):
+        group_rows = tl.minimum(group_size, n_partials - first)
+        total += _sum_rows(PARTIALS, first, group_rows, 1, n_cols, cols, BLOCK_N, UNROLL)
+    tl.store(DW + cols, total.to(DW.dtype.element_ty), mask=col_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -189,15 +274,37 @@ class LaunchConfig:
     block_n: int  # columns per tile: the whole row, or one chunk when looped
     num_warps: int
     looped: bool  # the row is longer than one tile
-    max_programs: int  # cap on backward programs, hence on dW partial rows
+    row_grid: tuple[int]  # forward (and row-dot) grid: one program per row block
+    n_parts: int  # dW partial rows G (the backward grid is (column stripes, G))
+    bwd_grid: tuple[int, int]
+    group_size: int  # partial rows summed per group (see _sum_rows)
+    counters_used: int  # arrival counters the folded backward needs
+    n_counters: int  # counter slots after rstd that the forward zeroes (a function of N only)
+    fold_block_n: int  # columns per step of the folded reduction
 
 
 def _prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _ceil_sqrt(n: int) -> int:
+    return math.isqrt(n - 1) + 1 if n > 1 else 1
+
+
+def dw_group_size(n_partials: int) -> int:
+    """Partial rows per group: sqrt(G) keeps the last program's two serial sums short."""
+    return _ceil_sqrt(n_partials)
+
+
 def _interpreting() -> bool:
     return interpreting(_rms_norm_fwd_kernel)
+
+
+_KERNELS_COMPILED = isinstance(_rms_norm_fwd_kernel, triton.runtime.JITFunction)
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,23 +312,29 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+_configs: dict[tuple, LaunchConfig] = {}
+
+
 def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> LaunchConfig:
     # Cached, as host time per call counts at training sizes. The key holds everything the
-    # heuristic reads, SUITE_PROFILE (read by smem_limit) included.
-    return _cached_launch_config(
-        n_rows, n_cols, device, MAX_FUSED_N, os.environ.get("SUITE_PROFILE"), _interpreting()
-    )
+    # heuristic reads: SUITE_PROFILE (read by smem_limit) and MAX_FUSED_N too.
+    key = (n_rows, n_cols, device, os.environ.get("SUITE_PROFILE"), MAX_FUSED_N)
+    config = _configs.get(key)
+    if config is None:
+        if len(_configs) >= MAX_CACHED_CONFIGS:
+            _configs.clear()
+        config = _configs[key] = _compute_launch_config(n_rows, n_cols, device)
+    return config
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_launch_config(n_rows, n_cols, device, max_fused_n, suite_profile, interpreted) -> LaunchConfig:
+def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> LaunchConfig:
     # A whole fp32 tile must fit in shared memory, so that any layout conversion Triton stages
     # through it fits too: 16384 values on the RTX profile (99 KiB).
     max_tile = _prev_pow2(smem_limit(device) // 4)
-    fused_limit = min(max_fused_n, max_tile)
+    fused_limit = min(MAX_FUSED_N, max_tile)
     looped = n_cols > fused_limit
     block_n = min(LOOPED_BLOCK_N, _prev_pow2(fused_limit)) if looped else triton.next_power_of_2(n_cols)
-    if device.type == "cuda" and not interpreted:
+    if device.type == "cuda" and _KERNELS_COMPILED:
         # Two backward programs fit an SM's registers up to TARGET_TILE-value tiles, one beyond.
         per_sm = 1 if not looped and block_n > TARGET_TILE else 2
         max_programs = per_sm * _sm_count(device.index)
@@ -236,7 +349,80 @@ def _cached_launch_config(n_rows, n_cols, device, max_fused_n, suite_profile, in
         num_warps = max(4, min(32, block_n // 128))
     else:
         num_warps = max(4, min(16, block_m * block_n // 512))
-    return LaunchConfig(block_m, block_n, num_warps, looped, max_programs)
+    row_blocks = _cdiv(n_rows, block_m)
+    n_stripes = _cdiv(n_cols, block_n)
+    # Fewer row groups for more stripes keeps the program count, and the partials, bounded.
+    max_parts = max(1, max_programs // n_stripes)
+    n_parts = max(1, min(row_blocks, max_parts))
+    group_size = dw_group_size(n_parts)
+    # Per stripe, one counter per group and one over the groups; there are at most
+    # ceil(sqrt(max_parts)) groups, so the forward can zero enough slots knowing N alone.
+    n_counters = n_stripes * (_ceil_sqrt(max_parts) + 1)
+    counters_used = n_stripes * (_cdiv(n_parts, group_size) + 1)
+    return LaunchConfig(
+        block_m, block_n, num_warps, looped, (row_blocks,), n_parts, (n_stripes, n_parts), group_size,
+        counters_used, n_counters, fold_block_n=min(block_n, FOLD_COLS_PER_WARP * num_warps),
+    )
+
+
+def _counter_slots(n_cols: int, device: torch.device) -> int:
+    """Counter slots the forward puts after the rstd: a function of N and the device only (any
+    row count gives the same), so a fake tensor with a symbolic row count has its size."""
+    return _launch_config(1, n_cols, device).n_counters
+
+
+# --------------------------------------------------------------------------------------------
+# Launches. The private functions take (M, N) tensors with unit column stride and the config,
+# and check nothing: the autograd path calls them, having checked once. Outputs come from
+# empty_like (cheaper than empty(shape, dtype, device)): an (M, N) tensor with unit column
+# stride is contiguous unless it has gaps between rows, and then empty_like is contiguous too.
+# --------------------------------------------------------------------------------------------
+
+
+def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_stats: bool):
+    """-> (y, stats or None); without stats (no backward to come) the rstd is not stored."""
+    n_rows, n_cols = x2d.shape
+    device = x2d.device
+    y = torch.empty_like(x2d)
+    stats = torch.empty(n_rows + cfg.n_counters, dtype=torch.float32, device=device) if with_stats else None
+    if n_rows:
+        launch(
+            _rms_norm_fwd_kernel, cfg.row_grid,
+            x2d, weight, y, y if stats is None else stats, x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, STORE_STATS=with_stats,
+            num_warps=cfg.num_warps,
+        )
+    return y, stats
+
+
+def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool):
+    """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0."""
+    n_rows, n_cols = x2d.shape
+    device = x2d.device
+    dx = torch.empty_like(x2d)
+    if n_rows == 0:
+        if reduce_dw:
+            return dx, torch.zeros(n_cols, dtype=weight.dtype, device=device)
+        return dx, torch.empty((0, n_cols), dtype=torch.float32, device=device)
+    partials = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
+    dw = torch.empty(n_cols, dtype=weight.dtype, device=device) if reduce_dw else partials
+    if cfg.looped:
+        gx_sum = torch.empty(n_rows, dtype=torch.float32, device=device)
+        launch(
+            _rms_norm_bwd_row_dot_kernel, cfg.row_grid,
+            dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+        )
+    else:
+        gx_sum = stats  # unread when a stripe holds the whole row
+    launch(
+        _rms_norm_bwd_kernel, cfg.bwd_grid,
+        dy2d, x2d, weight, stats, gx_sum, dx, partials, dw,
+        dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset, cfg.group_size,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_FITS=not cfg.looped, REDUCE_DW=reduce_dw,
+        FOLD_BLOCK_N=cfg.fold_block_n, UNROLL=FOLD_UNROLL, num_warps=cfg.num_warps,
+    )
+    return dx, (dw if reduce_dw else partials)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,100 +439,152 @@ def _require_runnable(t: torch.Tensor) -> None:
         )
 
 
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """(..., N) -> (M, N) with unit column stride (kernels take a row stride but assume adjacent
+    columns); copies only when the columns are not adjacent or the rows cannot be one stride."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
 def _unit_col_stride(t: torch.Tensor) -> torch.Tensor:
-    """Kernels take a row stride but assume adjacent columns; copy only when they are not."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
-    """(M, N) x -> (y contiguous (M, N) in x's dtype, rstd fp32 (M,))."""
+    """(M, N) x -> (y contiguous (M, N) in x's dtype, stats fp32).
+
+    stats[:M] is rstd; the words after it are the folded backward's arrival counters (zeroed
+    here, so each forward gives its backward a slot set of its own).
+    """
     _require_runnable(x2d)
-    n_rows, n_cols = x2d.shape
-    y = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-    if n_rows == 0:
-        return y, rstd
-    x2d, weight = _unit_col_stride(x2d), _unit_col_stride(weight)
-    cfg = _launch_config(n_rows, n_cols, x2d.device)
-    launch(
-        _rms_norm_fwd_kernel, (triton.cdiv(n_rows, cfg.block_m),),
-        x2d, weight, y, rstd, x2d.stride(0), n_rows, n_cols, float(eps), float(offset),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, num_warps=cfg.num_warps,
-    )
-    return y, rstd
+    cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
+    return _forward(_unit_col_stride(x2d), _unit_col_stride(weight), float(eps), float(offset), cfg, True)
 
 
-def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float):
-    """-> (dx contiguous (M, N) in x's dtype, dW partials fp32 [G, N]); G is 0 when M is."""
+def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float):
+    """Stage one of two: -> (dx contiguous (M, N) in x's dtype, dW partials fp32 [G, N]); G is 0
+    when M is. `stats` is the forward's (only its rstd is read)."""
     _require_runnable(x2d)
-    n_rows, n_cols = x2d.shape
-    dx = torch.empty((n_rows, n_cols), dtype=x2d.dtype, device=x2d.device)
-    if n_rows == 0:
-        return dx, torch.empty((0, n_cols), dtype=torch.float32, device=x2d.device)
+    cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
-    cfg = _launch_config(n_rows, n_cols, x2d.device)
-    row_blocks = triton.cdiv(n_rows, cfg.block_m)
-    n_stripes = triton.cdiv(n_cols, cfg.block_n)
-    # Fewer row groups for more stripes keeps the program count, and the partials, bounded.
-    n_parts = min(row_blocks, max(1, cfg.max_programs // n_stripes))
-    partials = torch.empty((n_parts, n_cols), dtype=torch.float32, device=x2d.device)
-    offset = float(offset)
-    if cfg.looped:
-        gx_sum = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
-        launch(
-            _rms_norm_bwd_row_dot_kernel, (row_blocks,),
-            dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )
-    else:
-        gx_sum = rstd  # unread when a stripe holds the whole row
-    launch(
-        _rms_norm_bwd_kernel, (n_stripes, n_parts),
-        dy2d, x2d, weight, rstd, gx_sum, dx, partials,
-        dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_FITS=not cfg.looped, num_warps=cfg.num_warps,
-    )
-    return dx, partials
+    return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=False)
 
 
 def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Sum the [G, N] fp32 partials over G, in a fixed order, into dW of `dtype`."""
+    """Stage two: sum the [G, N] fp32 partials over G in the folded backward's fixed order,
+    into dW of `dtype`."""
     n_parts, n_cols = dw_partials.shape
     if n_parts == 0:
         return torch.zeros(n_cols, dtype=dtype, device=dw_partials.device)
     _require_runnable(dw_partials)
     dw = torch.empty(n_cols, dtype=dtype, device=dw_partials.device)
     launch(
-        _reduce_dw_partials_kernel, (triton.cdiv(n_cols, REDUCE_BLOCK_N),),
-        dw_partials.contiguous(), dw, n_parts, n_cols,
-        BLOCK_G=REDUCE_BLOCK_G, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
+        _reduce_dw_partials_kernel, (_cdiv(n_cols, REDUCE_BLOCK_N),),
+        dw_partials.contiguous(), dw, n_parts, n_cols, dw_group_size(n_parts),
+        BLOCK_N=REDUCE_BLOCK_N, UNROLL=REDUCE_UNROLL, num_warps=4,
     )
     return dw
 
 
+def rms_norm_backward_reduced(
+    dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float
+):
+    """-> (dx contiguous (M, N) in x's dtype, dW in weight's dtype), dW reduced in the same
+    launch; the same bits as `rms_norm_backward` then `reduce_dw_partials`. `stats` must come
+    from `rms_norm_forward` of the same shape (its counters are used, and left at zero)."""
+    _require_runnable(x2d)
+    cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
+    if stats.shape[0] < x2d.shape[0] + cfg.counters_used:
+        # stats from a forward under another config (SUITE_PROFILE changed in between): the
+        # two-stage path needs no counters.
+        dx, partials = rms_norm_backward(dy2d, x2d, weight, stats, offset)
+        return dx, reduce_dw_partials(partials, weight.dtype)
+    dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
+    return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=True)
+
+
 # --------------------------------------------------------------------------------------------
-# Autograd and public API
+# Autograd, torch.compile and public API
 # --------------------------------------------------------------------------------------------
 
 
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    return _unit_col_stride(t).reshape(-1, t.shape[-1])
+def _prepare(x: torch.Tensor, weight: torch.Tensor):
+    """-> (x as (M, N) rows, weight with unit stride, config)."""
+    x2d = _as_rows(x)
+    device = x2d.device
+    if device.type != "cuda":
+        _require_runnable(x2d)
+    return x2d, _unit_col_stride(weight), _launch_config(x2d.shape[0], x2d.shape[1], device)
+
+
+def _y_like(y2d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return y2d if like.dim() == 2 else y2d.view(like.shape)
 
 
 class _RMSNormFunction(torch.autograd.Function):
+    """The eager path: an autograd.Function costs ~6 us a call where a custom op costs ~20."""
+
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
-        x2d = _as_rows(x)
-        y2d, rstd = rms_norm_forward(x2d, weight, eps, offset)
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.offset = offset
-        return y2d.view(x.shape)
+        x2d, weight, cfg = _prepare(x, weight)
+        y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
+        ctx.save_for_backward(x2d, weight, stats)
+        ctx.offset, ctx.cfg = offset, cfg
+        return _y_like(y, x)
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        dx2d, partials = rms_norm_backward(_as_rows(dy), x2d, weight, rstd, ctx.offset)
-        return dx2d.view(dy.shape), reduce_dw_partials(partials, weight.dtype), None, None
+        x2d, weight, stats = ctx.saved_tensors
+        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True)
+        return _y_like(dx, dy), dw, None, None
+
+
+# Under torch.compile the same kernels run as custom ops: opaque to dynamo (no graph break),
+# shapes from the fake implementations. stats is not declared mutated by the backward op: its
+# counters are back at zero when the op's launch ends.
+@torch.library.custom_op("suite::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d, weight, cfg = _prepare(x, weight)
+    y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
+    return y.view(x.shape), stats
+
+
+@_rms_norm_fwd_op.register_fake
+def _(x, weight, eps, offset):
+    n_cols = x.shape[-1]
+    # the hidden size picks the config, so it is specialised on (int() guards on it)
+    stats = x.new_empty(x.numel() // n_cols + _counter_slots(int(n_cols), x.device), dtype=torch.float32)
+    return x.new_empty(x.shape), stats
+
+
+@torch.library.custom_op("suite::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = rms_norm_backward_reduced(_as_rows(dy), _as_rows(x), weight, stats, offset)
+    return dx.view(x.shape), dw
+
+
+@_rms_norm_bwd_op.register_fake
+def _(dy, x, weight, stats, offset):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.offset = offset
+
+
+def _op_backward(ctx, dy, _dstats):
+    x, weight, stats = ctx.saved_tensors
+    dx, dw = _rms_norm_bwd_op(dy, x, weight, stats, ctx.offset)
+    return dx, dw, None, None
+
+
+_rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -367,7 +605,13 @@ def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """Fused RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype."""
     _validate(x, weight)
-    return _RMSNormFunction.apply(x, weight, float(eps), float(offset))
+    eps, offset = float(eps), float(offset)
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd_op(x, weight, eps, offset)[0]
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFunction.apply(x, weight, eps, offset)
+    x2d, weight, cfg = _prepare(x, weight)
+    return _y_like(_forward(x2d, weight, eps, offset, cfg, with_stats=False)[0], x)
 
 
 class RMSNorm(nn.Module):

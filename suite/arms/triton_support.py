@@ -1,5 +1,12 @@
-"""What every Triton arm needs around a launch: the interpreter's bf16 rounding fixed, and the
-compiled kernels recorded on request (tests check their shared memory against the RTX limit).
+"""What every Triton arm needs around a launch: the interpreter's bf16 rounding fixed, the
+compiled kernels recorded on request (tests check their shared memory against the RTX limit),
+and a cached launch that skips Triton's per-call Python.
+
+`kernel[grid](...)` binds the arguments, builds a cache-key string, runs hooks and builds launch
+metadata on every call: about 12 us of host time on the H200's host, more than a small kernel
+takes on the GPU. `launch` does that once per specialization: it keeps the `CompiledKernel`
+that `kernel[grid]` returned under a key of everything Triton specialises on, and later calls
+hand the arguments straight to the kernel's C launcher.
 """
 
 from __future__ import annotations
@@ -11,15 +18,25 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime.jit import JITFunction
 
 # Tests set RECORD_COMPILED to collect each kernel's compiled form, keyed by kernel name.
 RECORD_COMPILED = False
 compiled_kernels: dict[str, object] = {}
 
+# SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
+FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
+# The calling convention used below was read in these releases' source (runtime/jit.py
+# JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher);
+# any other version launches through kernel[grid].
+FAST_LAUNCH_TRITON_VERSIONS = ("3.6.",)
+_fast_launch_verified = triton.__version__.startswith(FAST_LAUNCH_TRITON_VERSIONS)
+
 
 def interpreting(kernel) -> bool:
     """The env asks for the interpreter and triton honoured it when `kernel` was decorated."""
-    return os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(kernel, triton.runtime.JITFunction)
+    return os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(kernel, JITFunction)
 
 
 @contextlib.contextmanager
@@ -43,9 +60,198 @@ def _interpreter_rounds_bf16_like_gpu():
         interpreter.InterpreterBuilder.cast_impl = truncating
 
 
+# --------------------------------------------------------------------------------------------
+# Specialization key
+# --------------------------------------------------------------------------------------------
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_U64_MAX = 2**64 - 1
+
+
+class UnsupportedArgument(Exception):
+    """An argument of a kind the key does not model: the launch goes through Triton."""
+
+
+def _int_key(value: int) -> str:
+    """Triton 3.6 (specialize.cc) passes 1 as a constexpr, else types an int i32 / i64 / u64
+    by range and marks it divisible by 16 ("D")."""
+    if value == 1:
+        return "one"
+    if _I32_MIN <= value <= _I32_MAX:
+        return "i32" if value % 16 else "i32D"
+    if _I64_MIN <= value <= _I64_MAX:
+        return "i64" if value % 16 else "i64D"
+    if 0 <= value <= _U64_MAX:
+        return "u64" if value % 16 else "u64D"
+    raise UnsupportedArgument(value)  # Triton raises OverflowError: let it
+
+
+_Tensor = torch.Tensor
+
+
+def _arg_key(arg):
+    # The common kinds first and inline: this runs for every argument of every launch.
+    kind = type(arg)
+    if kind is _Tensor:
+        return arg.dtype, not arg.data_ptr() & 15
+    if kind is int:
+        if arg == 1:
+            return "one"
+        if _I32_MIN <= arg <= _I32_MAX:
+            return "i32" if arg & 15 else "i32D"
+        return _int_key(arg)
+    if kind is float:
+        return "fp32"
+    if kind is bool:
+        return "u1"
+    if arg is None:
+        return "none"
+    if isinstance(arg, _Tensor):  # nn.Parameter and other subclasses
+        return arg.dtype, not arg.data_ptr() & 15
+    raise UnsupportedArgument(arg)
+
+
+def specialization_key(args, constexpr_positions=frozenset()) -> tuple:
+    """What Triton specialises a kernel on, for the positional `args` of one launch; raises
+    UnsupportedArgument for an argument of a kind this key does not model.
+
+    A tensor: its dtype and whether its data pointer is 16-byte aligned; an int: see `_int_key`;
+    a float: always fp32; a bool: u1, never by value; None and constexpr parameters: by value.
+    A key finer than Triton's is safe (one more cache entry), a coarser one is not.
+    """
+    if not constexpr_positions:
+        return tuple(map(_arg_key, args))
+    return tuple(
+        ("constexpr", type(arg), arg) if position in constexpr_positions else _arg_key(arg)
+        for position, arg in enumerate(args)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Cached launches
+# --------------------------------------------------------------------------------------------
+
+
+class _KernelLaunches:
+    """One kernel's cached launches, keyed by (device, argument key, meta)."""
+
+    def __init__(self, kernel: JITFunction):
+        self.kernel = kernel  # held, so that its id keys _launches for good
+        self.constexpr_positions = frozenset(p.num for p in kernel.params if p.is_constexpr)
+        self.first_constexpr = min(self.constexpr_positions, default=len(kernel.params))
+        self.entries: dict[tuple, _CachedLaunch | None] = {}
+
+
+class _CachedLaunch:
+    __slots__ = ("compiled", "call", "prefix", "tail")
+
+    def __init__(self, compiled, call, prefix, tail):
+        self.compiled = compiled
+        self.call = call  # call(grid_0, grid_1, grid_2, stream, *prefix, *args, *tail)
+        self.prefix = prefix
+        self.tail = tail  # parameters after the positional ones (constexprs from meta)
+
+
+# Keyed by id(kernel): JITFunction.__hash__ hashes the source's sha under a lock, ~1 us a call.
+_launches: dict[int, _KernelLaunches] = {}
+_MISSING = object()
+
+
+def _idle(hook) -> bool:
+    # 3.6 keeps hooks as HookChain objects, empty unless a profiler registered one.
+    return hook is None or not getattr(hook, "calls", True)
+
+
+def _hooks_idle(kernel: JITFunction) -> bool:
+    """No launch hook (a profiler's) and no pre-run hook: nothing the cached path would skip."""
+    runtime = knobs.runtime
+    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook) and not kernel.pre_run_hooks
+
+
+def _tail_params(kernel: JITFunction, n_positional: int, meta: dict) -> tuple | None:
+    """Values of the parameters not passed positionally, in signature order, or None when one
+    of them is not a constexpr (its value would then be part of every call, not of the key)."""
+    tail = []
+    for param in kernel.params[n_positional:]:
+        if not param.is_constexpr:
+            return None
+        if param.name in meta:
+            tail.append(meta[param.name])
+        elif param.has_default:
+            tail.append(param.default)
+        else:
+            return None  # Triton raises the missing-argument error
+    return tuple(tail)
+
+
+def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict) -> _CachedLaunch | None:
+    """How to call `compiled` again without Triton's Python, or None to keep using kernel[grid].
+
+    CompiledKernel.run is a CudaLauncher; JITFunction.run calls it as run(grid_0, grid_1, grid_2,
+    stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every parameter
+    in signature order, constexprs included), and it forwards to its C `launch` with the
+    cooperative-grid and PDL flags and two scratch buffers before packed_metadata. With idle
+    hooks, passing None for the metadata and both hooks is what the C launcher skips on.
+    """
+    tail = _tail_params(kernel, n_positional, meta)
+    if tail is None or compiled is None or getattr(compiled, "function", None) is None:
+        return None
+    launcher = compiled.run
+    if (
+        getattr(launcher, "global_scratch_size", None) == 0
+        and getattr(launcher, "profile_scratch_size", None) == 0
+        and hasattr(launcher, "launch")
+    ):
+        prefix = (
+            compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None,
+        )
+        return _CachedLaunch(compiled, launcher.launch, prefix, tail)
+    # A kernel that needs scratch memory: the Python launcher allocates it.
+    return _CachedLaunch(compiled, launcher, (compiled.function, compiled.packed_metadata, None, None, None), tail)
+
+
+def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
+    """Launch from the cache; False when this call must go through kernel[grid].
+
+    What the cached path skips besides the binding: Triton's check that the globals a kernel
+    reads have not changed since it compiled (ours read none but constexprs), and its options
+    from the environment (debug, instrumentation mode), which 3.6 reads once at import.
+    """
+    if type(grid) is not tuple or not _hooks_idle(kernel):
+        return False
+    launches = _launches.get(id(kernel))
+    if launches is None:
+        launches = _launches[id(kernel)] = _KernelLaunches(kernel)
+    # Triton compiles for, and launches on, the current device and its current stream.
+    device = torch.cuda.current_device()
+    try:
+        positional_constexprs = launches.constexpr_positions if len(args) > launches.first_constexpr else ()
+        key = (device, specialization_key(args, positional_constexprs), tuple(meta.items()))
+        entry = launches.entries.get(key, _MISSING)
+    except (UnsupportedArgument, TypeError):  # TypeError: an unhashable meta value
+        return False
+    if entry is _MISSING:
+        compiled = kernel[grid](*args, **meta)  # compiles if need be, and launches
+        launches.entries[key] = _cached_launch(kernel, compiled, len(args), meta)
+    elif entry is None:
+        return False
+    else:
+        n = len(grid)
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix, *args, *entry.tail)
+        compiled = entry.compiled
+    if RECORD_COMPILED:
+        compiled_kernels[kernel.fn.__name__] = compiled
+    return True
+
+
 def launch(kernel, grid, *args, **meta) -> None:
     """kernel[grid](*args, **meta), compiled or interpreted."""
-    if isinstance(kernel, triton.runtime.JITFunction):
+    if isinstance(kernel, JITFunction):
+        if FAST_LAUNCH and _fast_launch_verified and _fast_launch(kernel, grid, args, meta):
+            return
         compiled = kernel[grid](*args, **meta)
         if RECORD_COMPILED:
             compiled_kernels[kernel.fn.__name__] = compiled
