@@ -5,6 +5,8 @@ Without a GPU the kernels run under Triton's interpreter (tests/conftest.py), so
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import triton
@@ -17,6 +19,8 @@ from suite.errors import CouldNotRun
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# our kernels at every size: impl="auto" hands small CUDA tensors to torch's native kernel
+fused = functools.partial(arm.rms_norm, impl="fused")
 
 
 def rel_l2(value: torch.Tensor, truth: torch.Tensor) -> float:
@@ -34,7 +38,7 @@ def run(norm, x, weight, dy, eps=1e-6, offset=0.0):
 
 def check_against_truth(x, weight, dy, eps=1e-6, offset=0.0, floor=1e-6):
     """Arm error vs float64 <= 2 x the same-dtype reference's error + floor, for y, dx and dw."""
-    got = run(arm.rms_norm, x, weight, dy, eps, offset)
+    got = run(fused, x, weight, dy, eps, offset)
     ref = run(arm.rms_norm_reference, x, weight, dy, eps, offset)
     truth = run(arm.rms_norm_reference, x.double(), weight.double(), dy.double(), eps, offset)
     for name, g, r, t in zip(("y", "dx", "dw"), got, ref, truth):
@@ -100,7 +104,7 @@ def test_noncontiguous_dy():
     check_against_truth(x, weight, transposed)
     # y.sum() backward hands over a dy whose every stride is 0.
     leaf = x.detach().requires_grad_()
-    arm.rms_norm(leaf, weight).float().sum().backward()
+    fused(leaf, weight).float().sum().backward()
     ref_leaf = x.detach().requires_grad_()
     arm.rms_norm_reference(ref_leaf, weight).float().sum().backward()
     torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=2e-2, atol=2e-2)
@@ -124,14 +128,14 @@ def test_no_rows_launches_nothing(monkeypatch):
 
     monkeypatch.setattr(arm, "launch", no_launch)
     x, weight, _ = make((0, 96), torch.bfloat16)
-    y, dx, dw = run(arm.rms_norm, x, weight, torch.empty_like(x))
+    y, dx, dw = run(fused, x, weight, torch.empty_like(x))
     assert y.shape == dx.shape == (0, 96)
     assert dw.shape == (96,) and not dw.any()
 
 
 def test_deterministic():
     x, weight, dy = make((200, 96), torch.bfloat16)
-    first, second = run(arm.rms_norm, x, weight, dy), run(arm.rms_norm, x, weight, dy)
+    first, second = run(fused, x, weight, dy), run(fused, x, weight, dy)
     for a, b in zip(first, second):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
@@ -182,7 +186,7 @@ def test_folded_dw_matches_the_two_stage_blocks_bit_for_bit(monkeypatch, rows, n
     dx_two, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     dw_two = arm.reduce_dw_partials(partials, weight.dtype)
     dx_folded, dw_folded = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
-    _, dx_autograd, dw_autograd = run(arm.rms_norm, x, weight, dy)
+    _, dx_autograd, dw_autograd = run(fused, x, weight, dy)
     for dx in (dx_folded, dx_autograd):
         assert_same_bits(dx, dx_two, "dx")
     for dw in (dw_folded, dw_autograd):
@@ -228,8 +232,8 @@ def test_stats_without_counter_slots_take_the_two_stage_path():
 def test_forward_without_grad_gives_the_same_bits():
     x, weight, _ = make((3, 40, 96), torch.bfloat16)
     with torch.no_grad():
-        y = arm.rms_norm(x, weight)
-    assert_same_bits(y, arm.rms_norm(x, weight.detach().requires_grad_()).detach())
+        y = fused(x, weight)
+    assert_same_bits(y, fused(x, weight.detach().requires_grad_()).detach())
 
 
 def test_launch_config_cache_keys_on_the_profile(monkeypatch):
@@ -334,7 +338,7 @@ def test_folded_dw_is_stable_over_repeated_launches(shape):
 
 def _blocks_and_autograd(x, weight, dy):
     """Every kernel, every variant: the autograd path (folded dW) and the two-stage blocks."""
-    run(arm.rms_norm, x, weight, dy)
+    run(fused, x, weight, dy)
     _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
     _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     arm.reduce_dw_partials(partials, weight.dtype)
@@ -398,3 +402,37 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
     for name, compiled in kernels:
         assert compiled.metadata.target.arch == 120, name
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+
+
+def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):
+    monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
+    small, between, large = 4096 * 2048, 8192 * 2880, 16384 * 4096
+    assert arm.routes_to_native(small, training=False, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(between, training=False, on_cuda=True, same_dtype=True)
+    assert arm.routes_to_native(between, training=True, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(large, training=True, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(small, training=True, on_cuda=False, same_dtype=True)
+    assert not arm.routes_to_native(small, training=True, on_cuda=True, same_dtype=False)
+    monkeypatch.setattr(arm, "_KERNELS_COMPILED", False)  # the interpreter runs our kernels
+    assert not arm.routes_to_native(small, training=True, on_cuda=True, same_dtype=True)
+
+
+def test_impl_is_checked():
+    x, weight, _ = make((4, 8), torch.float32)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        arm.rms_norm(x, weight, impl="liger")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeypatch):
+    calls = []
+    monkeypatch.setattr(arm, "_native", lambda *args: calls.append("native") or arm.rms_norm_reference(*args))
+    small = make((64, 256), torch.bfloat16)
+    arm.rms_norm(small[0], small[1])
+    assert calls == ["native"]
+    fused(small[0], small[1])
+    assert calls == ["native"]  # impl="fused" never routes
+    monkeypatch.setattr(arm, "NATIVE_BELOW_FORWARD", 64 * 256)  # now at the crossover: ours
+    arm.rms_norm(small[0], small[1])
+    assert calls == ["native"]

@@ -602,24 +602,64 @@ def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
-    """Fused RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype."""
+# Size classes where `rms_norm` (impl="auto") calls torch's native fused kernel instead of ours:
+# a CUDA tensor with fewer elements than these, outside torch.compile. There our launch path
+# costs more host time than the native op takes in all, so an eager loop runs faster on the
+# native op, although our kernels take less device time. Measured on the H200's host with
+# scripts/rmsnorm_launch_probe.py (2026-12-01, bf16, us per back-to-back eager call, ours vs
+# F.rms_norm): forward 29.1 vs 18.0 at 4096x2048 (8.4 M elements), 26.6 vs 33.8 at 8192x2880
+# (23.6 M); forward+backward 165.1 vs 118.4 at 8192x2880, 196.7 vs 298.9 at 16384x4096 (67 M).
+# A faster host moves both crossovers down; impl="fused" always takes our kernels (inside a
+# CUDA graph, where the host's cost is paid once, they are the faster ones at every size).
+NATIVE_BELOW_FORWARD = 1 << 24  # 16.8 M elements, no backward to come
+NATIVE_BELOW_TRAINING = 1 << 25  # 33.6 M elements, a backward to come
+IMPLS = ("auto", "fused")
+
+
+def routes_to_native(numel: int, training: bool, on_cuda: bool, same_dtype: bool) -> bool:
+    """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
+    interpreter) of a size class where ours loses on the host, x and weight of one dtype (the
+    native kernel's own rule)."""
+    below = NATIVE_BELOW_TRAINING if training else NATIVE_BELOW_FORWARD
+    return on_cuda and _KERNELS_COMPILED and same_dtype and numel < below
+
+
+def _native(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight if offset == 0.0 else weight + offset, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
+             impl: str = "auto") -> torch.Tensor:
+    """RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype.
+
+    impl="fused": our Triton kernels. impl="auto" (the default): the same, except where an eager
+    loop runs faster on torch's native kernel (`routes_to_native`: small CUDA tensors, outside
+    torch.compile), which then computes it."""
     _validate(x, weight)
     eps, offset = float(eps), float(offset)
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if impl == "auto":
+        if routes_to_native(x.numel(), training, x.is_cuda, x.dtype == weight.dtype) and not torch.compiler.is_compiling():
+            return _native(x, weight, eps, offset)
+    elif impl != "fused":
+        raise ValueError(f"rms_norm: impl must be one of {IMPLS}, not {impl!r}")
     if torch.compiler.is_compiling():
         return _rms_norm_fwd_op(x, weight, eps, offset)[0]
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if training:
         return _RMSNormFunction.apply(x, weight, eps, offset)
     x2d, weight, cfg = _prepare(x, weight)
     return _y_like(_forward(x2d, weight, eps, offset, cfg, with_stats=False)[0], x)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, impl: str = "fused",
+    """impl: "auto" (our kernels, torch's native one where it is faster eagerly, see rms_norm),
+    "fused" (always our kernels) or "eager" (the reference)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, impl: str = "auto",
                  device=None, dtype=None):
         super().__init__()
-        if impl not in ("fused", "eager"):
-            raise ValueError(f'RMSNorm: impl must be "fused" or "eager", not {impl!r}')
+        if impl not in (*IMPLS, "eager"):
+            raise ValueError(f'RMSNorm: impl must be "auto", "fused" or "eager", not {impl!r}')
         self.hidden_size = hidden_size
         self.eps = eps
         self.offset = offset
@@ -628,8 +668,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        norm = rms_norm if self.impl == "fused" else rms_norm_reference
-        return norm(x, self.weight, self.eps, self.offset)
+        if self.impl == "eager":
+            return rms_norm_reference(x, self.weight, self.eps, self.offset)
+        return rms_norm(x, self.weight, self.eps, self.offset, impl=self.impl)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, offset={self.offset}, impl={self.impl!r}"
