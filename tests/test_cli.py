@@ -135,7 +135,7 @@ def test_training_loop_dump_needs_its_params(tmp_path, reports):
     save_buffers(tensors, tmp_path / "dump")
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports)
     assert result.exit_code == ExitCode.COULD_NOT_RUN and "eps" in result.output
-    save_buffers(tensors, tmp_path / "dump", params={"eps": 1e-5, "offset": 0.0})
+    save_buffers(tensors, tmp_path / "dump", params={"eps": 1e-5, "offset": 0.0}, overwrite=True)
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports, "--no-sabotage")
     assert result.exit_code == ExitCode.OK, result.output
 

@@ -6,21 +6,23 @@ spread says nothing about today's machine), and refuses a different class of mac
 
 A gate's presets may need separate runs (one device call cannot hold them all), so a baseline
 records, per preset, the run its figures come from; saving replaces the presets the report
-measured and keeps the others, and refuses to mix classes of machine in one file.
+measured and keeps the others, and refuses to mix classes of machine in one file. That
+read-modify-write holds a lock beside each file, so concurrent saves each keep their presets.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 from pydantic import BaseModel, computed_field
 
 from suite.errors import UsageError
+from suite.harness import atomic
 from suite.harness.fingerprint import fingerprint_class
 from suite.harness.results import (
     BenchResult,
@@ -183,25 +185,40 @@ def save_baseline(
     fp = report.fingerprint
     new_class = fingerprint_class(fp)
     saved = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    baselines = {}
-    for gate, entries in by_gate.items():
-        path = baseline_path(baselines_dir, fp.device_slug, gate)
-        kept_runs: list[PresetRun] = []
-        kept_entries: list[BaselineEntry] = []
-        if path.exists() and not replace:
-            old = _mergeable(path, new_class)
-            measured = {e.preset for e in entries}
-            kept_runs = [r for r in old.runs if r.preset not in measured]
-            kept_entries = [e for e in old.entries if e.preset not in measured]
-        runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
-                          saved_utc=saved)
-                for preset in dict.fromkeys(e.preset for e in entries)]
-        baselines[path] = Baseline(gate=gate, fingerprint_class=new_class, runs=kept_runs + runs,
-                                   entries=kept_entries + entries)
-    # every file checked before any is written: a refusal leaves all of them as they were
-    for path, baseline in baselines.items():
-        _write_atomic(path, baseline.model_dump_json(indent=2) + "\n")
+    paths = {gate: baseline_path(baselines_dir, fp.device_slug, gate) for gate in by_gate}
+    with _locked(list(paths.values())):
+        baselines = {}
+        for gate, entries in by_gate.items():
+            path = paths[gate]
+            kept_runs: list[PresetRun] = []
+            kept_entries: list[BaselineEntry] = []
+            if path.exists() and not replace:
+                old = _mergeable(path, new_class)
+                measured = {e.preset for e in entries}
+                kept_runs = [r for r in old.runs if r.preset not in measured]
+                kept_entries = [e for e in old.entries if e.preset not in measured]
+            runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
+                              saved_utc=saved)
+                    for preset in dict.fromkeys(e.preset for e in entries)]
+            baselines[path] = Baseline(gate=gate, fingerprint_class=new_class, runs=kept_runs + runs,
+                                       entries=kept_entries + entries)
+        # every file checked before any is written, and written all or none: a refusal or a
+        # failure leaves all of them as they were
+        atomic.replace_files({path: b.model_dump_json(indent=2) + "\n" for path, b in baselines.items()})
     return list(baselines)
+
+
+@contextlib.contextmanager
+def _locked(paths: list[Path]) -> Iterator[None]:
+    """An exclusive lock on a lock file beside each baseline file, taken in one order (so two
+    saves cannot deadlock), held across the read-modify-write. The lock files stay: removing
+    one while another save waits on it would let a third lock a new file of the same name."""
+    with contextlib.ExitStack() as held:
+        for path in sorted(paths):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(path.with_name(f".{path.name}.lock"), "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
@@ -217,22 +234,6 @@ def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
             f"holds one class. Save with --replace to start it afresh from this run"
         )
     return old
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A half-written baseline would be committed as garbage; replace the file in one step.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a baseline is a committed file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _class_difference(baseline: dict[str, str | None], new: dict[str, str | None]) -> str:

@@ -1,0 +1,258 @@
+"""The suite under bad input and faults (issue 8): a clear exit code, a one-line reason,
+nothing lost.
+
+CASES is the table: what is given, the command (CLI arguments, where {tmp} stands for the
+test's directory, or a call of the library a training loop makes), the exit code expected (for a
+library call: the code its error maps to) and a fragment of what it says. Faults that need
+several processes, or a signal from outside, are the tests below the table.
+"""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from factories import make_bench, make_fingerprint, make_report, make_tolerance_result
+from typer.testing import CliRunner
+
+import suite.harness.atomic as atomic
+import suite.harness.buffers as buffers_module
+from cli import app
+from suite.errors import ExitCode, SuiteError
+from suite.harness.baseline import load_baseline, save_baseline
+from suite.harness.buffers import TENSORS, load_buffers, save_buffers
+from suite.harness.store import list_reports, write_report
+
+
+cli = CliRunner(env={"COLUMNS": "400"})  # wide enough that no message is wrapped
+
+
+# ---- what the cases are given --------------------------------------------------------------
+
+
+def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    assert invoke("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+
+
+def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def half_written(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    mp.setattr(buffers_module, "save_file", half_written)
+
+
+def ten_runs_in_one_second(tmp: Path) -> str:
+    for _ in range(10):
+        newest = write_report(make_report(), tmp / "reports", "run")  # every one starts at 12:00:00
+    assert newest.name.endswith("-10")
+    return list_reports(tmp / "reports")[-1].name
+
+
+# ---- what the cases check beyond the exit code and the message ------------------------------
+
+
+@dataclass
+class Outcome:
+    code: int
+    output: str  # stdout and stderr (a library call: its error, or what it returned)
+    stdout: str = ""
+
+
+def recording_unchanged(tmp: Path, outcome: Outcome) -> None:
+    _, manifest = load_buffers(tmp / "rec")
+    assert manifest.seed == 0  # the first recording's, not 5's
+
+
+def absent(name: str):
+    """Nothing half-made left: no `name`, not even empty, and no temporary beside it."""
+
+    def check(tmp: Path, outcome: Outcome) -> None:
+        assert not (tmp / name).exists() and not list(tmp.glob(atomic.TMP_PREFIX + "*"))
+
+    return check
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    item: str  # the issue's number; "-" for its smaller points
+    given: str
+    command: tuple[str, ...] | Callable[[Path], object]
+    code: ExitCode
+    says: str
+    prepare: Callable[[Path, pytest.MonkeyPatch], None] | None = None
+    check: Callable[[Path, Outcome], None] | None = None
+
+
+OK = ExitCode.OK
+USAGE = ExitCode.USAGE
+COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
+
+CASES = [
+    Case("3", "save_buffers onto a recording", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "rec", seed=5),
+         USAGE, "overwrite=True", recording, recording_unchanged),
+    Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
+         COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
+    Case("-", "ten runs in one second: the newest", ten_runs_in_one_second, OK, "20261130T120000Z_run-10"),
+]
+
+
+# ---- running a case ------------------------------------------------------------------------
+
+
+def invoke(*args) -> Outcome:
+    result = cli.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return Outcome(result.exit_code, result.output, result.stdout)
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    if callable(case.command):
+        try:
+            return Outcome(int(ExitCode.OK), str(case.command(tmp)))
+        except SuiteError as exc:
+            return Outcome(int(exc.exit_code), str(exc))
+    return invoke(*(arg.replace("{tmp}", str(tmp)) for arg in case.command))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.item}:{c.given}" for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if case.prepare:
+        case.prepare(tmp_path, monkeypatch)
+    outcome = run_case(case, tmp_path)
+    assert outcome.code == case.code, outcome.output
+    assert case.says.replace("{tmp}", str(tmp_path)) in " ".join(outcome.output.split()), outcome.output
+    if case.check:
+        case.check(tmp_path, outcome)
+
+
+# ---- faults that need several processes or an outside signal -------------------------------
+
+
+def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
+    start.wait()
+    try:
+        save_buffers(tensors, out, seed=seed, overwrite=overwrite)
+        return "saved"
+    except SuiteError as exc:
+        return str(exc)
+
+
+def _report_to(results, i: int, target, args: tuple, start) -> None:
+    results.put((i, target(*args, start)))
+
+
+def _race(n: int, target, args_of) -> list:
+    """Run target(*args_of(i), start) in n forked processes released at once by a barrier;
+    their results in order. The arguments are made before the fork: torch's thread pool does
+    not survive one, so the children must not compute with tensors."""
+    ctx = multiprocessing.get_context("fork")  # the barrier is inherited, never pickled
+    start, results = ctx.Barrier(n), ctx.Queue()
+    workers = [ctx.Process(target=_report_to, args=(results, i, target, args_of(i), start)) for i in range(n)]
+    for w in workers:
+        w.start()
+    found = dict(results.get(timeout=60) for _ in workers)
+    for w in workers:
+        w.join(timeout=60)
+    return [found[i] for i in range(n)]
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_5_concurrent_saves_into_one_directory_never_mix(tmp_path, overwrite):
+    """Two saves at once: the directory holds one writer's tensors with that writer's
+    manifest; without overwrite the loser is refused, with it the last rename wins."""
+    writers = [{"x": torch.full((512, 512), float(seed)), "y": torch.full((4,), float(seed))} for seed in (1, 2)]
+    for trial in range(15):
+        out = tmp_path / f"rec{trial}"
+        outcomes = _race(2, _save_one, lambda i: (str(out), writers[i], i + 1, overwrite))
+        tensors, manifest = load_buffers(out)  # the digest and shapes agree with the manifest
+        assert torch.all(tensors["x"] == manifest.seed) and torch.all(tensors["y"] == manifest.seed)
+        if not overwrite:  # refused when it looked, or when it came to publish
+            assert sorted(outcomes)[-1] == "saved" and "overwrite" in sorted(outcomes)[0], outcomes
+        else:
+            assert outcomes == ["saved", "saved"]
+        assert not list(tmp_path.glob(".*"))  # no temporary or moved-aside directory left
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_5_a_save_killed_midway_keeps_the_previous_recording(tmp_path, monkeypatch, fail_at):
+    """Whichever rename the interrupt hits, the directory loads as the old recording or the new."""
+    out = tmp_path / "rec"
+    save_buffers({"x": torch.zeros(3)}, out, seed=1)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_buffers({"x": torch.ones(3)}, out, seed=2, overwrite=True)
+    monkeypatch.undo()
+    _, manifest = load_buffers(out)
+    assert manifest.seed == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+
+
+def _save_preset(baselines: str, preset: str, start) -> list[str]:
+    bench = make_bench("fwd", reference_ms=1.0, arm_ms=0.25, peers={}, seed=7)
+    report = make_report(results=[make_tolerance_result(preset=preset, benches=[bench])], skipped=[],
+                         run_id=f"run-{preset}", fingerprint=make_fingerprint())
+    start.wait()
+    return [str(p) for p in save_baseline(report, baselines)]
+
+
+def test_6_concurrent_baseline_saves_keep_every_preset(tmp_path):
+    presets = ["p0", "p1", "p2", "p3"]
+    for trial in range(10):
+        baselines = tmp_path / f"b{trial}"
+        _race(4, _save_preset, lambda i: (str(baselines), presets[i]))
+        kept = load_baseline(baselines / "nvidia-h200" / "rmsnorm.json")
+        assert sorted(r.preset for r in kept.runs) == presets
+
+
+def test_6_a_save_of_several_gates_is_all_or_nothing(tmp_path, monkeypatch):
+    save_baseline(make_report(), tmp_path)
+    before = {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")}
+    assert sorted(before) == ["muon.json", "rmsnorm.json"]
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the first file is in place, the second fails
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        save_baseline(make_report(run_id="second"), tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")} == before
+    assert not list((tmp_path / "nvidia-h200").glob(atomic.TMP_PREFIX + "*"))
+
+
+def test_7_stale_temporaries_are_removed_and_fresh_ones_kept(tmp_path):
+    stale, fresh = tmp_path / f"{atomic.TMP_PREFIX}dead", tmp_path / f"{atomic.TMP_PREFIX}live.json-x"
+    stale.mkdir()
+    fresh.write_text("{}")
+    old = os.stat(stale).st_mtime - 2 * atomic.STALE_TMP_S
+    os.utime(stale, (old, old))
+    atomic.replace_files({tmp_path / "b.json": "{}"})
+    assert not stale.exists() and fresh.exists() and (tmp_path / "b.json").read_text() == "{}"
+
+
+def test_7_the_buffers_files_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    synced, real = [], atomic.fsync_path
+    monkeypatch.setattr(atomic, "fsync_path", lambda path: (synced.append(Path(path).name), real(path)))
+    save_buffers({"x": torch.ones(2)}, tmp_path / "rec")
+    assert synced[0] == TENSORS and synced[-1] == tmp_path.name  # the file first, the parent last
