@@ -26,7 +26,7 @@ import suite.harness.buffers as buffers_module
 from cli import app
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
-from suite.harness.buffers import TENSORS, load_buffers, save_buffers
+from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
 from suite.harness.store import list_reports, write_report
 
 
@@ -40,12 +40,56 @@ def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     assert invoke("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
 
 
+def file_at(name: str, data: bytes):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        (tmp / name).write_bytes(data)
+
+    return prepare
+
+
+def utf16_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A report as PowerShell's `Out-File` re-saves it: UTF-16 with a byte-order mark."""
+    (tmp / "utf16.json").write_bytes(make_report().model_dump_json().encode("utf-16"))
+
+
+def bench_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    write_report(make_report(), tmp / "reports", "bench")
+
+
+def baseline_saved(edit: Callable[[Path], None]):
+    """A bench report under {tmp}/reports, its baseline under {tmp}/baselines, then `edit`ed."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        bench_report(tmp, mp)
+        (path, *_) = save_baseline(make_report(), tmp / "baselines")
+        edit(path)
+
+    return prepare
+
+
+def to_utf16(path: Path) -> None:
+    path.write_bytes(path.read_text().encode("utf-16"))
+
+
+def both(*prepares):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        for p in prepares:
+            p(tmp, mp)
+
+    return prepare
+
+
 def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     def half_written(tensors, filename, *args, **kwargs):
         Path(filename).write_bytes(b"\0" * 100)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     mp.setattr(buffers_module, "save_file", half_written)
+
+
+def one_tensor_two_names(tmp: Path) -> Path:
+    shared = torch.ones(3)
+    return save_buffers({"a": shared, "b": shared}, tmp / "dump")
 
 
 def ten_runs_in_one_second(tmp: Path) -> str:
@@ -79,6 +123,11 @@ def absent(name: str):
     return check
 
 
+def both_names_kept(tmp: Path, outcome: Outcome) -> None:
+    loaded, _ = load_buffers(tmp / "dump")
+    assert torch.equal(loaded["a"], loaded["b"])
+
+
 # ---- the table -----------------------------------------------------------------------------
 
 
@@ -93,6 +142,8 @@ class Case:
     check: Callable[[Path, Outcome], None] | None = None
 
 
+CPU = ("--device", "cpu", "--reports", "{tmp}/reports")
+NOT_UTF8 = b"\xff\xfe\x00\x80not json\x81"
 OK = ExitCode.OK
 USAGE = ExitCode.USAGE
 COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
@@ -100,8 +151,31 @@ COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
 CASES = [
     Case("3", "save_buffers onto a recording", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "rec", seed=5),
          USAGE, "overwrite=True", recording, recording_unchanged),
+    # exit codes CI can trust
+    Case("8", "random bytes to suite report", ("report", "{tmp}/random.json"), USAGE, "random.json is not a run report: not UTF-8",
+         file_at("random.json", NOT_UTF8)),
+    Case("8", "UTF-16 JSON to suite report", ("report", "{tmp}/utf16.json"), USAGE, "utf16.json is not a run report: not UTF-8",
+         utf16_report),
+    Case("8", "UTF-16 JSON to baseline compare", ("baseline", "compare", "{tmp}/utf16.json"), USAGE,
+         "utf16.json is not a run report: not UTF-8", utf16_report),
+    Case("8", "UTF-16 JSON to baseline save", ("baseline", "save", "{tmp}/utf16.json", "--baselines", "{tmp}/baselines"), USAGE,
+         "utf16.json is not a run report: not UTF-8", utf16_report),
+    Case("8", "a UTF-16 baseline file", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "rmsnorm.json is not a baseline: not UTF-8", baseline_saved(to_utf16)),
+    Case("8", "a UTF-16 buffer manifest", ("gate", "rmsnorm", "--buffers", "{tmp}/rec", "--no-sabotage", *CPU), COULD_NOT_RUN,
+         "manifest.json is not a buffer manifest: not UTF-8", both(recording, lambda tmp, mp: to_utf16(tmp / "rec" / MANIFEST))),
     Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
          COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
+    # smaller points
+    Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
+         COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
+    Case("-", "save_buffers of a meta tensor", lambda tmp: save_buffers({"x": torch.empty(2, device="meta")}, tmp / "dump"),
+         COULD_NOT_RUN, "meta tensor", check=absent("dump")),
+    Case("-", "save_buffers of a tensor named __metadata__", lambda tmp: save_buffers({"__metadata__": torch.ones(2)}, tmp / "dump"),
+         COULD_NOT_RUN, "reserved by safetensors", check=absent("dump")),
+    Case("-", "save_buffers of NaN in params", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "dump", params={"eps": float("nan")}),
+         COULD_NOT_RUN, "params['eps'] = nan cannot be kept", check=absent("dump")),
+    Case("-", "save_buffers of one tensor under two names", one_tensor_two_names, OK, "dump", check=both_names_kept),
     Case("-", "ten runs in one second: the newest", ten_runs_in_one_second, OK, "20261130T120000Z_run-10"),
 ]
 
