@@ -10,6 +10,7 @@ several processes, or a signal from outside, are the tests below the table.
 from __future__ import annotations
 
 import errno
+import json
 import multiprocessing
 import os
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Callable
 
 import pytest
 import torch
-from factories import make_bench, make_fingerprint, make_report, make_tolerance_result
+from factories import make_bench, make_fingerprint, make_report, make_tolerance_result, tolerance_check
 from typer.testing import CliRunner
 
 import suite.harness.atomic as atomic
@@ -67,6 +68,15 @@ def baseline_saved(edit: Callable[[Path], None]):
     return prepare
 
 
+def arm_median(value: float):
+    def edit(path: Path) -> None:
+        data = json.loads(path.read_text())
+        next(e for e in data["entries"] if e["role"] == "arm")["median_ms"] = value
+        path.write_text(json.dumps(data))
+
+    return edit
+
+
 def to_utf16(path: Path) -> None:
     path.write_bytes(path.read_text().encode("utf-16"))
 
@@ -85,6 +95,15 @@ def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     mp.setattr(buffers_module, "save_file", half_written)
+
+
+def report_with_infinity(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A tolerance check against an all-zero truth has an infinite relative error, and an arm
+    timed at zero an infinite speedup."""
+    result = make_tolerance_result()
+    result.parity.tensors[0] = tolerance_check("y", [4, 8], arm=float("inf"), ref=0.0)
+    result.bench[0].comparisons[0].speedup = float("inf")
+    write_report(make_report(results=[result], skipped=[]), tmp / "reports", "run")
 
 
 def one_tensor_two_names(tmp: Path) -> Path:
@@ -121,6 +140,10 @@ def absent(name: str):
         assert not (tmp / name).exists() and not list(tmp.glob(atomic.TMP_PREFIX + "*"))
 
     return check
+
+
+def comparison_does_not_say_passed(tmp: Path, outcome: Outcome) -> None:
+    assert "passed" not in outcome.stdout and "nothing compared" in outcome.stdout
 
 
 def both_names_kept(tmp: Path, outcome: Outcome) -> None:
@@ -164,8 +187,14 @@ CASES = [
          USAGE, "rmsnorm.json is not a baseline: not UTF-8", baseline_saved(to_utf16)),
     Case("8", "a UTF-16 buffer manifest", ("gate", "rmsnorm", "--buffers", "{tmp}/rec", "--no-sabotage", *CPU), COULD_NOT_RUN,
          "manifest.json is not a buffer manifest: not UTF-8", both(recording, lambda tmp, mp: to_utf16(tmp / "rec" / MANIFEST))),
+    Case("9", "a baseline entry with median_ms 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
+    Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "has median_ms -0.5, not a positive time", baseline_saved(arm_median(-0.5))),
     Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
          COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
+    Case("13", "baseline compare with no baseline", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/none"),
+         COULD_NOT_RUN, "nothing compared", bench_report, comparison_does_not_say_passed),
     # smaller points
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
@@ -177,6 +206,8 @@ CASES = [
          COULD_NOT_RUN, "params['eps'] = nan cannot be kept", check=absent("dump")),
     Case("-", "save_buffers of one tensor under two names", one_tensor_two_names, OK, "dump", check=both_names_kept),
     Case("-", "ten runs in one second: the newest", ten_runs_in_one_second, OK, "20261130T120000Z_run-10"),
+    Case("-", "an infinite error ratio in a report", ("report", "{tmp}/reports/20261130T120000Z_run", "--format", "json"), OK,
+         '"arm_rel_l2": "Infinity"', report_with_infinity),
 ]
 
 

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator, Literal
 
-from pydantic import BaseModel, computed_field
+from pydantic import ValidationError, computed_field, model_validator
 
 from suite.errors import UsageError
 from suite.harness import atomic
@@ -28,10 +28,12 @@ from suite.harness.results import (
     BenchResult,
     Fingerprint,
     GateResult,
+    Record,
     Role,
     RunReport,
     TimingMode,
     read_versioned_json,
+    validation_summary,
 )
 
 # 3: entries name their timing mode (graph replays or eager calls)
@@ -43,7 +45,7 @@ MIN_CHANGE = 0.02
 EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
 
 
-class BaselineEntry(BaseModel):
+class BaselineEntry(Record):
     preset: str
     case: str
     mode: TimingMode
@@ -56,8 +58,18 @@ class BaselineEntry(BaseModel):
     ceiling_fraction: float | None = None
     noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
 
+    @model_validator(mode="after")
+    def _median_is_a_time(self) -> BaselineEntry:
+        # every comparison divides by it: a zero or negative time is a hand edit or a bug
+        if not (math.isfinite(self.median_ms) and self.median_ms > 0):
+            raise ValueError(
+                f"entry {self.preset}/{self.case}/{self.mode}/{self.contender} has median_ms "
+                f"{self.median_ms}, not a positive time"
+            )
+        return self
 
-class PresetRun(BaseModel):
+
+class PresetRun(Record):
     """The run one preset's figures come from."""
 
     preset: str
@@ -67,7 +79,7 @@ class PresetRun(BaseModel):
     saved_utc: str
 
 
-class Baseline(BaseModel):
+class Baseline(Record):
     schema_version: int = BASELINE_SCHEMA_VERSION
     gate: str
     fingerprint_class: dict[str, str | None]  # every run below is of this class
@@ -78,7 +90,7 @@ class Baseline(BaseModel):
         return next((r for r in self.runs if r.preset == preset), None)
 
 
-class EntryComparison(BaseModel):
+class EntryComparison(Record):
     gate: str
     preset: str
     case: str
@@ -93,12 +105,17 @@ class EntryComparison(BaseModel):
     note: str = ""
 
 
-class ComparisonReport(BaseModel):
+class ComparisonReport(Record):
     run_id: str
     baselines: dict[str, str]  # gate -> baseline file read
     forced: bool = False
     mismatches: dict[str, str] = {}  # gate -> how its baseline's fingerprint class differs
     entries: list[EntryComparison]
+
+    @property
+    def judged(self) -> list[EntryComparison]:
+        """The arm's timings that had a baseline to be judged against."""
+        return [e for e in self.entries if e.role == "arm" and e.status in ("same", "regressed", "improved")]
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -115,7 +132,14 @@ def load_baseline(path: str | Path) -> Baseline:
     return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline")
 
 
-def _entries(result: GateResult) -> list[BaselineEntry]:
+def _entries(result: GateResult, run_id: str) -> list[BaselineEntry]:
+    try:
+        return _entries_of(result)
+    except ValidationError as exc:
+        raise UsageError(f"not saving run {run_id}: {validation_summary(exc)}") from exc
+
+
+def _entries_of(result: GateResult) -> list[BaselineEntry]:
     return [
         BaselineEntry(
             preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
@@ -169,7 +193,7 @@ def save_baseline(
     by_gate: dict[str, list[BaselineEntry]] = {}
     for result in selected:
         if result.status == "passed":
-            entries = _entries(result)
+            entries = _entries(result, report.run_id)
             if entries:
                 by_gate.setdefault(result.gate, []).extend(entries)
     empty = [g for g in dict.fromkeys(r.gate for r in selected) if g not in by_gate]
@@ -307,6 +331,11 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
                 key = (bench.case, bench.mode, c.name)
                 seen.add(key)
                 if key in known:
+                    if not (math.isfinite(c.median_ms) and c.median_ms > 0):
+                        raise UsageError(
+                            f"run {report.run_id}: {result.gate}/{result.preset}/{bench.case}/{bench.mode}/"
+                            f"{c.name} has median_ms {c.median_ms}, not a positive time; the report was edited or is broken"
+                        )
                     entries.append(_judge(result.gate, result.preset, bench, known[key], c.median_ms, note))
                 else:
                     entries.append(EntryComparison(

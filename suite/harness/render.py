@@ -561,7 +561,12 @@ def render_pytest_benchmark(report: RunReport) -> dict[str, Any]:
 
 def render_comparison(cmp: ComparisonReport) -> str:
     regressed = [e for e in cmp.entries if e.role == "arm" and e.status == "regressed"]
-    verdict = "passed" if cmp.passed else f"**FAILED**: {len(regressed)} arm timing(s) regressed"
+    if not cmp.judged:
+        verdict = "nothing compared: no arm timing of this run has a baseline entry"
+    elif cmp.passed:
+        verdict = "passed"
+    else:
+        verdict = f"**FAILED**: {len(regressed)} arm timing(s) regressed"
     lines = [f"# Comparison of run {cmp.run_id} with baselines: {verdict}", ""]
     for gate, path in cmp.baselines.items():
         lines.append(f"- {gate}: {path}")
