@@ -9,6 +9,7 @@ several processes, or a signal from outside, are the tests below the table.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import multiprocessing
@@ -19,9 +20,11 @@ from typing import Callable
 
 import pytest
 import torch
+import toygate
 from factories import make_bench, make_fingerprint, make_report, make_tolerance_result, tolerance_check
 from typer.testing import CliRunner
 
+import gates
 import suite.harness.atomic as atomic
 import suite.harness.buffers as buffers_module
 from cli import app
@@ -35,6 +38,28 @@ cli = CliRunner(env={"COLUMNS": "400"})  # wide enough that no message is wrappe
 
 
 # ---- what the cases are given --------------------------------------------------------------
+
+
+def dump(x: torch.Tensor):
+    """A training loop's dump into {tmp}/dump of x, its norm weight and dy (~1e-3), as the
+    README shows."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        dy = (torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) * 1e-3).to(x.dtype)
+        save_buffers({"x": x, "weight": torch.ones(x.shape[-1]), "dy": dy}, tmp / "dump",
+                     params={"eps": 1e-6, "offset": 0.0})
+
+    return prepare
+
+
+def seeded(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def with_nan_row() -> torch.Tensor:
+    x = seeded(16, 64)
+    x[3] = float("nan")
+    return x
 
 
 def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
@@ -97,6 +122,18 @@ def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     mp.setattr(buffers_module, "save_file", half_written)
 
 
+def toy_gate(gate):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        real_get = gates.get
+        mp.setattr(gates, "GATE_MODULES", {**gates.GATE_MODULES, gate.name: "toygate"})
+        mp.setattr(gates, "get", lambda name: gate if name == gate.name else real_get(name))
+
+    return prepare
+
+
+RAISES = dataclasses.replace(toygate.GATE, name="toy-raises", arm=lambda b, p: {"y": b["x"] * (1 / 0)})
+
+
 def report_with_infinity(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     """A tolerance check against an all-zero truth has an infinite relative error, and an arm
     timed at zero an infinite speedup."""
@@ -128,6 +165,11 @@ class Outcome:
     stdout: str = ""
 
 
+def newest_report(tmp: Path) -> dict:
+    path = list_reports(tmp / "reports")[-1]
+    return json.loads((path / "report.json").read_text())
+
+
 def recording_unchanged(tmp: Path, outcome: Outcome) -> None:
     _, manifest = load_buffers(tmp / "rec")
     assert manifest.seed == 0  # the first recording's, not 5's
@@ -140,6 +182,12 @@ def absent(name: str):
         assert not (tmp / name).exists() and not list(tmp.glob(atomic.TMP_PREFIX + "*"))
 
     return check
+
+
+def traceback_in_report(tmp: Path, outcome: Outcome) -> None:
+    (result,) = newest_report(tmp)["results"]
+    assert "Traceback (most recent call last)" in result["traceback"] and "ZeroDivisionError" in result["traceback"]
+    assert "Traceback" not in outcome.output  # on stderr only with --verbose
 
 
 def comparison_does_not_say_passed(tmp: Path, outcome: Outcome) -> None:
@@ -172,6 +220,12 @@ USAGE = ExitCode.USAGE
 COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
 
 CASES = [
+    Case("2", "all-NaN x", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "nothing finite to compare", dump(torch.full((8, 32), float("nan")).to(torch.bfloat16))),
+    Case("2", "x with zero rows", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "nothing finite to compare: on these buffers ['y', 'dx'] are empty", dump(seeded(0, 32))),
+    Case("2", "x with a NaN row: judged by NaN positions and the finite rest",
+         ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU), OK, "passed", dump(with_nan_row())),
     Case("3", "save_buffers onto a recording", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "rec", seed=5),
          USAGE, "overwrite=True", recording, recording_unchanged),
     # exit codes CI can trust
@@ -195,6 +249,10 @@ CASES = [
          COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
     Case("13", "baseline compare with no baseline", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/none"),
          COULD_NOT_RUN, "nothing compared", bench_report, comparison_does_not_say_passed),
+    Case("14", "bench --strict on the CPU (nothing timed)", ("bench", "rmsnorm", "--strict", *CPU), COULD_NOT_RUN,
+         "bench skipped under --strict: timing needs CUDA"),
+    Case("17", "an arm that raises (a bug)", ("gate", "toy-raises", *CPU), COULD_NOT_RUN, "ZeroDivisionError while running",
+         toy_gate(RAISES), traceback_in_report),
     # smaller points
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),

@@ -313,6 +313,8 @@ def _result_section(result: GateResult) -> list[str]:
     if result.saboteurs_note:
         lines.append(f"- saboteurs: {result.saboteurs_note}")
     lines.append("")
+    if result.traceback:
+        lines += ["Traceback of the error:", "", "```", result.traceback.rstrip(), "```", ""]
     if result.parity is not None:
         lines += _parity_section(result.parity)
     if result.saboteurs:
@@ -390,7 +392,7 @@ def _junit_cases(result: GateResult) -> list[ET.Element]:
     elif result.status == "skipped":
         _outcome(parity, "skipped", result.reason or "skipped")
     elif result.status == "could_not_run":
-        _outcome(parity, "error", result.reason or "could not run")
+        _outcome(parity, "error", result.reason or "could not run", result.traceback or "")
     elif result.status == "failed":
         _outcome(parity, "failure", result.reason or "failed before parity was judged")
 

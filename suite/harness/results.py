@@ -203,6 +203,7 @@ class GateResult(Record):
     saboteurs_note: str | None = None
     bench: list[BenchResult] = Field(default_factory=list)
     bench_skipped: str | None = None
+    traceback: str | None = None  # where the harness or the arm raised unexpectedly
     buffers: BufferProvenance | None = None
     duration_s: float = 0.0
     phases: dict[str, float] = Field(default_factory=dict)  # phase -> wall seconds
