@@ -14,6 +14,9 @@ import errno
 import json
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,13 +30,16 @@ from typer.testing import CliRunner
 import gates
 import suite.harness.atomic as atomic
 import suite.harness.buffers as buffers_module
+import suite.harness.store as store
 from cli import app
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
 from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
+from suite.harness.runner import Runner
 from suite.harness.store import list_reports, write_report
 
-
+ROOT = Path(__file__).resolve().parents[1]
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # root writes into read-only directories
 cli = CliRunner(env={"COLUMNS": "400"})  # wide enough that no message is wrapped
 
 
@@ -64,6 +70,13 @@ def with_nan_row() -> torch.Tensor:
 
 def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     assert invoke("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+
+
+def no_gate_may_run(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def ran(*args, **kwargs):
+        raise AssertionError("a gate ran before the bad input was refused")
+
+    mp.setattr(Runner, "run", ran)
 
 
 def file_at(name: str, data: bytes):
@@ -106,6 +119,16 @@ def to_utf16(path: Path) -> None:
     path.write_bytes(path.read_text().encode("utf-16"))
 
 
+def read_only(name: str):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        if AS_ROOT:
+            pytest.skip("root writes into read-only directories")
+        (tmp / name).mkdir()
+        (tmp / name).chmod(0o500)
+
+    return prepare
+
+
 def both(*prepares):
     def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
         for p in prepares:
@@ -114,12 +137,43 @@ def both(*prepares):
     return prepare
 
 
+def reports_fill_up(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """--reports passes the check before the run, then the disk is full when the report is
+    written; temporary directories are made under {tmp}/tmp."""
+    real = store.write_report
+
+    def full(report, reports_dir, what=None):
+        if Path(reports_dir) == tmp / "reports":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(report, reports_dir, what)
+
+    mp.setattr(store, "write_report", full)
+    (tmp / "tmp").mkdir()
+    mp.setattr("tempfile.tempdir", str(tmp / "tmp"))
+
+
 def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     def half_written(tensors, filename, *args, **kwargs):
         Path(filename).write_bytes(b"\0" * 100)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     mp.setattr(buffers_module, "save_file", half_written)
+
+
+def signal_while_writing_report(sig: signal.Signals):
+    """The signal arrives while the report's files are written into their temporary directory."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        real = atomic.write_bytes
+
+        def write_bytes(path: Path, data: bytes) -> None:
+            real(path, data)
+            if path.name == "junit.xml":
+                os.kill(os.getpid(), sig)
+
+        mp.setattr(atomic, "write_bytes", write_bytes)
+
+    return prepare
 
 
 def toy_gate(gate):
@@ -132,6 +186,20 @@ def toy_gate(gate):
 
 
 RAISES = dataclasses.replace(toygate.GATE, name="toy-raises", arm=lambda b, p: {"y": b["x"] * (1 / 0)})
+
+
+def renderer_raises(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def broken(report):
+        raise KeyError("a bug outside any gate")
+
+    mp.setattr(store, "render_markdown", broken)
+
+
+def env(name: str, value: str):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        mp.setenv(name, value)
+
+    return prepare
 
 
 def report_with_infinity(tmp: Path, mp: pytest.MonkeyPatch) -> None:
@@ -170,6 +238,12 @@ def newest_report(tmp: Path) -> dict:
     return json.loads((path / "report.json").read_text())
 
 
+def saboteurs_ran_at_the_gates_own_preset(tmp: Path, outcome: Outcome) -> None:
+    own, recorded = newest_report(tmp)["results"]
+    assert own["preset"] == "tiny" and own["saboteurs"] and all(s["caught"] for s in own["saboteurs"])
+    assert recorded["buffers"]["source"] == "loaded" and recorded["saboteurs"] == []
+
+
 def recording_unchanged(tmp: Path, outcome: Outcome) -> None:
     _, manifest = load_buffers(tmp / "rec")
     assert manifest.seed == 0  # the first recording's, not 5's
@@ -184,10 +258,31 @@ def absent(name: str):
     return check
 
 
+def no_report_nor_temporary(tmp: Path, outcome: Outcome) -> None:
+    assert not any((tmp / "reports").iterdir())  # made by the check before the run, then left empty
+
+
+def report_in_tmp_and_readable(tmp: Path, outcome: Outcome) -> None:
+    (kept,) = (tmp / "tmp").glob("suite-reports-*")
+    assert invoke("report", next(kept.iterdir())).code == 0
+    assert not (tmp / "reports").exists() or not list_reports(tmp / "reports")
+
+
+def fingerprint_profile(expected: str):
+    def check(tmp: Path, outcome: Outcome) -> None:
+        assert newest_report(tmp)["fingerprint"]["profile"] == expected
+
+    return check
+
+
 def traceback_in_report(tmp: Path, outcome: Outcome) -> None:
     (result,) = newest_report(tmp)["results"]
     assert "Traceback (most recent call last)" in result["traceback"] and "ZeroDivisionError" in result["traceback"]
     assert "Traceback" not in outcome.output  # on stderr only with --verbose
+
+
+def traceback_on_stderr(tmp: Path, outcome: Outcome) -> None:
+    assert "Traceback (most recent call last)" in outcome.output
 
 
 def comparison_does_not_say_passed(tmp: Path, outcome: Outcome) -> None:
@@ -214,20 +309,46 @@ class Case:
 
 
 CPU = ("--device", "cpu", "--reports", "{tmp}/reports")
+TOO_BIG = str(2**70)  # beyond torch's 64-bit seed
 NOT_UTF8 = b"\xff\xfe\x00\x80not json\x81"
 OK = ExitCode.OK
+FAILED = ExitCode.FAILED
 USAGE = ExitCode.USAGE
 COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
+INTERRUPTED = ExitCode.INTERRUPTED
 
 CASES = [
+    # what a user's own data meets
+    Case("1", "a training dump: 64x256 bf16 x, dy ~1e-3 (save_buffers)", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", *CPU),
+         OK, "saboteurs: not applicable on recorded buffers", dump(seeded(64, 256)), saboteurs_ran_at_the_gates_own_preset),
     Case("2", "all-NaN x", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "nothing finite to compare", dump(torch.full((8, 32), float("nan")).to(torch.bfloat16))),
     Case("2", "x with zero rows", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "nothing finite to compare: on these buffers ['y', 'dx'] are empty", dump(seeded(0, 32))),
     Case("2", "x with a NaN row: judged by NaN positions and the finite rest",
          ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU), OK, "passed", dump(with_nan_row())),
+    Case("3", "record --out onto a recording", ("record", "rmsnorm", "--preset", "tiny", "--seed", "5", "--out", "{tmp}/rec"),
+         USAGE, "already holds a recording; pass --overwrite", recording, recording_unchanged),
     Case("3", "save_buffers onto a recording", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "rec", seed=5),
          USAGE, "overwrite=True", recording, recording_unchanged),
+    Case("3", "record --out a directory that is not a recording",
+         ("record", "rmsnorm", "--preset", "tiny", "--out", "{tmp}", "--overwrite"), USAGE, "not empty and not a buffer recording",
+         file_at("notes.txt", b"mine")),
+    # nothing lost
+    Case("4", "--reports is a file", ("gate", "rmsnorm", "--device", "cpu", "--reports", "{tmp}/file"),
+         USAGE, "cannot write --reports {tmp}/file: it is a file, not a directory", both(file_at("file", b""), no_gate_may_run)),
+    Case("4", "--reports is read-only", ("gate", "rmsnorm", "--device", "cpu", "--reports", "{tmp}/ro"),
+         USAGE, "Permission denied", both(read_only("ro"), no_gate_may_run)),
+    Case("4", "disk full when a failed gate's report is written", ("gate", "toy-wrong", *CPU),
+         FAILED, "wrote it to", both(toy_gate(toygate.GATE), reports_fill_up), report_in_tmp_and_readable),
+    Case("4", "disk full when a passed gate's report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         OK, "wrote it to", reports_fill_up, report_in_tmp_and_readable),
+    Case("7", "SIGTERM while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGTERM", signal_while_writing_report(signal.SIGTERM), no_report_nor_temporary),
+    Case("7", "SIGHUP while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGHUP", signal_while_writing_report(signal.SIGHUP), no_report_nor_temporary),
+    Case("7", "SIGINT while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGINT", signal_while_writing_report(signal.SIGINT), no_report_nor_temporary),
     # exit codes CI can trust
     Case("8", "random bytes to suite report", ("report", "{tmp}/random.json"), USAGE, "random.json is not a run report: not UTF-8",
          file_at("random.json", NOT_UTF8)),
@@ -245,14 +366,36 @@ CASES = [
          USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
     Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
          USAGE, "has median_ms -0.5, not a positive time", baseline_saved(arm_median(-0.5))),
+    Case("10", "baseline save --baselines a file", ("baseline", "save", "--reports", "{tmp}/reports", "--baselines", "{tmp}/file"),
+         USAGE, "cannot write --baselines {tmp}/file: it is a file, not a directory", both(bench_report, file_at("file", b""))),
+    Case("10", "baseline save --baselines a read-only dir", ("baseline", "save", "--reports", "{tmp}/reports", "--baselines", "{tmp}/ro"),
+         USAGE, "Permission denied", both(bench_report, read_only("ro"))),
+    Case("11", "gate --seed 2^70", ("gate", "rmsnorm", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "bench --seed 2^70", ("bench", "rmsnorm", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "run --seed 2^70", ("run", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "record --seed 2^70", ("record", "rmsnorm", "--preset", "tiny", "--seed", TOO_BIG, "--out", "{tmp}/rec"), USAGE, "--seed",
+         check=absent("rec")),
+    Case("11", "gate --seed -1 (it aliases 2^64-1)", ("gate", "rmsnorm", "--seed", "-1", *CPU), USAGE, "--seed", no_gate_may_run),
     Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
          COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
     Case("13", "baseline compare with no baseline", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/none"),
          COULD_NOT_RUN, "nothing compared", bench_report, comparison_does_not_say_passed),
     Case("14", "bench --strict on the CPU (nothing timed)", ("bench", "rmsnorm", "--strict", *CPU), COULD_NOT_RUN,
          "bench skipped under --strict: timing needs CUDA"),
+    Case("15", "SUITE_PROFILE=rtx", ("gate", "rmsnorm", "--no-sabotage", *CPU), OK, "passed", env("SUITE_PROFILE", "rtx"),
+         fingerprint_profile("rtx")),
+    Case("15", "SUITE_PROFILE=rtx and --profile none", ("gate", "rmsnorm", "--no-sabotage", "--profile", "none", *CPU), OK, "passed",
+         env("SUITE_PROFILE", "rtx"), fingerprint_profile("none")),
+    Case("15", "SUITE_PROFILE=bogus", ("gate", "rmsnorm", *CPU), USAGE, "SUITE_PROFILE must be auto, rtx or none, not 'bogus'",
+         both(env("SUITE_PROFILE", "bogus"), no_gate_may_run)),
+    Case("16", "record a GPU preset on the CPU", ("record", "rmsnorm", "--preset", "16384x4096", "--device", "cpu", "--out", "{tmp}/rec"),
+         COULD_NOT_RUN, "is a GPU preset"),
     Case("17", "an arm that raises (a bug)", ("gate", "toy-raises", *CPU), COULD_NOT_RUN, "ZeroDivisionError while running",
          toy_gate(RAISES), traceback_in_report),
+    Case("17", "the suite itself raises (a renderer's bug)", ("gate", "rmsnorm", "--no-sabotage", *CPU), COULD_NOT_RUN,
+         "internal error (KeyError: 'a bug outside any gate'); a bug in suite", renderer_raises, traceback_on_stderr),
+    Case("17", "an arm that raises, --verbose", ("gate", "toy-raises", "--verbose", *CPU), COULD_NOT_RUN,
+         "traceback of toy-raises [tiny]", toy_gate(RAISES), traceback_on_stderr),
     # smaller points
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
@@ -263,6 +406,8 @@ CASES = [
     Case("-", "save_buffers of NaN in params", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "dump", params={"eps": float("nan")}),
          COULD_NOT_RUN, "params['eps'] = nan cannot be kept", check=absent("dump")),
     Case("-", "save_buffers of one tensor under two names", one_tensor_two_names, OK, "dump", check=both_names_kept),
+    Case("-", "[peers] in suite list's install hint", ("list", "--device", "cpu"), OK, "pip install 'suite[peers]'"),
+    Case("-", "[peers] in suite env's install hint", ("env", "--device", "cpu"), OK, "pip install 'suite[peers]'"),
     Case("-", "ten runs in one second: the newest", ten_runs_in_one_second, OK, "20261130T120000Z_run-10"),
     Case("-", "an infinite error ratio in a report", ("report", "{tmp}/reports/20261130T120000Z_run", "--format", "json"), OK,
          '"arm_rel_l2": "Infinity"', report_with_infinity),
@@ -402,6 +547,24 @@ def test_6_a_save_of_several_gates_is_all_or_nothing(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")} == before
     assert not list((tmp_path / "nvidia-h200").glob(atomic.TMP_PREFIX + "*"))
+
+
+def test_7_sigterm_from_outside_stops_a_run_with_130(tmp_path):
+    """As CI cancels a job: a real process, signalled while it judges the arm."""
+    reports = tmp_path / "reports"
+    command = [sys.executable, str(ROOT / "cli.py"), "gate", "rmsnorm", "--device", "cpu", "--reports", str(reports)]
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in child.stderr:  # off a terminal the CLI logs each phase as a line
+            if " parity" in line:
+                child.send_signal(signal.SIGTERM)
+                break
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == ExitCode.INTERRUPTED, stderr
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
+    assert not any(reports.iterdir())  # neither a report nor a temporary directory
 
 
 def test_7_stale_temporaries_are_removed_and_fresh_ones_kept(tmp_path):

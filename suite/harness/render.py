@@ -30,6 +30,7 @@ _EXIT_MEANINGS = {
         "a gate could not run (no CUDA for a CUDA gate, out of memory, compile error or bad buffers)"
     ),
     ExitCode.AMBIGUOUS: "timing stayed ambiguous against the noise floor, which is never a pass",
+    ExitCode.INTERRUPTED: "interrupted by SIGINT, SIGTERM or SIGHUP",
 }
 
 
