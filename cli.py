@@ -5,23 +5,30 @@ Thin on purpose: parse, call the runner, print, set the exit code (README: "Exit
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import inspect
 import json
+import signal
 import sys
+import tempfile
+import threading
 import time
+import traceback
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, Iterator, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from typer.exceptions import TyperException
 
-from suite.errors import CouldNotRun, ExitCode, SuiteError, UsageError
+from suite.errors import CouldNotRun, ExitCode, Interrupted, SuiteError, UsageError
 
 app = typer.Typer(
     help="Gated parity-and-benchmark suite: prove a fast path matches its reference, then time it.",
@@ -43,6 +50,9 @@ ProfileOpt = Annotated[
 ]
 ReportsOpt = Annotated[Path, typer.Option("--reports", help="Directory the run's report directory is written under.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+# torch seeds a generator with an unsigned 64-bit number: a larger seed cannot be used, and -1
+# would silently be 2^64-1
+SeedOpt = Annotated[int, typer.Option("--seed", min=0, max=2**64 - 1, help="Seed for fresh buffers (0 to 2^64-1).")]
 
 
 # ---- the options gate, bench and run share, declared once ----------------------------------
@@ -56,14 +66,16 @@ class RunFlags:
     buffers: Annotated[Optional[Path], typer.Option(
         "--buffers", help="Use saved buffers (suite record) instead of fresh ones.")] = None
     reports: ReportsOpt = Path("reports")
-    seed: Annotated[int, typer.Option("--seed", help="Seed for fresh buffers.")] = 0
+    seed: SeedOpt = 0
     profile: ProfileOpt = None
     sabotage: Annotated[bool, typer.Option(
         "--sabotage/--no-sabotage", help="Also run the gate's saboteurs and require each to be caught.")] = True
     thorough: Annotated[bool, typer.Option(
         "--thorough", help="Run every saboteur at every preset (default: once, at the smallest preset where it can show).")] = False
     strict: Annotated[bool, typer.Option(
-        "--strict", help="Gates this device cannot run count as could-not-run (exit 3).")] = False
+        "--strict", help="Gates, and benches, this device cannot run count as could-not-run (exit 3).")] = False
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", help="Print the traceback of a gate that raised unexpectedly (the report keeps it anyway).")] = False
 
 
 def run_flags(exclude: tuple[str, ...] = (), **defaults) -> Callable:
@@ -103,6 +115,66 @@ def _fail(exc: SuiteError) -> None:
     raise typer.Exit(int(exc.exit_code))
 
 
+def _raise_interrupted(signum: int, frame) -> None:
+    raise Interrupted(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _interrupts_raise() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP all raise (a KeyboardInterrupt), so a job that CI cancels or
+    a closed terminal unwinds through the same cleanup as Ctrl-C: temporaries are removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers, and it is the one signals interrupt
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for sig in previous:
+        signal.signal(sig, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def _guarded(command: Callable) -> Callable:
+    """Every command's way out: a SuiteError as one line with its exit code, an interrupt as
+    130, and a bug in suite as 3 with its traceback, never the 1 that CI reads as a failed
+    gate."""
+
+    @functools.wraps(command)
+    def guarded(*args, **kwargs):
+        try:
+            with _interrupts_raise():
+                return command(*args, **kwargs)
+        except SuiteError as exc:
+            _fail(exc)
+        except KeyboardInterrupt as exc:
+            name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+            err.print(f"[bold red]interrupted[/] by {name}: stopped, and no partial report, recording or baseline "
+                      "was left behind", soft_wrap=True)
+            raise typer.Exit(int(ExitCode.INTERRUPTED))
+        except (typer.Exit, typer.Abort, TyperException):
+            raise  # the command's own exit code, or the parser's usage error
+        except Exception as exc:
+            err.print(traceback.format_exc(), markup=False, highlight=False)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            _fail(CouldNotRun(f"internal error ({type(exc).__name__}: {first}); a bug in suite, its traceback is above"))
+
+    return guarded
+
+
+# a write that failed for lack of room could not run; one to a path that cannot be written
+# (a file, read-only, no permission) is a bad option
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EIO}
+
+
+def _unwritable(option: str, path: Path, exc: OSError) -> SuiteError:
+    reason = "it is a file, not a directory" if path.is_file() else exc.strerror or str(exc)
+    if exc.errno in _NO_ROOM:
+        return CouldNotRun(f"cannot write {option} {path}: {reason}; free space there or pass another {option}")
+    return UsageError(f"cannot write {option} {path}: {reason}; pass {option} a directory you can write to")
+
+
 class _RichProgress:
     """Drives a rich progress bar from the runner's callbacks; off a terminal, one line a phase."""
 
@@ -136,35 +208,68 @@ def _setup(device: str, profile: str | None):
 
 
 def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
-    try:
-        settings = _setup(flags.device, flags.profile)
-        import gates
-        from suite.harness.runner import RunOptions, Runner
-        from suite.harness.store import write_report
+    settings = _setup(flags.device, flags.profile)
+    import gates
+    from suite.harness.runner import RunOptions, Runner
+    from suite.harness.store import check_writable
 
-        selected = gates.select(name)
-        options = RunOptions(
-            device=settings.device,
-            presets=flags.preset,
-            buffers_dir=flags.buffers,
-            seed=flags.seed,
-            bench=bench,
-            sabotage=flags.sabotage,
-            thorough=flags.thorough,
-            explicit=name != "all",
-            strict=flags.strict,
-        )
-        columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
-        with Progress(*columns, console=err, transient=True) as bar:
-            report = Runner(options, _RichProgress(bar)).run(selected, what)
-        path = write_report(report, flags.reports, what)
-    except SuiteError as exc:
-        _fail(exc)
-    except OSError as exc:  # --reports is a file, a read-only place, a full disk
-        _fail(CouldNotRun(f"cannot write the report under {flags.reports}: {exc}"))
+    selected = gates.select(name)
+    options = RunOptions(
+        device=settings.device,
+        presets=flags.preset,
+        buffers_dir=flags.buffers,
+        seed=flags.seed,
+        bench=bench,
+        sabotage=flags.sabotage,
+        thorough=flags.thorough,
+        explicit=name != "all",
+        strict=flags.strict,
+    )
+    try:
+        check_writable(flags.reports)  # now, not after an hour of gates
+    except OSError as exc:
+        raise _unwritable("--reports", flags.reports, exc) from exc
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        report = Runner(options, _RichProgress(bar)).run(selected, what)
+    path, code = _save_report(report, flags.reports, what)
     _print_summary(report)
-    console.print(f"report: {path}", highlight=False)
-    raise typer.Exit(report.exit_code)
+    _print_tracebacks(report, flags.verbose)
+    if path is not None:
+        console.print(f"report: {path}", markup=False, highlight=False)
+    raise typer.Exit(code)
+
+
+def _save_report(report, reports: Path, what: str) -> tuple[Path | None, int]:
+    """Write the report under --reports or, when that fails at the end of a run (the disk
+    filled meanwhile), into a temporary directory: the figures are kept, and so is the gates'
+    exit code. Returns where it went (None: nowhere) and the exit code."""
+    from suite.harness.store import write_report
+
+    try:
+        return write_report(report, reports, what), report.exit_code
+    except OSError as exc:
+        first = exc
+    try:
+        path = write_report(report, Path(tempfile.mkdtemp(prefix="suite-reports-")), what)
+    except OSError as exc:
+        err.print(f"[bold red]error:[/] cannot write the report under {escape(str(reports))} "
+                  f"({escape(first.strerror or str(first))}) nor into a temporary directory "
+                  f"({escape(exc.strerror or str(exc))}); the summary below is all that is kept", soft_wrap=True)
+        # a failed gate still exits 1; a run that kept nothing otherwise could not run
+        return None, report.exit_code if report.exit_code == ExitCode.FAILED else int(ExitCode.COULD_NOT_RUN)
+    err.print(f"[yellow]warning:[/] cannot write the report under {escape(str(reports))} "
+              f"({escape(first.strerror or str(first))}); wrote it to {escape(str(path))} instead", soft_wrap=True)
+    return path, report.exit_code
+
+
+def _print_tracebacks(report, verbose: bool) -> None:
+    raised = [r for r in report.results if r.traceback]
+    if raised and not verbose:
+        err.print("a gate raised unexpectedly: the report keeps its traceback, --verbose prints it here")
+    for r in raised if verbose else []:
+        err.print(f"traceback of {r.gate} [{r.preset}]:", markup=False, highlight=False)
+        err.print(r.traceback.rstrip(), markup=False, highlight=False)
 
 
 def _names_table(title: str, names: dict[str, int], *others: str) -> Table:
@@ -200,12 +305,16 @@ def _print_summary(report) -> None:
         table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", "-", escape(s.reason))
     console.print(table)
     for r in report.results:
+        where = f"[bold]{escape(r.gate)} {escape(f'[{r.preset}]')}[/]"
         if r.status != "passed" and r.reason:
-            console.print(f"[bold]{escape(r.gate)} {escape(f'[{r.preset}]')}[/]: {escape(r.reason)}")
+            console.print(f"{where}: {escape(r.reason)}")
+        if r.buffers is not None and r.buffers.source == "loaded" and r.saboteurs_note:
+            console.print(f"{where} saboteurs: {escape(r.saboteurs_note)}")  # why none ran on the user's buffers
 
 
 @app.command()
 @run_flags()
+@_guarded
 def gate(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flags: RunFlags) -> None:
     """Judge an arm against its reference (parity, anti-cheat, determinism, saboteurs)."""
     _execute(f"gate {name}", name, flags, bench=False)
@@ -213,6 +322,7 @@ def gate(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flags
 
 @app.command()
 @run_flags(sabotage=False)
+@_guarded
 def bench(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flags: RunFlags) -> None:
     """Gate, then time the arm against its reference and peers, as CUDA-graph replays and as
     eager calls (needs CUDA, except for wall-clock benches)."""
@@ -221,6 +331,7 @@ def bench(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flag
 
 @app.command()
 @run_flags(exclude=("buffers", "sabotage"))
+@_guarded
 def run(flags: RunFlags) -> None:
     """CI style: gate, saboteurs and bench for every gate this device can run; list the ones it cannot."""
     _execute("run", "all", flags, bench=True)
@@ -230,32 +341,33 @@ def run(flags: RunFlags) -> None:
 
 
 @app.command()
+@_guarded
 def record(
     name: Annotated[str, typer.Argument(help="Gate name.")],
     preset: Annotated[str, typer.Option("--preset", help="Preset whose buffers to save.")],
     out: Annotated[Path, typer.Option("--out", help="Directory to write buffers.safetensors and manifest.json into.")],
     device: DeviceOpt = "auto",
-    seed: Annotated[int, typer.Option("--seed", help="Seed for fresh buffers.")] = 0,
+    seed: SeedOpt = 0,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a recording already in --out.")] = False,
 ) -> None:
     """Save a gate's buffers (safetensors + manifest with shapes, dtypes, seed, versions, sha256)."""
-    try:
-        settings = _setup(device, None)
-        import gates
-        from suite.harness.buffers import save_buffers
+    settings = _setup(device, None)
+    import gates
+    from suite.harness.buffers import check_destination, save_buffers
 
-        chosen = gates.get(name)
-        p = chosen.preset(preset)
-        if p.where == "cuda" and settings.device.type != "cuda":
-            raise CouldNotRun(f"preset {p.name} is a GPU preset; record it with --device cuda on a GPU machine")
-    except SuiteError as exc:
-        _fail(exc)
+    chosen = gates.get(name)
+    p = chosen.preset(preset)
+    if p.where == "cuda" and settings.device.type != "cuda":
+        raise CouldNotRun(f"preset {p.name} is a GPU preset; record it with --device cuda on a GPU machine")
+    check_destination(out, overwrite)  # before making buffers, which can take minutes
     tensors = chosen.make_buffers(p, seed, settings.device)
     try:
-        path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params))
+        path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params),
+                            overwrite=overwrite)
     except OSError as exc:
-        _fail(CouldNotRun(f"cannot write buffers into {out}: {exc}"))
+        raise _unwritable("--out", out, exc) from exc
     console.print(f"recorded {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())} into {path}",
-                  highlight=False)
+                  markup=False, highlight=False)
 
 
 def _report_path(path: Path | None, reports: Path) -> Path:
@@ -270,6 +382,7 @@ def _report_path(path: Path | None, reports: Path) -> Path:
 
 
 @baseline_app.command("save")
+@_guarded
 def baseline_save(
     report: Annotated[Optional[Path], typer.Argument(help="report.json or its directory; default: the newest under --reports.")] = None,
     reports: ReportsOpt = Path("reports"),
@@ -286,15 +399,17 @@ def baseline_save(
     from suite.harness.baseline import save_baseline
     from suite.harness.results import load_report
 
+    run = load_report(_report_path(report, reports))
     try:
-        saved = save_baseline(load_report(_report_path(report, reports)), baselines, gate_names, replace=replace)
-    except SuiteError as exc:
-        _fail(exc)
+        saved = save_baseline(run, baselines, gate_names, replace=replace)
+    except OSError as exc:
+        raise _unwritable("--baselines", baselines, exc) from exc
     for path in saved:
-        console.print(f"saved {path}", highlight=False)
+        console.print(f"saved {path}", markup=False, highlight=False)
 
 
 @baseline_app.command("compare")
+@_guarded
 def baseline_compare(
     report: Annotated[Optional[Path], typer.Argument(help="report.json or its directory; default: the newest under --reports.")] = None,
     reports: ReportsOpt = Path("reports"),
@@ -306,18 +421,15 @@ def baseline_compare(
     from suite.harness.render import render_comparison
     from suite.harness.results import load_report
 
-    try:
-        result = compare(load_report(_report_path(report, reports)), baselines, force=force)
-    except SuiteError as exc:
-        _fail(exc)
+    result = compare(load_report(_report_path(report, reports)), baselines, force=force)
     sys.stdout.write(render_comparison(result) + "\n")
-    judged = [e for e in result.entries if e.role == "arm" and e.status in ("same", "regressed", "improved")]
-    if not judged:  # a comparison that compared nothing must not read as a pass
-        _fail(CouldNotRun(f"nothing compared: no arm figure of this report has a baseline under {baselines}"))
+    if not result.judged:  # a comparison that compared nothing must not read as a pass
+        raise CouldNotRun(f"nothing compared: no arm timing of this report has a baseline under {baselines}")
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 
 @app.command("report")
+@_guarded
 def show_report(
     path: Annotated[Path, typer.Argument(help="report.json or its directory.")],
     fmt: Annotated[str, typer.Option("--format", help="md, json or junit.")] = "md",
@@ -327,12 +439,9 @@ def show_report(
     from suite.harness.results import load_report
 
     renderers = {"md": render_markdown, "json": to_json, "junit": render_junit}
-    try:
-        if fmt not in renderers:
-            raise UsageError(f"--format must be one of {', '.join(renderers)}, not {fmt!r}")
-        loaded = load_report(_report_path(path, Path("reports")))
-    except SuiteError as exc:
-        _fail(exc)
+    if fmt not in renderers:
+        raise UsageError(f"--format must be one of {', '.join(renderers)}, not {fmt!r}")
+    loaded = load_report(_report_path(path, Path("reports")))
     sys.stdout.write(renderers[fmt](loaded) + "\n")
 
 
@@ -359,13 +468,12 @@ def _gate_listing(gate, device) -> dict:
 
 
 @app.command("list")
+@_guarded
 def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     """List gates: arm, presets, contenders (and which are unavailable here, and why)."""
-    try:
-        settings = _setup(device, None)
-        import gates
-    except SuiteError as exc:
-        _fail(exc)
+    settings = _setup(device, None)
+    import gates
+
     listing = [_gate_listing(g, settings.device) for g in gates.select("all")]
     if as_json:
         sys.stdout.write(json.dumps({"device": str(settings.device), "gates": listing}, indent=2) + "\n")
@@ -391,14 +499,13 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+@_guarded
 def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     """Show this machine's fingerprint and what each gate is missing here."""
-    try:
-        settings = _setup(device, None)
-        import gates
-        from suite.harness.fingerprint import fingerprint
-    except SuiteError as exc:
-        _fail(exc)
+    settings = _setup(device, None)
+    import gates
+    from suite.harness.fingerprint import fingerprint
+
     fp = fingerprint(settings.device, settings.profile)
     rows = []
     for gate in gates.select("all"):

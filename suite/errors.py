@@ -11,6 +11,7 @@ class ExitCode(IntEnum):
     USAGE = 2  # bad command line: unknown gate or preset, bad option
     COULD_NOT_RUN = 3  # no CUDA for a CUDA gate, OOM, compile error, bad buffers
     AMBIGUOUS = 4  # timing stayed ambiguous against the noise floor
+    INTERRUPTED = 130  # stopped by SIGINT, SIGTERM or SIGHUP (the shell's 128 + SIGINT)
 
 
 class SuiteError(Exception):
@@ -29,6 +30,14 @@ class CouldNotRun(SuiteError):
 
 class BadBuffers(CouldNotRun):
     """A buffer directory that is corrupt or does not match the gate and preset."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like SIGINT's KeyboardInterrupt so that the same cleanup runs."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
 
 
 def combine(statuses: list[str]) -> ExitCode:

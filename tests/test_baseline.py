@@ -41,7 +41,7 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
     report = make_report()
     paths = save_baseline(report, tmp_path)
     assert paths == [tmp_path / "nvidia-h200" / "rmsnorm.json", tmp_path / "nvidia-h200" / "muon.json"]
-    assert sorted(p.name for p in (tmp_path / "nvidia-h200").iterdir()) == ["muon.json", "rmsnorm.json"]
+    assert sorted(p.name for p in (tmp_path / "nvidia-h200").glob("*.json")) == ["muon.json", "rmsnorm.json"]
 
     baseline = load_baseline(paths[0])
     assert baseline.gate == "rmsnorm" and [r.preset for r in baseline.runs] == ["medium"]
@@ -185,7 +185,8 @@ def test_save_replaces_the_presets_it_measured_and_keeps_the_others(tmp_path):
     save_baseline(preset_run("large", "second", git_sha="b" * 40), tmp_path)
     save_baseline(preset_run("small", "third", arm_ms=0.2), tmp_path)
     folder = tmp_path / "nvidia-h200"
-    assert [p.name for p in folder.iterdir()] == ["rmsnorm.json"]  # no temp files left
+    # no temp files left; the lock file beside the baseline stays
+    assert sorted(p.name for p in folder.iterdir()) == [".rmsnorm.json.lock", "rmsnorm.json"]
     baseline = load_baseline(folder / "rmsnorm.json")
     assert {r.preset: r.run_id for r in baseline.runs} == {"large": "second", "small": "third"}
     assert baseline.run_of("large").fingerprint.git_sha == "b" * 40

@@ -73,7 +73,7 @@ def test_mismatched_gate_and_missing_tensors(tmp_path):
     save_buffers(sample(), tmp_path, gate="other")
     with pytest.raises(BadBuffers, match="recorded for gate 'other'"):
         load_buffers(tmp_path, expect_gate="rmsnorm")
-    save_buffers(sample(), tmp_path, gate="rmsnorm")
+    save_buffers(sample(), tmp_path, gate="rmsnorm", overwrite=True)
     with pytest.raises(BadBuffers, match=r"lacks the tensors \['dy'\]"):
         load_buffers(tmp_path, expect_gate="rmsnorm", required=("x", "dy"))
 

@@ -135,7 +135,7 @@ def test_training_loop_dump_needs_its_params(tmp_path, reports):
     save_buffers(tensors, tmp_path / "dump")
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports)
     assert result.exit_code == ExitCode.COULD_NOT_RUN and "eps" in result.output
-    save_buffers(tensors, tmp_path / "dump", params={"eps": 1e-5, "offset": 0.0})
+    save_buffers(tensors, tmp_path / "dump", params={"eps": 1e-5, "offset": 0.0}, overwrite=True)
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--buffers", tmp_path / "dump", "--reports", reports, "--no-sabotage")
     assert result.exit_code == ExitCode.OK, result.output
 
@@ -180,11 +180,11 @@ def test_buffers_recorded_for_another_preset_is_a_usage_error(tmp_path, reports)
     assert result.exit_code == ExitCode.USAGE and "--preset tiny-fp32" in result.output
 
 
-def test_unwritable_reports_could_not_run(tmp_path):
+def test_unwritable_reports_is_a_usage_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--no-sabotage", "--reports", blocker)
-    assert result.exit_code == ExitCode.COULD_NOT_RUN and "cannot write the report" in result.output
+    assert result.exit_code == ExitCode.USAGE and "cannot write --reports" in result.output
 
 
 def test_compare_that_compares_nothing_is_not_a_pass(reports, tmp_path):

@@ -19,6 +19,7 @@ from factories import (
     make_tolerance_result,
 )
 
+import suite.harness.atomic as atomic_mod
 import suite.harness.results as results_mod
 import suite.harness.store as store_mod
 from suite.errors import ExitCode, UsageError
@@ -310,8 +311,8 @@ def test_write_report_adds_a_suffix_when_the_name_is_taken(tmp_path):
     assert list_reports(tmp_path) == [first, second]
 
 
-@pytest.mark.parametrize("target", ["render_junit", "_write_file"])
-def test_a_crash_while_writing_leaves_no_report_dir(tmp_path, monkeypatch, target):
+@pytest.mark.parametrize("module, target", [(store_mod, "render_junit"), (atomic_mod, "write_bytes")])
+def test_a_crash_while_writing_leaves_no_report_dir(tmp_path, monkeypatch, module, target):
     calls = []
 
     def boom(*args, **kwargs):
@@ -320,8 +321,8 @@ def test_a_crash_while_writing_leaves_no_report_dir(tmp_path, monkeypatch, targe
             raise RuntimeError("simulated crash")
         return original(*args, **kwargs)
 
-    original = getattr(store_mod, target)
-    monkeypatch.setattr(store_mod, target, boom)
+    original = getattr(module, target)
+    monkeypatch.setattr(module, target, boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
         write_report(make_report(), tmp_path, "run")
     assert list(tmp_path.iterdir()) == []
@@ -333,7 +334,7 @@ def test_stale_temp_dirs_are_cleaned_and_never_listed(tmp_path):
     for d in (stale, fresh):
         d.mkdir()
         (d / "report.json").write_text("{}")
-    hour_ago = time.time() - 2 * store_mod.STALE_TMP_S
+    hour_ago = time.time() - 2 * atomic_mod.STALE_TMP_S
     os.utime(stale, (hour_ago, hour_ago))
     assert list_reports(tmp_path) == []
     written = write_report(make_report(), tmp_path, "run")

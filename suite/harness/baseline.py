@@ -6,30 +6,34 @@ spread says nothing about today's machine), and refuses a different class of mac
 
 A gate's presets may need separate runs (one device call cannot hold them all), so a baseline
 records, per preset, the run its figures come from; saving replaces the presets the report
-measured and keeps the others, and refuses to mix classes of machine in one file.
+measured and keeps the others, and refuses to mix classes of machine in one file. That
+read-modify-write holds a lock beside each file, so concurrent saves each keep their presets.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import math
-import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
-from pydantic import BaseModel, computed_field
+from pydantic import ValidationError, computed_field, model_validator
 
 from suite.errors import UsageError
+from suite.harness import atomic
 from suite.harness.fingerprint import fingerprint_class
 from suite.harness.results import (
     BenchResult,
     Fingerprint,
     GateResult,
+    Record,
     Role,
     RunReport,
     TimingMode,
     read_versioned_json,
+    validation_summary,
 )
 
 # 3: entries name their timing mode (graph replays or eager calls)
@@ -41,7 +45,7 @@ MIN_CHANGE = 0.02
 EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
 
 
-class BaselineEntry(BaseModel):
+class BaselineEntry(Record):
     preset: str
     case: str
     mode: TimingMode
@@ -54,8 +58,18 @@ class BaselineEntry(BaseModel):
     ceiling_fraction: float | None = None
     noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
 
+    @model_validator(mode="after")
+    def _median_is_a_time(self) -> BaselineEntry:
+        # every comparison divides by it: a zero or negative time is a hand edit or a bug
+        if not (math.isfinite(self.median_ms) and self.median_ms > 0):
+            raise ValueError(
+                f"entry {self.preset}/{self.case}/{self.mode}/{self.contender} has median_ms "
+                f"{self.median_ms}, not a positive time"
+            )
+        return self
 
-class PresetRun(BaseModel):
+
+class PresetRun(Record):
     """The run one preset's figures come from."""
 
     preset: str
@@ -65,7 +79,7 @@ class PresetRun(BaseModel):
     saved_utc: str
 
 
-class Baseline(BaseModel):
+class Baseline(Record):
     schema_version: int = BASELINE_SCHEMA_VERSION
     gate: str
     fingerprint_class: dict[str, str | None]  # every run below is of this class
@@ -76,7 +90,7 @@ class Baseline(BaseModel):
         return next((r for r in self.runs if r.preset == preset), None)
 
 
-class EntryComparison(BaseModel):
+class EntryComparison(Record):
     gate: str
     preset: str
     case: str
@@ -91,12 +105,17 @@ class EntryComparison(BaseModel):
     note: str = ""
 
 
-class ComparisonReport(BaseModel):
+class ComparisonReport(Record):
     run_id: str
     baselines: dict[str, str]  # gate -> baseline file read
     forced: bool = False
     mismatches: dict[str, str] = {}  # gate -> how its baseline's fingerprint class differs
     entries: list[EntryComparison]
+
+    @property
+    def judged(self) -> list[EntryComparison]:
+        """The arm's timings that had a baseline to be judged against."""
+        return [e for e in self.entries if e.role == "arm" and e.status in ("same", "regressed", "improved")]
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -113,7 +132,14 @@ def load_baseline(path: str | Path) -> Baseline:
     return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline")
 
 
-def _entries(result: GateResult) -> list[BaselineEntry]:
+def _entries(result: GateResult, run_id: str) -> list[BaselineEntry]:
+    try:
+        return _entries_of(result)
+    except ValidationError as exc:
+        raise UsageError(f"not saving run {run_id}: {validation_summary(exc)}") from exc
+
+
+def _entries_of(result: GateResult) -> list[BaselineEntry]:
     return [
         BaselineEntry(
             preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
@@ -167,7 +193,7 @@ def save_baseline(
     by_gate: dict[str, list[BaselineEntry]] = {}
     for result in selected:
         if result.status == "passed":
-            entries = _entries(result)
+            entries = _entries(result, report.run_id)
             if entries:
                 by_gate.setdefault(result.gate, []).extend(entries)
     empty = [g for g in dict.fromkeys(r.gate for r in selected) if g not in by_gate]
@@ -183,25 +209,40 @@ def save_baseline(
     fp = report.fingerprint
     new_class = fingerprint_class(fp)
     saved = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    baselines = {}
-    for gate, entries in by_gate.items():
-        path = baseline_path(baselines_dir, fp.device_slug, gate)
-        kept_runs: list[PresetRun] = []
-        kept_entries: list[BaselineEntry] = []
-        if path.exists() and not replace:
-            old = _mergeable(path, new_class)
-            measured = {e.preset for e in entries}
-            kept_runs = [r for r in old.runs if r.preset not in measured]
-            kept_entries = [e for e in old.entries if e.preset not in measured]
-        runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
-                          saved_utc=saved)
-                for preset in dict.fromkeys(e.preset for e in entries)]
-        baselines[path] = Baseline(gate=gate, fingerprint_class=new_class, runs=kept_runs + runs,
-                                   entries=kept_entries + entries)
-    # every file checked before any is written: a refusal leaves all of them as they were
-    for path, baseline in baselines.items():
-        _write_atomic(path, baseline.model_dump_json(indent=2) + "\n")
+    paths = {gate: baseline_path(baselines_dir, fp.device_slug, gate) for gate in by_gate}
+    with _locked(list(paths.values())):
+        baselines = {}
+        for gate, entries in by_gate.items():
+            path = paths[gate]
+            kept_runs: list[PresetRun] = []
+            kept_entries: list[BaselineEntry] = []
+            if path.exists() and not replace:
+                old = _mergeable(path, new_class)
+                measured = {e.preset for e in entries}
+                kept_runs = [r for r in old.runs if r.preset not in measured]
+                kept_entries = [e for e in old.entries if e.preset not in measured]
+            runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
+                              saved_utc=saved)
+                    for preset in dict.fromkeys(e.preset for e in entries)]
+            baselines[path] = Baseline(gate=gate, fingerprint_class=new_class, runs=kept_runs + runs,
+                                       entries=kept_entries + entries)
+        # every file checked before any is written, and written all or none: a refusal or a
+        # failure leaves all of them as they were
+        atomic.replace_files({path: b.model_dump_json(indent=2) + "\n" for path, b in baselines.items()})
     return list(baselines)
+
+
+@contextlib.contextmanager
+def _locked(paths: list[Path]) -> Iterator[None]:
+    """An exclusive lock on a lock file beside each baseline file, taken in one order (so two
+    saves cannot deadlock), held across the read-modify-write. The lock files stay: removing
+    one while another save waits on it would let a third lock a new file of the same name."""
+    with contextlib.ExitStack() as held:
+        for path in sorted(paths):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = held.enter_context(open(path.with_name(f".{path.name}.lock"), "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
@@ -217,22 +258,6 @@ def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
             f"holds one class. Save with --replace to start it afresh from this run"
         )
     return old
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    # A half-written baseline would be committed as garbage; replace the file in one step.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a baseline is a committed file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _class_difference(baseline: dict[str, str | None], new: dict[str, str | None]) -> str:
@@ -306,6 +331,11 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
                 key = (bench.case, bench.mode, c.name)
                 seen.add(key)
                 if key in known:
+                    if not (math.isfinite(c.median_ms) and c.median_ms > 0):
+                        raise UsageError(
+                            f"run {report.run_id}: {result.gate}/{result.preset}/{bench.case}/{bench.mode}/"
+                            f"{c.name} has median_ms {c.median_ms}, not a positive time; the report was edited or is broken"
+                        )
                     entries.append(_judge(result.gate, result.preset, bench, known[key], c.median_ms, note))
                 else:
                     entries.append(EntryComparison(

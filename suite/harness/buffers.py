@@ -6,21 +6,22 @@ tensors in the format gates read (`suite gate NAME --buffers DIR`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import platform
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from pydantic import BaseModel, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from suite.errors import BadBuffers
+from suite.errors import BadBuffers, UsageError
+from suite.harness import atomic
 
 MANIFEST = "manifest.json"
 TENSORS = "buffers.safetensors"
@@ -64,43 +65,116 @@ def _versions() -> dict[str, str]:
     return found
 
 
+def _host_copies(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as contiguous CPU tensors safetensors can write, after checking every one:
+    a bad entry is refused before anything is written."""
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise BadBuffers("save_buffers got no tensors; pass a dict of name -> tensor")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise BadBuffers(f"buffer names must be non-empty strings, not {name!r}")
+        if name == "__metadata__":
+            raise BadBuffers("the name '__metadata__' is reserved by safetensors; save that tensor under another name")
+        if not isinstance(t, torch.Tensor):
+            raise BadBuffers(
+                f"buffer {name!r} is a {type(t).__name__}, not a torch.Tensor; pass numbers as params={{...}}")
+        if t.is_meta:
+            raise BadBuffers(f"buffer {name!r} is a meta tensor (a shape without values); pass the real tensor")
+        if t.layout != torch.strided:
+            raise BadBuffers(f"buffer {name!r} is a {t.layout} tensor; pass it dense (.to_dense())")
+    host, storages = {}, set()
+    for name, t in tensors.items():
+        copy = t.detach().contiguous().cpu()
+        storage = copy.untyped_storage().data_ptr()
+        if storage in storages:  # one tensor (or views of it) under two names: safetensors refuses shared memory
+            copy = copy.clone()
+        storages.add(copy.untyped_storage().data_ptr())
+        host[name] = copy
+    return host
+
+
+def _checked_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """params as the manifest will hold them: JSON values, numbers finite (JSON has no NaN)."""
+    checked = dict(params or {})
+    for key, value in checked.items():
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise BadBuffers(
+                f"params[{key!r}] = {value!r} cannot be kept in the manifest ({exc}); "
+                "pass plain JSON values and finite numbers"
+            ) from exc
+    return checked
+
+
+def check_destination(out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+    """Refuse to write a recording where one already is (unless overwrite) or where anything
+    else is: replacing the directory would delete it."""
+    out = Path(out_dir)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UsageError(f"{out} is a file, not a directory; choose a new directory for the recording")
+    held = {p.name for p in out.iterdir()}
+    if not held:
+        return
+    if MANIFEST not in held or held - {MANIFEST, TENSORS}:
+        raise UsageError(
+            f"{out} is not empty and not a buffer recording ({len(held)} entries); "
+            "choose a new or empty directory, the recording replaces the whole directory"
+        )
+    if not overwrite:
+        raise UsageError(
+            f"{out} already holds a recording; pass --overwrite (save_buffers(..., overwrite=True)) "
+            "to replace it, or choose another directory"
+        )
+
+
 def save_buffers(
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     out_dir: str | os.PathLike,
     *,
     gate: str | None = None,
     preset: str | None = None,
     seed: int | None = None,
-    params: dict[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write `tensors` to out_dir/buffers.safetensors with out_dir/manifest.json.
 
-    Files are written under temporary names and renamed, so an interrupted save never
-    leaves a manifest that describes a half-written tensor file.
+    Everything is checked before anything is written. The recording is built in a hidden
+    directory beside out_dir and published by one rename (suite.harness.atomic), so a reader
+    or a concurrent save sees the previous recording or this one whole, never a mix, and an
+    interrupted or failed save leaves nothing behind. An existing recording is replaced only
+    with overwrite=True.
     """
-    if not tensors:
-        raise BadBuffers("save_buffers got no tensors; pass a dict of name -> tensor")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    host = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    with tempfile.TemporaryDirectory(dir=out, prefix=".tmp-") as tmp:
-        tmp_tensors = Path(tmp) / TENSORS
-        save_file(host, str(tmp_tensors))
+    host = _host_copies(tensors)
+    params = _checked_params(params)
+    check_destination(out_dir, overwrite)
+    out = Path(os.path.abspath(out_dir))  # "." and ".." named: the rename needs the real parent
+    with atomic.staging_directory(out.parent, out.name) as staged:
+        save_file(host, str(staged / TENSORS))
+        atomic.fsync_path(staged / TENSORS)
         manifest = BufferManifest(
             gate=gate,
             preset=preset,
             seed=seed,
-            params=dict(params or {}),
+            params=params,
             tensors={n: TensorEntry(shape=list(t.shape), dtype=str(t.dtype)) for n, t in host.items()},
-            sha256={TENSORS: file_sha256(tmp_tensors)},
+            sha256={TENSORS: file_sha256(staged / TENSORS)},
             created_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             versions=_versions(),
         )
-        tmp_manifest = Path(tmp) / MANIFEST
-        tmp_manifest.write_text(manifest.model_dump_json(indent=2))
-        os.replace(tmp_tensors, out / TENSORS)
-        os.replace(tmp_manifest, out / MANIFEST)
-    return out
+        atomic.write_bytes(staged / MANIFEST, manifest.model_dump_json(indent=2).encode("utf-8"))
+        try:
+            atomic.publish_directory(staged, out, replace=overwrite)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise UsageError(
+                    f"{out_dir} was written by another save meanwhile; pass --overwrite (overwrite=True) to replace it"
+                ) from exc
+            raise
+    return Path(out_dir)
 
 
 def read_manifest(directory: str | os.PathLike) -> BufferManifest:
@@ -111,7 +185,11 @@ def read_manifest(directory: str | os.PathLike) -> BufferManifest:
             "Write one with `suite record GATE --preset P --out DIR` or suite.harness.buffers.save_buffers."
         )
     try:
-        return BufferManifest.model_validate(json.loads(path.read_text()))
+        return BufferManifest.model_validate(json.loads(path.read_text(encoding="utf-8")))
+    except UnicodeDecodeError as exc:
+        raise BadBuffers(f"{path} is not a buffer manifest: not UTF-8 text (byte {exc.start}); record the buffers again") from exc
+    except OSError as exc:
+        raise BadBuffers(f"cannot read {path}: {exc.strerror or exc}") from exc
     except (json.JSONDecodeError, ValidationError) as exc:
         raise BadBuffers(f"{path} is not a valid buffer manifest ({exc.__class__.__name__}: {exc}); record the buffers again") from exc
 

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from suite.errors import CouldNotRun
 from suite.harness.gate import Buffers, Gate, Outputs, Preset, Tolerance
 from suite.harness.results import Check, Failure, ParityResult, TensorCheck
 
@@ -248,7 +249,41 @@ def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
         truth = {n: t.detach() for n, t in gate.truth(buffers, preset).items()}
     if _input_digests(buffers) != digests:
         raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
+    _require_something_to_compare(reference, truth)
     return Expected(reference=reference, truth=truth, input_digests=digests)
+
+
+def _any_finite(ref: torch.Tensor, truth: torch.Tensor | None) -> torch.Tensor:
+    """A 0-d bool on the device: whether some element of ref (and of truth) is finite."""
+    if not ref.is_floating_point():
+        return torch.tensor(ref.numel() > 0, device=ref.device)
+    found = torch.zeros((), dtype=torch.bool, device=ref.device)
+    flat_ref = ref.reshape(-1)
+    flat_truth = truth.reshape(-1) if truth is not None and truth.shape == ref.shape else None
+    for start in range(0, flat_ref.numel(), CHUNK_ELEMENTS):
+        finite = torch.isfinite(flat_ref[start : start + CHUNK_ELEMENTS])
+        if flat_truth is not None:
+            finite &= torch.isfinite(flat_truth[start : start + CHUNK_ELEMENTS])
+        found |= finite.any()
+    return found
+
+
+def _require_something_to_compare(reference: Outputs, truth: Outputs | None) -> None:
+    """Refuse buffers on which parity would pass vacuously: an empty output has nothing an arm
+    could get wrong, and neither do outputs that are all NaN/Inf. An output that is all NaN/Inf
+    beside others with finite values is still judged, by its NaN/Inf positions."""
+    empty = [name for name, ref in reference.items() if ref.numel() == 0]
+    found = [_any_finite(ref, (truth or {}).get(name)) for name, ref in reference.items()]
+    if empty:
+        problem = f"{_preview(empty)} are empty"
+    elif found and not torch.stack(found).any():  # one host sync
+        problem = f"every output ({_preview(list(reference))}) is all NaN/Inf"
+    else:
+        return
+    raise CouldNotRun(
+        f"nothing finite to compare: on these buffers {problem}, so parity would pass without checking "
+        "a value; look for NaN/Inf or zero-size tensors in the inputs"
+    )
 
 
 def _changed_inputs(buffers: Buffers, digests: dict[str, str]) -> list[str]:

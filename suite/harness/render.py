@@ -30,6 +30,7 @@ _EXIT_MEANINGS = {
         "a gate could not run (no CUDA for a CUDA gate, out of memory, compile error or bad buffers)"
     ),
     ExitCode.AMBIGUOUS: "timing stayed ambiguous against the noise floor, which is never a pass",
+    ExitCode.INTERRUPTED: "interrupted by SIGINT, SIGTERM or SIGHUP",
 }
 
 
@@ -313,6 +314,8 @@ def _result_section(result: GateResult) -> list[str]:
     if result.saboteurs_note:
         lines.append(f"- saboteurs: {result.saboteurs_note}")
     lines.append("")
+    if result.traceback:
+        lines += ["Traceback of the error:", "", "```", result.traceback.rstrip(), "```", ""]
     if result.parity is not None:
         lines += _parity_section(result.parity)
     if result.saboteurs:
@@ -390,7 +393,7 @@ def _junit_cases(result: GateResult) -> list[ET.Element]:
     elif result.status == "skipped":
         _outcome(parity, "skipped", result.reason or "skipped")
     elif result.status == "could_not_run":
-        _outcome(parity, "error", result.reason or "could not run")
+        _outcome(parity, "error", result.reason or "could not run", result.traceback or "")
     elif result.status == "failed":
         _outcome(parity, "failure", result.reason or "failed before parity was judged")
 
@@ -561,7 +564,12 @@ def render_pytest_benchmark(report: RunReport) -> dict[str, Any]:
 
 def render_comparison(cmp: ComparisonReport) -> str:
     regressed = [e for e in cmp.entries if e.role == "arm" and e.status == "regressed"]
-    verdict = "passed" if cmp.passed else f"**FAILED**: {len(regressed)} arm timing(s) regressed"
+    if not cmp.judged:
+        verdict = "nothing compared: no arm timing of this run has a baseline entry"
+    elif cmp.passed:
+        verdict = "passed"
+    else:
+        verdict = f"**FAILED**: {len(regressed)} arm timing(s) regressed"
     lines = [f"# Comparison of run {cmp.run_id} with baselines: {verdict}", ""]
     for gate, path in cmp.baselines.items():
         lines.append(f"- {gate}: {path}")

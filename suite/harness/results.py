@@ -12,7 +12,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from suite.errors import UsageError
 
@@ -28,6 +28,14 @@ TimingMode = Literal["graph", "eager", "wall"]
 CeilingKind = Literal["copy", "gemm", "none"]
 
 
+class Record(BaseModel):
+    """A model that is written to disk and read back: infinities and NaN (an error ratio
+    against an all-zero truth, say) are written as the strings "Infinity" and "NaN", which
+    read back as floats, where JSON itself would have to drop them to null."""
+
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+
 class Check(str, Enum):
     """The checks that can fail a parity judgement; a saboteur names the one it must trip."""
 
@@ -40,7 +48,7 @@ class Check(str, Enum):
     INPUTS = "inputs"  # the arm modified its inputs
 
 
-class Failure(BaseModel):
+class Failure(Record):
     check: Check
     message: str
 
@@ -48,7 +56,7 @@ class Failure(BaseModel):
         return f"{self.check.value}: {self.message}"
 
 
-class TensorCheck(BaseModel):
+class TensorCheck(Record):
     """One output of the arm judged against the reference (bitwise) or the truth (tolerance)."""
 
     name: str
@@ -78,7 +86,7 @@ class TensorCheck(BaseModel):
         return "; ".join(str(p) for p in self.problems)
 
 
-class ParityResult(BaseModel):
+class ParityResult(Record):
     mode: Literal["bitwise", "tolerance", "mixed"]
     passed: bool
     # every output's check; a gate with thousands of outputs keeps only its failing ones (the
@@ -103,7 +111,7 @@ class ParityResult(BaseModel):
         return {f.check for f in self.failures}
 
 
-class SaboteurResult(BaseModel):
+class SaboteurResult(Record):
     name: str
     description: str
     expected_check: Check
@@ -111,7 +119,7 @@ class SaboteurResult(BaseModel):
     failures: list[Failure] = Field(default_factory=list)
 
 
-class ContenderTiming(BaseModel):
+class ContenderTiming(Record):
     name: str
     role: Role
     unavailable: str | None = None  # why it was not timed
@@ -126,7 +134,7 @@ class ContenderTiming(BaseModel):
     host_us: float | None = None  # host time per call on the gate's host-probe shape
 
 
-class Comparison(BaseModel):
+class Comparison(Record):
     """arm against one other contender: speedup = other's time / arm's time."""
 
     against: str
@@ -136,14 +144,14 @@ class Comparison(BaseModel):
     verdict: Verdict
 
 
-class CriterionCheck(BaseModel):
+class CriterionCheck(Record):
     name: str
     passed: bool
     detail: str
     ambiguous: bool = False  # not passed because timing could not decide, not because it lost
 
 
-class BenchResult(BaseModel):
+class BenchResult(Record):
     case: str
     description: str
     mode: TimingMode
@@ -167,21 +175,21 @@ class BenchResult(BaseModel):
     duration_s: float = 0.0
 
 
-class Ceilings(BaseModel):
+class Ceilings(Record):
     copy_gbps: float  # device-to-device copy, bytes read + written
     copy_bytes: int
     gemm_bf16_tflops: float
     gemm_n: int
 
 
-class BufferProvenance(BaseModel):
+class BufferProvenance(Record):
     source: Literal["fresh", "loaded"]
     seed: int
     directory: str | None = None
     sha256: dict[str, str] = Field(default_factory=dict)  # file name -> digest (loaded buffers)
 
 
-class GateResult(BaseModel):
+class GateResult(Record):
     gate: str
     arm: str
     preset: str
@@ -195,18 +203,19 @@ class GateResult(BaseModel):
     saboteurs_note: str | None = None
     bench: list[BenchResult] = Field(default_factory=list)
     bench_skipped: str | None = None
+    traceback: str | None = None  # where the harness or the arm raised unexpectedly
     buffers: BufferProvenance | None = None
     duration_s: float = 0.0
     phases: dict[str, float] = Field(default_factory=dict)  # phase -> wall seconds
     peak_memory_bytes: int | None = None  # CUDA: the most the gate held at once, bench included
 
 
-class SkippedGate(BaseModel):
+class SkippedGate(Record):
     gate: str
     reason: str
 
 
-class Fingerprint(BaseModel):
+class Fingerprint(Record):
     device_slug: str  # e.g. "nvidia-h200" or "cpu"
     gpu_name: str | None = None
     compute_capability: str | None = None
@@ -224,7 +233,7 @@ class Fingerprint(BaseModel):
     profile: str = "none"  # "rtx" when Triton configs were held to 99 KB of shared memory
 
 
-class RunReport(BaseModel):
+class RunReport(Record):
     schema_version: int = SCHEMA_VERSION
     run_id: str
     what: str  # "gate rmsnorm", "bench all", "run"
@@ -284,10 +293,10 @@ def read_versioned_json(path: str | Path, model: type[M], schema_version: int, k
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise UsageError(f"{path} is not a valid {kind}: {_summarise(exc)}") from exc
+        raise UsageError(f"{path} is not a valid {kind}: {validation_summary(exc)}") from exc
 
 
-def _summarise(exc: ValidationError, limit: int = 5) -> str:
+def validation_summary(exc: ValidationError, limit: int = 5) -> str:
     problems = [
         f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
         for err in exc.errors()

@@ -263,8 +263,9 @@ class Runner:
         except (CouldNotRun, torch.OutOfMemoryError) as exc:
             result = self._could_not_run(gate, preset, _first_line(exc))
         except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            result = self._could_not_run(gate, preset, f"{type(exc).__name__} while running: {detail}")
+            result = self._could_not_run(gate, preset, f"{type(exc).__name__} while running: {_first_line(exc)}")
+            # one line is enough for a known failure, not for a bug: keep where it was raised
+            result.traceback = traceback.format_exc()
         if device.type == "cuda":
             result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
             torch.cuda.empty_cache()
@@ -345,6 +346,9 @@ class Runner:
                 verdict.failures.extend(failures)
                 verdict.passed = verdict.passed and not failures
         result.status, result.reason = _status(result)
+        if opts.strict and unit.bench and result.status == "passed" and result.bench_skipped:
+            # nothing was timed: under --strict that is a bench this device could not run
+            result.status, result.reason = "could_not_run", f"bench skipped under --strict: {result.bench_skipped}"
         return result
 
     def _sabotage(self, gate, preset, buffers, expected, saboteur: Saboteur) -> SaboteurResult:

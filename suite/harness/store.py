@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import secrets
-import shutil
-import time
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from suite.harness import atomic
 from suite.harness.render import render_junit, render_markdown, render_pytest_benchmark, to_json
 from suite.harness.results import RunReport, slugify
 
 REPORT_FILES = ("report.json", "report.md", "junit.xml", "benchmark.json")
-TMP_PREFIX = ".tmp-"
-STALE_TMP_S = 3600  # a temp dir this old belongs to a run that died; the next write removes it
+# <UTC start>_<what>, and -<n> when that name was taken: runs that began in the same second
+_NAME = re.compile(r"(\d{8}T\d{6}Z)_.*?(?:-(\d+))?")
+_PROBE_BYTES = 1 << 16  # about a CPU run's report
 
 
 def _utc_stamp(iso: str) -> str:
@@ -35,23 +34,11 @@ def _utc_stamp(iso: str) -> str:
     return when.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def _remove_stale_tmp(reports_dir: Path) -> None:
-    cutoff = time.time() - STALE_TMP_S
-    for leftover in reports_dir.glob(TMP_PREFIX + "*"):
-        try:
-            if leftover.is_dir() and leftover.stat().st_mtime < cutoff:
-                shutil.rmtree(leftover, ignore_errors=True)
-        except OSError:
-            pass  # another writer removed it first
-
-
-def _write_file(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        # on disk before the rename publishes the directory, so a power cut cannot leave a
-        # complete-looking directory of empty files
-        os.fsync(fh.fileno())
+def check_writable(reports_dir: str | Path) -> None:
+    """Raise OSError now, before any gate runs, if no report could be written under
+    reports_dir: it is a file, read-only, or has no room for a report's worth of bytes."""
+    with atomic.staging_directory(Path(reports_dir), "probe") as probe:
+        atomic.write_bytes(probe / "probe", bytes(_PROBE_BYTES))
 
 
 def write_report(report: RunReport, reports_dir: str | Path, what: str | None = None) -> Path:
@@ -59,35 +46,36 @@ def write_report(report: RunReport, reports_dir: str | Path, what: str | None = 
     reports_dir/<UTC start time>_<what slug>, published by one rename: an interrupted run
     leaves the whole directory or none. `what` defaults to report.what."""
     reports_dir = Path(reports_dir)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(reports_dir)
+    contents = {
+        "report.json": to_json(report),
+        "report.md": render_markdown(report),
+        "junit.xml": render_junit(report),
+        "benchmark.json": json.dumps(render_pytest_benchmark(report), indent=4),
+    }
+    base = f"{_utc_stamp(report.started_utc)}_{slugify(what or report.what) or 'run'}"
     # hidden, and without '_', so no reader's glob for "<time>_<what>" can pick it up
-    tmp = reports_dir / f"{TMP_PREFIX}{slugify(report.run_id) or 'run'}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        contents = {
-            "report.json": to_json(report),
-            "report.md": render_markdown(report),
-            "junit.xml": render_junit(report),
-            "benchmark.json": json.dumps(render_pytest_benchmark(report), indent=4),
-        }
+    with atomic.staging_directory(reports_dir, slugify(report.run_id) or "run") as staged:
         for name in REPORT_FILES:
-            _write_file(tmp / name, contents[name])
-        base = f"{_utc_stamp(report.started_utc)}_{slugify(what or report.what) or 'run'}"
+            atomic.write_bytes(staged / name, contents[name].encode("utf-8"))
         for n in itertools.count(1):
             final = reports_dir / (base if n == 1 else f"{base}-{n}")
             if final.exists():
                 continue
             try:
-                os.rename(tmp, final)
+                atomic.publish_directory(staged, final)
                 return final
             except OSError:
                 if not final.exists():
                     raise
                 # another run took the name between the check and the rename; try the next
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+
+def _newest_last(path: Path) -> tuple:
+    """Runs in the order they were written: start second, then the time report.json was
+    written, then the -n a name taken in the same second got (file times can tie)."""
+    match = _NAME.fullmatch(path.name)
+    stamp, n = (match.group(1), int(match.group(2) or 1)) if match else ("", 0)
+    return stamp, (path / "report.json").stat().st_mtime_ns, n, path.name
 
 
 def list_reports(reports_dir: str | Path) -> list[Path]:
@@ -95,7 +83,8 @@ def list_reports(reports_dir: str | Path) -> list[Path]:
     reports_dir = Path(reports_dir)
     if not reports_dir.is_dir():
         return []
-    return sorted(
+    runs = [
         p for p in reports_dir.iterdir()
         if p.is_dir() and not p.name.startswith(".") and (p / "report.json").is_file()
-    )
+    ]
+    return sorted(runs, key=_newest_last)

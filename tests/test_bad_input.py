@@ -1,0 +1,604 @@
+"""The suite under bad input and faults (issue 8): a clear exit code, a one-line reason,
+nothing lost.
+
+CASES is the table: what is given, the command (CLI arguments, where {tmp} stands for the
+test's directory, or a call of the library a training loop makes), the exit code expected (for a
+library call: the code its error maps to) and a fragment of what it says. The README's
+"What bad input gets" lists the same rows. Faults that need several processes, or a signal
+from outside, are the tests below the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import toygate
+from factories import make_bench, make_fingerprint, make_report, make_tolerance_result, tolerance_check
+from typer.testing import CliRunner
+
+import gates
+import suite.harness.atomic as atomic
+import suite.harness.buffers as buffers_module
+import suite.harness.store as store
+from cli import app
+from suite.errors import ExitCode, SuiteError
+from suite.harness.baseline import load_baseline, save_baseline
+from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
+from suite.harness.runner import Runner
+from suite.harness.store import list_reports, write_report
+
+ROOT = Path(__file__).resolve().parents[1]
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # root writes into read-only directories
+cli = CliRunner(env={"COLUMNS": "400"})  # wide enough that no message is wrapped
+
+
+# ---- what the cases are given --------------------------------------------------------------
+
+
+def dump(x: torch.Tensor):
+    """A training loop's dump into {tmp}/dump of x, its norm weight and dy (~1e-3), as the
+    README shows."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        dy = (torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) * 1e-3).to(x.dtype)
+        save_buffers({"x": x, "weight": torch.ones(x.shape[-1]), "dy": dy}, tmp / "dump",
+                     params={"eps": 1e-6, "offset": 0.0})
+
+    return prepare
+
+
+def seeded(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+
+def with_nan_row() -> torch.Tensor:
+    x = seeded(16, 64)
+    x[3] = float("nan")
+    return x
+
+
+def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    assert invoke("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+
+
+def no_gate_may_run(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def ran(*args, **kwargs):
+        raise AssertionError("a gate ran before the bad input was refused")
+
+    mp.setattr(Runner, "run", ran)
+
+
+def file_at(name: str, data: bytes):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        (tmp / name).write_bytes(data)
+
+    return prepare
+
+
+def utf16_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A report as PowerShell's `Out-File` re-saves it: UTF-16 with a byte-order mark."""
+    (tmp / "utf16.json").write_bytes(make_report().model_dump_json().encode("utf-16"))
+
+
+def bench_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    write_report(make_report(), tmp / "reports", "bench")
+
+
+def baseline_saved(edit: Callable[[Path], None]):
+    """A bench report under {tmp}/reports, its baseline under {tmp}/baselines, then `edit`ed."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        bench_report(tmp, mp)
+        (path, *_) = save_baseline(make_report(), tmp / "baselines")
+        edit(path)
+
+    return prepare
+
+
+def arm_median(value: float):
+    def edit(path: Path) -> None:
+        data = json.loads(path.read_text())
+        next(e for e in data["entries"] if e["role"] == "arm")["median_ms"] = value
+        path.write_text(json.dumps(data))
+
+    return edit
+
+
+def to_utf16(path: Path) -> None:
+    path.write_bytes(path.read_text().encode("utf-16"))
+
+
+def read_only(name: str):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        if AS_ROOT:
+            pytest.skip("root writes into read-only directories")
+        (tmp / name).mkdir()
+        (tmp / name).chmod(0o500)
+
+    return prepare
+
+
+def both(*prepares):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        for p in prepares:
+            p(tmp, mp)
+
+    return prepare
+
+
+def reports_fill_up(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """--reports passes the check before the run, then the disk is full when the report is
+    written; temporary directories are made under {tmp}/tmp."""
+    real = store.write_report
+
+    def full(report, reports_dir, what=None):
+        if Path(reports_dir) == tmp / "reports":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(report, reports_dir, what)
+
+    mp.setattr(store, "write_report", full)
+    (tmp / "tmp").mkdir()
+    mp.setattr("tempfile.tempdir", str(tmp / "tmp"))
+
+
+def disk_full_while_recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def half_written(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    mp.setattr(buffers_module, "save_file", half_written)
+
+
+def signal_while_writing_report(sig: signal.Signals):
+    """The signal arrives while the report's files are written into their temporary directory."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        real = atomic.write_bytes
+
+        def write_bytes(path: Path, data: bytes) -> None:
+            real(path, data)
+            if path.name == "junit.xml":
+                os.kill(os.getpid(), sig)
+
+        mp.setattr(atomic, "write_bytes", write_bytes)
+
+    return prepare
+
+
+def toy_gate(gate):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        real_get = gates.get
+        mp.setattr(gates, "GATE_MODULES", {**gates.GATE_MODULES, gate.name: "toygate"})
+        mp.setattr(gates, "get", lambda name: gate if name == gate.name else real_get(name))
+
+    return prepare
+
+
+RAISES = dataclasses.replace(toygate.GATE, name="toy-raises", arm=lambda b, p: {"y": b["x"] * (1 / 0)})
+
+
+def renderer_raises(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def broken(report):
+        raise KeyError("a bug outside any gate")
+
+    mp.setattr(store, "render_markdown", broken)
+
+
+def env(name: str, value: str):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        mp.setenv(name, value)
+
+    return prepare
+
+
+def report_with_infinity(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A tolerance check against an all-zero truth has an infinite relative error, and an arm
+    timed at zero an infinite speedup."""
+    result = make_tolerance_result()
+    result.parity.tensors[0] = tolerance_check("y", [4, 8], arm=float("inf"), ref=0.0)
+    result.bench[0].comparisons[0].speedup = float("inf")
+    write_report(make_report(results=[result], skipped=[]), tmp / "reports", "run")
+
+
+def one_tensor_two_names(tmp: Path) -> Path:
+    shared = torch.ones(3)
+    return save_buffers({"a": shared, "b": shared}, tmp / "dump")
+
+
+def ten_runs_in_one_second(tmp: Path) -> str:
+    for _ in range(10):
+        newest = write_report(make_report(), tmp / "reports", "run")  # every one starts at 12:00:00
+    assert newest.name.endswith("-10")
+    return list_reports(tmp / "reports")[-1].name
+
+
+# ---- what the cases check beyond the exit code and the message ------------------------------
+
+
+@dataclass
+class Outcome:
+    code: int
+    output: str  # stdout and stderr (a library call: its error, or what it returned)
+    stdout: str = ""
+
+
+def newest_report(tmp: Path) -> dict:
+    path = list_reports(tmp / "reports")[-1]
+    return json.loads((path / "report.json").read_text())
+
+
+def saboteurs_ran_at_the_gates_own_preset(tmp: Path, outcome: Outcome) -> None:
+    own, recorded = newest_report(tmp)["results"]
+    assert own["preset"] == "tiny" and own["saboteurs"] and all(s["caught"] for s in own["saboteurs"])
+    assert recorded["buffers"]["source"] == "loaded" and recorded["saboteurs"] == []
+
+
+def recording_unchanged(tmp: Path, outcome: Outcome) -> None:
+    _, manifest = load_buffers(tmp / "rec")
+    assert manifest.seed == 0  # the first recording's, not 5's
+
+
+def absent(name: str):
+    """Nothing half-made left: no `name`, not even empty, and no temporary beside it."""
+
+    def check(tmp: Path, outcome: Outcome) -> None:
+        assert not (tmp / name).exists() and not list(tmp.glob(atomic.TMP_PREFIX + "*"))
+
+    return check
+
+
+def no_report_nor_temporary(tmp: Path, outcome: Outcome) -> None:
+    assert not any((tmp / "reports").iterdir())  # made by the check before the run, then left empty
+
+
+def report_in_tmp_and_readable(tmp: Path, outcome: Outcome) -> None:
+    (kept,) = (tmp / "tmp").glob("suite-reports-*")
+    assert invoke("report", next(kept.iterdir())).code == 0
+    assert not (tmp / "reports").exists() or not list_reports(tmp / "reports")
+
+
+def fingerprint_profile(expected: str):
+    def check(tmp: Path, outcome: Outcome) -> None:
+        assert newest_report(tmp)["fingerprint"]["profile"] == expected
+
+    return check
+
+
+def traceback_in_report(tmp: Path, outcome: Outcome) -> None:
+    (result,) = newest_report(tmp)["results"]
+    assert "Traceback (most recent call last)" in result["traceback"] and "ZeroDivisionError" in result["traceback"]
+    assert "Traceback" not in outcome.output  # on stderr only with --verbose
+
+
+def traceback_on_stderr(tmp: Path, outcome: Outcome) -> None:
+    assert "Traceback (most recent call last)" in outcome.output
+
+
+def comparison_does_not_say_passed(tmp: Path, outcome: Outcome) -> None:
+    assert "passed" not in outcome.stdout and "nothing compared" in outcome.stdout
+
+
+def both_names_kept(tmp: Path, outcome: Outcome) -> None:
+    loaded, _ = load_buffers(tmp / "dump")
+    assert torch.equal(loaded["a"], loaded["b"])
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    item: str  # the issue's number; "-" for its smaller points
+    given: str
+    command: tuple[str, ...] | Callable[[Path], object]
+    code: ExitCode
+    says: str
+    prepare: Callable[[Path, pytest.MonkeyPatch], None] | None = None
+    check: Callable[[Path, Outcome], None] | None = None
+
+
+CPU = ("--device", "cpu", "--reports", "{tmp}/reports")
+TOO_BIG = str(2**70)  # beyond torch's 64-bit seed
+NOT_UTF8 = b"\xff\xfe\x00\x80not json\x81"
+OK = ExitCode.OK
+FAILED = ExitCode.FAILED
+USAGE = ExitCode.USAGE
+COULD_NOT_RUN = ExitCode.COULD_NOT_RUN
+INTERRUPTED = ExitCode.INTERRUPTED
+
+CASES = [
+    # what a user's own data meets
+    Case("1", "a training dump: 64x256 bf16 x, dy ~1e-3 (save_buffers)", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", *CPU),
+         OK, "saboteurs: not applicable on recorded buffers", dump(seeded(64, 256)), saboteurs_ran_at_the_gates_own_preset),
+    Case("2", "all-NaN x", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "nothing finite to compare", dump(torch.full((8, 32), float("nan")).to(torch.bfloat16))),
+    Case("2", "x with zero rows", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "nothing finite to compare: on these buffers ['y', 'dx'] are empty", dump(seeded(0, 32))),
+    Case("2", "x with a NaN row: judged by NaN positions and the finite rest",
+         ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU), OK, "passed", dump(with_nan_row())),
+    Case("3", "record --out onto a recording", ("record", "rmsnorm", "--preset", "tiny", "--seed", "5", "--out", "{tmp}/rec"),
+         USAGE, "already holds a recording; pass --overwrite", recording, recording_unchanged),
+    Case("3", "save_buffers onto a recording", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "rec", seed=5),
+         USAGE, "overwrite=True", recording, recording_unchanged),
+    Case("3", "record --out a directory that is not a recording",
+         ("record", "rmsnorm", "--preset", "tiny", "--out", "{tmp}", "--overwrite"), USAGE, "not empty and not a buffer recording",
+         file_at("notes.txt", b"mine")),
+    # nothing lost
+    Case("4", "--reports is a file", ("gate", "rmsnorm", "--device", "cpu", "--reports", "{tmp}/file"),
+         USAGE, "cannot write --reports {tmp}/file: it is a file, not a directory", both(file_at("file", b""), no_gate_may_run)),
+    Case("4", "--reports is read-only", ("gate", "rmsnorm", "--device", "cpu", "--reports", "{tmp}/ro"),
+         USAGE, "Permission denied", both(read_only("ro"), no_gate_may_run)),
+    Case("4", "disk full when a failed gate's report is written", ("gate", "toy-wrong", *CPU),
+         FAILED, "wrote it to", both(toy_gate(toygate.GATE), reports_fill_up), report_in_tmp_and_readable),
+    Case("4", "disk full when a passed gate's report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         OK, "wrote it to", reports_fill_up, report_in_tmp_and_readable),
+    Case("7", "SIGTERM while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGTERM", signal_while_writing_report(signal.SIGTERM), no_report_nor_temporary),
+    Case("7", "SIGHUP while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGHUP", signal_while_writing_report(signal.SIGHUP), no_report_nor_temporary),
+    Case("7", "SIGINT while the report is written", ("gate", "rmsnorm", "--no-sabotage", *CPU),
+         INTERRUPTED, "interrupted by SIGINT", signal_while_writing_report(signal.SIGINT), no_report_nor_temporary),
+    # exit codes CI can trust
+    Case("8", "random bytes to suite report", ("report", "{tmp}/random.json"), USAGE, "random.json is not a run report: not UTF-8",
+         file_at("random.json", NOT_UTF8)),
+    Case("8", "UTF-16 JSON to suite report", ("report", "{tmp}/utf16.json"), USAGE, "utf16.json is not a run report: not UTF-8",
+         utf16_report),
+    Case("8", "UTF-16 JSON to baseline compare", ("baseline", "compare", "{tmp}/utf16.json"), USAGE,
+         "utf16.json is not a run report: not UTF-8", utf16_report),
+    Case("8", "UTF-16 JSON to baseline save", ("baseline", "save", "{tmp}/utf16.json", "--baselines", "{tmp}/baselines"), USAGE,
+         "utf16.json is not a run report: not UTF-8", utf16_report),
+    Case("8", "a UTF-16 baseline file", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "rmsnorm.json is not a baseline: not UTF-8", baseline_saved(to_utf16)),
+    Case("8", "a UTF-16 buffer manifest", ("gate", "rmsnorm", "--buffers", "{tmp}/rec", "--no-sabotage", *CPU), COULD_NOT_RUN,
+         "manifest.json is not a buffer manifest: not UTF-8", both(recording, lambda tmp, mp: to_utf16(tmp / "rec" / MANIFEST))),
+    Case("9", "a baseline entry with median_ms 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
+    Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
+         USAGE, "has median_ms -0.5, not a positive time", baseline_saved(arm_median(-0.5))),
+    Case("10", "baseline save --baselines a file", ("baseline", "save", "--reports", "{tmp}/reports", "--baselines", "{tmp}/file"),
+         USAGE, "cannot write --baselines {tmp}/file: it is a file, not a directory", both(bench_report, file_at("file", b""))),
+    Case("10", "baseline save --baselines a read-only dir", ("baseline", "save", "--reports", "{tmp}/reports", "--baselines", "{tmp}/ro"),
+         USAGE, "Permission denied", both(bench_report, read_only("ro"))),
+    Case("11", "gate --seed 2^70", ("gate", "rmsnorm", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "bench --seed 2^70", ("bench", "rmsnorm", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "run --seed 2^70", ("run", "--seed", TOO_BIG, *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("11", "record --seed 2^70", ("record", "rmsnorm", "--preset", "tiny", "--seed", TOO_BIG, "--out", "{tmp}/rec"), USAGE, "--seed",
+         check=absent("rec")),
+    Case("11", "gate --seed -1 (it aliases 2^64-1)", ("gate", "rmsnorm", "--seed", "-1", *CPU), USAGE, "--seed", no_gate_may_run),
+    Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
+         COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
+    Case("13", "baseline compare with no baseline", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/none"),
+         COULD_NOT_RUN, "nothing compared", bench_report, comparison_does_not_say_passed),
+    Case("14", "bench --strict on the CPU (nothing timed)", ("bench", "rmsnorm", "--strict", *CPU), COULD_NOT_RUN,
+         "bench skipped under --strict: timing needs CUDA"),
+    Case("15", "SUITE_PROFILE=rtx", ("gate", "rmsnorm", "--no-sabotage", *CPU), OK, "passed", env("SUITE_PROFILE", "rtx"),
+         fingerprint_profile("rtx")),
+    Case("15", "SUITE_PROFILE=rtx and --profile none", ("gate", "rmsnorm", "--no-sabotage", "--profile", "none", *CPU), OK, "passed",
+         env("SUITE_PROFILE", "rtx"), fingerprint_profile("none")),
+    Case("15", "SUITE_PROFILE=bogus", ("gate", "rmsnorm", *CPU), USAGE, "SUITE_PROFILE must be auto, rtx or none, not 'bogus'",
+         both(env("SUITE_PROFILE", "bogus"), no_gate_may_run)),
+    Case("16", "record a GPU preset on the CPU", ("record", "rmsnorm", "--preset", "16384x4096", "--device", "cpu", "--out", "{tmp}/rec"),
+         COULD_NOT_RUN, "is a GPU preset"),
+    Case("17", "an arm that raises (a bug)", ("gate", "toy-raises", *CPU), COULD_NOT_RUN, "ZeroDivisionError while running",
+         toy_gate(RAISES), traceback_in_report),
+    Case("17", "the suite itself raises (a renderer's bug)", ("gate", "rmsnorm", "--no-sabotage", *CPU), COULD_NOT_RUN,
+         "internal error (KeyError: 'a bug outside any gate'); a bug in suite", renderer_raises, traceback_on_stderr),
+    Case("17", "an arm that raises, --verbose", ("gate", "toy-raises", "--verbose", *CPU), COULD_NOT_RUN,
+         "traceback of toy-raises [tiny]", toy_gate(RAISES), traceback_on_stderr),
+    # smaller points
+    Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
+         COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
+    Case("-", "save_buffers of a meta tensor", lambda tmp: save_buffers({"x": torch.empty(2, device="meta")}, tmp / "dump"),
+         COULD_NOT_RUN, "meta tensor", check=absent("dump")),
+    Case("-", "save_buffers of a tensor named __metadata__", lambda tmp: save_buffers({"__metadata__": torch.ones(2)}, tmp / "dump"),
+         COULD_NOT_RUN, "reserved by safetensors", check=absent("dump")),
+    Case("-", "save_buffers of NaN in params", lambda tmp: save_buffers({"x": torch.ones(2)}, tmp / "dump", params={"eps": float("nan")}),
+         COULD_NOT_RUN, "params['eps'] = nan cannot be kept", check=absent("dump")),
+    Case("-", "save_buffers of one tensor under two names", one_tensor_two_names, OK, "dump", check=both_names_kept),
+    Case("-", "[peers] in suite list's install hint", ("list", "--device", "cpu"), OK, "pip install 'suite[peers]'"),
+    Case("-", "[peers] in suite env's install hint", ("env", "--device", "cpu"), OK, "pip install 'suite[peers]'"),
+    Case("-", "ten runs in one second: the newest", ten_runs_in_one_second, OK, "20261130T120000Z_run-10"),
+    Case("-", "an infinite error ratio in a report", ("report", "{tmp}/reports/20261130T120000Z_run", "--format", "json"), OK,
+         '"arm_rel_l2": "Infinity"', report_with_infinity),
+]
+
+
+# ---- running a case ------------------------------------------------------------------------
+
+
+def invoke(*args) -> Outcome:
+    result = cli.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return Outcome(result.exit_code, result.output, result.stdout)
+
+
+def run_case(case: Case, tmp: Path) -> Outcome:
+    if callable(case.command):
+        try:
+            return Outcome(int(ExitCode.OK), str(case.command(tmp)))
+        except SuiteError as exc:
+            return Outcome(int(exc.exit_code), str(exc))
+    return invoke(*(arg.replace("{tmp}", str(tmp)) for arg in case.command))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.item}:{c.given}" for c in CASES])
+def test_bad_input(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if case.prepare:
+        case.prepare(tmp_path, monkeypatch)
+    outcome = run_case(case, tmp_path)
+    assert outcome.code == case.code, outcome.output
+    assert case.says.replace("{tmp}", str(tmp_path)) in " ".join(outcome.output.split()), outcome.output
+    if case.check:
+        case.check(tmp_path, outcome)
+
+
+def readme_rows() -> set[tuple[str, int]]:
+    """(item, exit code) of each row of the README's "What bad input gets" table."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## What bad input gets", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+    return {(cells[0].strip(), int(cells[-2].strip())) for cells in rows[1:]}  # [0] is the header
+
+
+def test_the_readme_lists_every_case():
+    assert readme_rows() == {(c.item, int(c.code)) for c in CASES} | OTHER_ITEMS
+
+
+# ---- faults that need several processes or an outside signal -------------------------------
+
+OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130)}
+
+
+def test_every_numbered_item_has_a_test():
+    covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
+    assert covered == {str(n) for n in range(1, 18)} | {"-"}
+
+
+def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
+    start.wait()
+    try:
+        save_buffers(tensors, out, seed=seed, overwrite=overwrite)
+        return "saved"
+    except SuiteError as exc:
+        return str(exc)
+
+
+def _report_to(results, i: int, target, args: tuple, start) -> None:
+    results.put((i, target(*args, start)))
+
+
+def _race(n: int, target, args_of) -> list:
+    """Run target(*args_of(i), start) in n forked processes released at once by a barrier;
+    their results in order. The arguments are made before the fork: torch's thread pool does
+    not survive one, so the children must not compute with tensors."""
+    ctx = multiprocessing.get_context("fork")  # the barrier is inherited, never pickled
+    start, results = ctx.Barrier(n), ctx.Queue()
+    workers = [ctx.Process(target=_report_to, args=(results, i, target, args_of(i), start)) for i in range(n)]
+    for w in workers:
+        w.start()
+    found = dict(results.get(timeout=60) for _ in workers)
+    for w in workers:
+        w.join(timeout=60)
+    return [found[i] for i in range(n)]
+
+
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_5_concurrent_saves_into_one_directory_never_mix(tmp_path, overwrite):
+    """Two saves at once: the directory holds one writer's tensors with that writer's
+    manifest; without overwrite the loser is refused, with it the last rename wins."""
+    writers = [{"x": torch.full((512, 512), float(seed)), "y": torch.full((4,), float(seed))} for seed in (1, 2)]
+    for trial in range(15):
+        out = tmp_path / f"rec{trial}"
+        outcomes = _race(2, _save_one, lambda i: (str(out), writers[i], i + 1, overwrite))
+        tensors, manifest = load_buffers(out)  # the digest and shapes agree with the manifest
+        assert torch.all(tensors["x"] == manifest.seed) and torch.all(tensors["y"] == manifest.seed)
+        if not overwrite:  # refused when it looked, or when it came to publish
+            assert sorted(outcomes)[-1] == "saved" and "overwrite" in sorted(outcomes)[0], outcomes
+        else:
+            assert outcomes == ["saved", "saved"]
+        assert not list(tmp_path.glob(".*"))  # no temporary or moved-aside directory left
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_5_a_save_killed_midway_keeps_the_previous_recording(tmp_path, monkeypatch, fail_at):
+    """Whichever rename the interrupt hits, the directory loads as the old recording or the new."""
+    out = tmp_path / "rec"
+    save_buffers({"x": torch.zeros(3)}, out, seed=1)
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if len(calls) == fail_at:
+            raise KeyboardInterrupt
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_buffers({"x": torch.ones(3)}, out, seed=2, overwrite=True)
+    monkeypatch.undo()
+    _, manifest = load_buffers(out)
+    assert manifest.seed == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+
+
+def _save_preset(baselines: str, preset: str, start) -> list[str]:
+    bench = make_bench("fwd", reference_ms=1.0, arm_ms=0.25, peers={}, seed=7)
+    report = make_report(results=[make_tolerance_result(preset=preset, benches=[bench])], skipped=[],
+                         run_id=f"run-{preset}", fingerprint=make_fingerprint())
+    start.wait()
+    return [str(p) for p in save_baseline(report, baselines)]
+
+
+def test_6_concurrent_baseline_saves_keep_every_preset(tmp_path):
+    presets = ["p0", "p1", "p2", "p3"]
+    for trial in range(10):
+        baselines = tmp_path / f"b{trial}"
+        _race(4, _save_preset, lambda i: (str(baselines), presets[i]))
+        kept = load_baseline(baselines / "nvidia-h200" / "rmsnorm.json")
+        assert sorted(r.preset for r in kept.runs) == presets
+
+
+def test_6_a_save_of_several_gates_is_all_or_nothing(tmp_path, monkeypatch):
+    save_baseline(make_report(), tmp_path)
+    before = {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")}
+    assert sorted(before) == ["muon.json", "rmsnorm.json"]
+    real_replace, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # the first file is in place, the second fails
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError):
+        save_baseline(make_report(run_id="second"), tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")} == before
+    assert not list((tmp_path / "nvidia-h200").glob(atomic.TMP_PREFIX + "*"))
+
+
+def test_7_sigterm_from_outside_stops_a_run_with_130(tmp_path):
+    """As CI cancels a job: a real process, signalled while it judges the arm."""
+    reports = tmp_path / "reports"
+    command = [sys.executable, str(ROOT / "cli.py"), "gate", "rmsnorm", "--device", "cpu", "--reports", str(reports)]
+    child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in child.stderr:  # off a terminal the CLI logs each phase as a line
+            if " parity" in line:
+                child.send_signal(signal.SIGTERM)
+                break
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        child.kill()
+    assert child.returncode == ExitCode.INTERRUPTED, stderr
+    assert "interrupted by SIGTERM" in stderr and "Traceback" not in stderr
+    assert not any(reports.iterdir())  # neither a report nor a temporary directory
+
+
+def test_7_stale_temporaries_are_removed_and_fresh_ones_kept(tmp_path):
+    stale, fresh = tmp_path / f"{atomic.TMP_PREFIX}dead", tmp_path / f"{atomic.TMP_PREFIX}live.json-x"
+    stale.mkdir()
+    fresh.write_text("{}")
+    old = os.stat(stale).st_mtime - 2 * atomic.STALE_TMP_S
+    os.utime(stale, (old, old))
+    atomic.replace_files({tmp_path / "b.json": "{}"})
+    assert not stale.exists() and fresh.exists() and (tmp_path / "b.json").read_text() == "{}"
+
+
+def test_7_the_buffers_files_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    synced, real = [], atomic.fsync_path
+    monkeypatch.setattr(atomic, "fsync_path", lambda path: (synced.append(Path(path).name), real(path)))
+    save_buffers({"x": torch.ones(2)}, tmp_path / "rec")
+    assert synced[0] == TENSORS and synced[-1] == tmp_path.name  # the file first, the parent last
