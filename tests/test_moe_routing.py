@@ -1,12 +1,15 @@
-"""MoE routing against a brute-force per-token construction. Tiny shapes: everything here but
-the cuda-marked tests runs on the CPU."""
+"""MoE routing against a brute-force per-token construction, and the eager experts reference
+against its float64 truth. Tiny shapes: everything here but the cuda-marked tests runs on the
+CPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from suite.arms import moe
 
@@ -204,6 +207,113 @@ def test_empty_batch():
 def test_bad_arguments_are_refused(bad):
     with pytest.raises((ValueError, TypeError)):
         moe.route(**bad)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager experts reference against its float64 truth
+# --------------------------------------------------------------------------------------------
+
+
+def make_experts(num_tokens=24, num_experts=4, d=16, f=32, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    x = rand(num_tokens, d)
+    w_gate, w_up = rand(num_experts, d, f, scale=d**-0.5), rand(num_experts, d, f, scale=d**-0.5)
+    w_down = rand(num_experts, f, d, scale=f**-0.5)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
+    dout = rand(num_tokens, d)
+    return x, w_gate, w_up, w_down, logits, dout
+
+
+def run_experts(fn, x, routing, weights, dout, dtype=None):
+    """out and the gradients for x, the three weights and probs, every input cast to `dtype`."""
+    cast = (lambda t: t.detach().to(dtype)) if dtype else (lambda t: t.detach())
+    x, probs = cast(x).requires_grad_(), cast(routing.probs).requires_grad_()
+    weights = [cast(w).requires_grad_() for w in weights]
+    out = fn(x, dataclasses.replace(routing, probs=probs), *weights)
+    grads = torch.autograd.grad(out, (x, *weights, probs), cast(dout))
+    return (out, *grads)
+
+
+def brute_experts(x, routing, w_gate, w_up, w_down):
+    """float64, token by token: sum over kept slots of probs * FFN_e(x[t])."""
+    x, w_gate, w_up, w_down = (t.double() for t in (x, w_gate, w_up, w_down))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(routing.k):
+            if routing.row_id_map[t * routing.k + s] < 0:
+                continue
+            e = routing.expert_ids[t, s]
+            ffn = (F.silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]
+            out[t] += routing.probs[t, s].double() * ffn
+    return out
+
+
+def rel_l2(value, truth):
+    return ((value.double() - truth).norm() / truth.norm()).item()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_truth_is_the_brute_force_sum(capacity_factor):
+    x, w_gate, w_up, w_down, logits, _ = make_experts(num_tokens=10, num_experts=3, d=4, f=6)
+    routing = moe.route(logits, 2, capacity_factor=capacity_factor)
+    truth = moe.experts_truth(x, routing, w_gate, w_up, w_down)
+    assert truth.dtype == torch.float64
+    torch.testing.assert_close(truth, brute_experts(x, routing, w_gate, w_up, w_down), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (2, 0.6), (4, 1.0)])
+def test_reference_matches_the_float64_truth(dtype, bound, k, capacity_factor):
+    x, w_gate, w_up, w_down, logits, dout = make_experts(dtype=dtype)
+    routing = moe.route(logits, k, capacity_factor=capacity_factor)
+    weights = (w_gate, w_up, w_down)
+    got = run_experts(moe.experts_reference, x, routing, weights, dout)
+    truth = run_experts(moe.experts_truth, x, routing, weights, dout, torch.float64)
+    names = ("out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs")
+    for name, g, t in zip(names, got, truth):
+        want_dtype = torch.float32 if name == "dprobs" else dtype
+        assert g.dtype == want_dtype and t.dtype == torch.float64 and g.shape == t.shape, name
+        assert rel_l2(g, t) < bound, (name, rel_l2(g, t))
+
+
+def test_dropped_rows_contribute_nothing():
+    x, w_gate, w_up, w_down, logits, dout = make_experts(num_tokens=16, num_experts=4)
+    logits[:, 0] += 3.0  # expert 0 overflows
+    routing = moe.route(logits, 2, capacity_factor=0.5)
+    dropped = ~routing.kept
+    assert bool(dropped.any())
+    weights = (w_gate, w_up, w_down)
+    out, *_, dprobs = run_experts(moe.experts_reference, x, routing, weights, dout)
+    assert bool((dprobs[dropped] == 0).all())
+    # whatever weight a dropped slot carries, the output is the same
+    scrambled = dataclasses.replace(routing, probs=torch.where(dropped, 1e3, routing.probs))
+    assert torch.equal(moe.experts_reference(x, scrambled, *weights), out.detach())
+    # a token whose every slot was dropped gets zeros
+    empty = dropped.all(-1)
+    assert bool(empty.any()) and bool((out[empty] == 0).all())
+
+
+def test_gradients_reach_the_logits_through_the_reference():
+    x, w_gate, w_up, w_down, logits, dout = make_experts()
+    logits.requires_grad_()
+    out = moe.experts_reference(x, moe.route(logits, 2), w_gate, w_up, w_down)
+    (grad,) = torch.autograd.grad(out, logits, dout)
+    assert grad.shape == logits.shape and bool(grad.isfinite().all()) and bool((grad != 0).any())
+
+
+def test_reference_refuses_mismatched_shapes():
+    x, w_gate, w_up, w_down, logits, _ = make_experts()
+    routing = moe.route(logits, 2)
+    with pytest.raises(ValueError):
+        moe.experts_reference(x[:-1], routing, w_gate, w_up, w_down)
+    with pytest.raises(ValueError):
+        moe.experts_reference(x, routing, w_gate, w_up, w_down.transpose(1, 2))
+    with pytest.raises(ValueError):
+        moe.experts_reference(x, routing, w_gate[:-1], w_up[:-1], w_down[:-1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Mixture-of-experts: top-k routing into an expert-sorted layout.
+"""Mixture-of-experts: top-k routing into an expert-sorted layout, and the experts' eager reference.
 
 Routing (`route`) turns router logits [T, E] into a `Routing`: softmax in fp32, the top k
 experts of each token (ties to the lower expert id), their probabilities renormalised over
@@ -8,6 +8,15 @@ a token picks an expert at most once. With a capacity factor an expert keeps onl
 `capacity` rows in that order (the lowest tokens) and the rest are dropped: they have no
 sorted row and contribute nothing. Everything is built on the device without a host sync, so
 routing can sit inside a captured or overlapped step.
+
+The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]:
+
+    out[t] = sum over kept slots s of probs[t, s] * FFN_e(x[t]),  e = expert_ids[t, s]
+    FFN_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
+
+with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
+autograd reference (gradients for x, the weights and probs, hence the logits);
+`experts_truth` is the same maths in float64, what the gate judges errors against.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import math
 from fractions import Fraction
 
 import torch
+import torch.nn.functional as F
 
 # Row indices and flat (token, slot) indices are stored as int32.
 _MAX_ROWS = 2**31 - 1
@@ -150,3 +160,45 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
         capacity=capacity,
         max_rows=max_rows,
     )
+
+
+def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
+    num_experts, d, f = w_gate.shape
+    if x.dim() != 2 or x.shape[1] != d:
+        raise ValueError(f"experts: x must be [tokens, {d}], got shape {tuple(x.shape)}")
+    if x.shape[0] != routing.num_tokens:
+        raise ValueError(f"experts: x has {x.shape[0]} tokens but the routing has {routing.num_tokens}")
+    if routing.num_experts != num_experts:
+        raise ValueError(f"experts: the routing has {routing.num_experts} experts but the weights {num_experts}")
+    if w_up.shape != (num_experts, d, f) or w_down.shape != (num_experts, f, d):
+        raise ValueError(
+            f"experts: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
+            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
+        )
+
+
+def experts_reference(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
+    weighted sum in fp32 (float64 when x is float64); autograd gives every gradient."""
+    _check_experts_args(x, routing, w_gate, w_up, w_down)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
+    chosen = routing.expert_ids.long()
+    kept = routing.kept
+    for e in range(routing.num_experts):
+        # a token picks an expert at most once, so `tokens` has no repeats and index_add_
+        # below adds each row once: the sum's order is the expert order, run to run
+        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
+        v = x[tokens]
+        hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
+        y = hidden.to(x.dtype) @ w_down[e]
+        weight = routing.probs[tokens, slots].to(wide)
+        out = out.index_add(0, tokens, weight[:, None] * y.to(wide))
+    return out.to(x.dtype)
+
+
+def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """The reference's maths in float64. Pass float64 leaves (x, weights, and routing.probs
+    through `dataclasses.replace`) to get float64 gradients."""
+    wide = dataclasses.replace(routing, probs=routing.probs.double())
+    return experts_reference(x.double(), wide, w_gate.double(), w_up.double(), w_down.double())
