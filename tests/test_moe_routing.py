@@ -1,0 +1,365 @@
+"""MoE routing against a brute-force per-token construction, and the eager experts reference
+against its float64 truth. Tiny shapes: everything here but the cuda-marked tests runs on the
+CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from suite.arms import moe
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def brute_route(logits, k, renormalize=True, capacity_factor=None):
+    """The routing built token by token in plain Python: what `route` must equal."""
+    num_tokens, num_experts = logits.shape
+    full = torch.softmax(logits.detach().float(), dim=-1).tolist()
+    expert_ids, probs = [], []
+    for p in full:
+        ids = sorted(range(num_experts), key=lambda e: (-p[e], e))[:k]  # ties: lower id first
+        chosen = [p[e] for e in ids]
+        total = sum(chosen)
+        expert_ids.append(ids)
+        probs.append([c / total for c in chosen] if renormalize else chosen)
+    capacity = None
+    if capacity_factor is not None:
+        # the factor as thousandths, so the ceiling is integer arithmetic
+        capacity = -(-round(capacity_factor * 1000) * num_tokens * k // (1000 * num_experts))
+    rows_of = [[] for _ in range(num_experts)]  # per expert, its kept flat rows in token order
+    for t in range(num_tokens):
+        for s in range(k):
+            e = expert_ids[t][s]
+            if capacity is None or len(rows_of[e]) < capacity:
+                rows_of[e].append(t * k + s)
+    offsets, sources = [0], []
+    for rows in rows_of:
+        sources += rows
+        offsets.append(len(sources))
+    row_id_map = [-1] * (num_tokens * k)
+    for row, flat in enumerate(sources):
+        row_id_map[flat] = row
+    routed = [sum(ids.count(e) for ids in expert_ids) for e in range(num_experts)]
+    return dict(expert_ids=expert_ids, probs=probs, offsets=offsets, row_id_map=row_id_map,
+                sources=sources, routed=routed, capacity=capacity)
+
+
+def check_against_brute(logits, k, renormalize=True, capacity_factor=None):
+    got = moe.route(logits, k, renormalize, capacity_factor)
+    want = brute_route(logits, k, renormalize, capacity_factor)
+    num_tokens, num_experts = logits.shape
+    int_fields = (got.expert_ids, got.offsets, got.row_id_map, got.source_of_row, got.token_of_row, got.routed_counts)
+    assert all(t.dtype == torch.int32 for t in int_fields)
+    assert got.probs.dtype == torch.float32 and got.probs.shape == (num_tokens, k)
+    assert got.expert_ids.tolist() == want["expert_ids"]
+    want_probs = torch.tensor(want["probs"], dtype=torch.float64).reshape(num_tokens, k)
+    torch.testing.assert_close(got.probs.double(), want_probs, rtol=1e-6, atol=0)
+    assert got.offsets.tolist() == want["offsets"]
+    assert got.row_id_map.tolist() == want["row_id_map"]
+    assert got.routed_counts.tolist() == want["routed"]
+    assert got.capacity == want["capacity"]
+    kept = len(want["sources"])
+    assert got.max_rows == (num_tokens * k if got.capacity is None else min(num_tokens * k, num_experts * got.capacity))
+    padding = [-1] * (got.max_rows - kept)
+    assert got.source_of_row.tolist() == want["sources"] + padding
+    assert got.token_of_row.tolist() == [flat // k for flat in want["sources"]] + padding
+    assert got.num_rows.item() == kept and got.num_dropped.item() == num_tokens * k - kept
+    return got
+
+
+def random_logits(num_tokens, num_experts, seed=0):
+    return torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_experts, k", [(16, 8, 1), (13, 8, 2), (9, 8, 8), (30, 16, 8), (7, 5, 3), (1, 3, 2)]
+)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_brute_force(num_tokens, num_experts, k, renormalize):
+    check_against_brute(random_logits(num_tokens, num_experts), k, renormalize)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_ties_go_to_the_lower_expert_id(k):
+    # few distinct values: most tokens have ties inside and across the top-k boundary
+    logits = torch.randint(0, 3, (40, 6), generator=torch.Generator().manual_seed(1)).float()
+    logits[0] = 0.0  # all six tied: experts 0..k-1
+    got = check_against_brute(logits, k)
+    assert got.expert_ids[0].tolist() == list(range(k))
+
+
+def test_ties_resolve_by_id_whatever_the_column_order():
+    # the tied pair sits above a larger value in id order and below it in a reversed layout
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [3.0, 1.0, 3.0, 3.0]])
+    assert moe.route(logits, 2).expert_ids.tolist() == [[1, 3], [0, 2]]
+
+
+def test_an_expert_with_no_tokens_and_all_tokens_to_one_expert():
+    logits = random_logits(11, 6)
+    logits[:, 4] = -1e4  # never chosen
+    got = check_against_brute(logits, 2)
+    assert got.routed_counts[4].item() == 0 and got.offsets[4] == got.offsets[5]
+
+    logits = random_logits(11, 6, seed=2)
+    logits[:, 2] = 1e4
+    got = check_against_brute(logits, 1)
+    assert got.offsets.tolist() == [0, 0, 0, 11, 11, 11, 11]
+    assert got.token_of_row.tolist() == list(range(11))
+    # the same with a capacity: only the first tokens fit
+    got = check_against_brute(logits, 1, capacity_factor=1.0)
+    assert got.capacity == 2 and got.offsets.tolist() == [0, 0, 0, 2, 2, 2, 2]
+    assert got.row_id_map.tolist() == [0, 1] + [-1] * 9
+
+
+@pytest.mark.parametrize("capacity_factor", [0.25, 0.5, 1.0, 1.1, 1.25, 2.0, 100.0])
+@pytest.mark.parametrize("num_tokens, num_experts, k", [(13, 4, 2), (7, 5, 3), (20, 8, 1)])
+def test_capacity_drops_the_highest_tokens(num_tokens, num_experts, k, capacity_factor):
+    # skewed logits so that some experts overflow
+    logits = random_logits(num_tokens, num_experts, seed=3) + torch.linspace(2, 0, num_experts)
+    got = check_against_brute(logits, k, capacity_factor=capacity_factor)
+    kept_counts = got.offsets.diff()
+    assert bool((kept_counts <= got.capacity).all())
+    assert torch.equal(kept_counts, got.routed_counts.clamp(max=got.capacity))
+
+
+def test_capacity_reads_the_factor_as_its_decimal():
+    # binary 1.1 is a little above 1.1: a float product would round 11.000000000000002 up to 12
+    assert moe.expert_capacity(1.1, 10, 1, 1) == 11
+    assert moe.expert_capacity(1.25, 13, 2, 4) == math.ceil(1.25 * 26 / 4)
+    assert moe.expert_capacity(0.01, 3, 1, 8) == 1
+
+
+def test_layout_consistency():
+    got = moe.route(random_logits(37, 6, seed=4) + torch.linspace(1, 0, 6), 3, capacity_factor=0.9)
+    num_tokens, k = got.expert_ids.shape
+    rows = got.row_id_map[got.row_id_map >= 0]
+    num_rows = got.num_rows.item()
+    assert sorted(rows.tolist()) == list(range(num_rows))  # every kept row appears once
+    assert bool((got.row_id_map >= -1).all()) and got.num_dropped.item() > 0
+    assert torch.equal(got.kept.reshape(-1), got.row_id_map >= 0)
+    flat_ids = got.expert_ids.reshape(-1).long()
+    for e in range(got.num_experts):
+        start, end = got.offsets[e].item(), got.offsets[e + 1].item()
+        sources = got.source_of_row[start:end].long()
+        assert bool((flat_ids[sources] == e).all())  # one expert's rows are contiguous
+        assert sources.tolist() == sorted(sources.tolist())  # in token order
+        assert torch.equal(got.row_id_map[sources], torch.arange(start, end, dtype=torch.int32))
+        # what was dropped for this expert comes after every token it kept
+        dropped = ((flat_ids == e) & (got.row_id_map < 0)).nonzero().flatten()
+        if len(dropped) and len(sources):
+            assert dropped.min() > sources.max()
+    assert torch.equal(got.token_of_row[:num_rows], got.source_of_row[:num_rows] // k)
+
+
+def test_renormalisation():
+    logits = random_logits(9, 8, seed=5)
+    plain = moe.route(logits, 3, renormalize=False)
+    norm = moe.route(logits, 3)
+    full = torch.softmax(logits, -1)
+    assert torch.equal(plain.probs, full.gather(1, plain.expert_ids.long()))
+    torch.testing.assert_close(norm.probs.sum(-1), torch.ones(9), rtol=0, atol=1e-6)
+    torch.testing.assert_close(norm.probs, plain.probs / plain.probs.sum(-1, keepdim=True), rtol=0, atol=0)
+    assert torch.equal(moe.route(logits, 1).probs, torch.ones(9, 1))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_probs_keep_the_autograd_link_to_the_logits(renormalize):
+    logits = random_logits(6, 5, seed=6).requires_grad_()
+    routing = moe.route(logits, 2, renormalize)
+    upstream = random_logits(6, 2, seed=7)
+    (grad,) = torch.autograd.grad(routing.probs, logits, upstream)
+    # the same chain in float64 with the choice held fixed
+    wide = logits.detach().double().requires_grad_()
+    probs = torch.softmax(wide, -1).gather(1, routing.expert_ids.long())
+    if renormalize:
+        probs = probs / probs.sum(-1, keepdim=True)
+    (truth,) = torch.autograd.grad(probs, wide, upstream.double())
+    torch.testing.assert_close(grad.double(), truth, rtol=1e-5, atol=1e-7)
+    assert logits.grad is None and bool((grad != 0).any())
+
+
+def test_logits_of_any_float_dtype_route_in_fp32():
+    logits = random_logits(8, 4, seed=8)
+    half = moe.route(logits.bfloat16(), 2)
+    assert half.probs.dtype == torch.float32
+    assert torch.equal(half.expert_ids, check_against_brute(logits.bfloat16(), 2).expert_ids)
+
+
+def test_empty_batch():
+    got = moe.route(torch.zeros(0, 4), 2, capacity_factor=1.0)
+    assert got.offsets.tolist() == [0] * 5 and got.row_id_map.numel() == 0 and got.max_rows == 0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(logits=torch.zeros(4), k=1),
+    dict(logits=torch.zeros(4, 0), k=1),
+    dict(logits=torch.zeros(4, 3, dtype=torch.int64), k=1),
+    dict(logits=torch.zeros(4, 3), k=0),
+    dict(logits=torch.zeros(4, 3), k=4),
+    dict(logits=torch.zeros(4, 3), k=1, capacity_factor=0.0),
+    dict(logits=torch.zeros(4, 3), k=1, capacity_factor=float("inf")),
+])
+def test_bad_arguments_are_refused(bad):
+    with pytest.raises((ValueError, TypeError)):
+        moe.route(**bad)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager experts reference against its float64 truth
+# --------------------------------------------------------------------------------------------
+
+
+def make_experts(num_tokens=24, num_experts=4, d=16, f=32, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen)).to(device, dtype)
+
+    x = rand(num_tokens, d)
+    w_gate, w_up = rand(num_experts, d, f, scale=d**-0.5), rand(num_experts, d, f, scale=d**-0.5)
+    w_down = rand(num_experts, f, d, scale=f**-0.5)
+    logits = torch.randn(num_tokens, num_experts, generator=gen).to(device)
+    dout = rand(num_tokens, d)
+    return x, w_gate, w_up, w_down, logits, dout
+
+
+def run_experts(fn, x, routing, weights, dout, dtype=None):
+    """out and the gradients for x, the three weights and probs, every input cast to `dtype`."""
+    cast = (lambda t: t.detach().to(dtype)) if dtype else (lambda t: t.detach())
+    x, probs = cast(x).requires_grad_(), cast(routing.probs).requires_grad_()
+    weights = [cast(w).requires_grad_() for w in weights]
+    out = fn(x, dataclasses.replace(routing, probs=probs), *weights)
+    grads = torch.autograd.grad(out, (x, *weights, probs), cast(dout))
+    return (out, *grads)
+
+
+def brute_experts(x, routing, w_gate, w_up, w_down):
+    """float64, token by token: sum over kept slots of probs * FFN_e(x[t])."""
+    x, w_gate, w_up, w_down = (t.double() for t in (x, w_gate, w_up, w_down))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for s in range(routing.k):
+            if routing.row_id_map[t * routing.k + s] < 0:
+                continue
+            e = routing.expert_ids[t, s]
+            ffn = (F.silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e])) @ w_down[e]
+            out[t] += routing.probs[t, s].double() * ffn
+    return out
+
+
+def rel_l2(value, truth):
+    return ((value.double() - truth).norm() / truth.norm()).item()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_truth_is_the_brute_force_sum(capacity_factor):
+    x, w_gate, w_up, w_down, logits, _ = make_experts(num_tokens=10, num_experts=3, d=4, f=6)
+    routing = moe.route(logits, 2, capacity_factor=capacity_factor)
+    truth = moe.experts_truth(x, routing, w_gate, w_up, w_down)
+    assert truth.dtype == torch.float64
+    torch.testing.assert_close(truth, brute_experts(x, routing, w_gate, w_up, w_down), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("k, capacity_factor", [(1, None), (2, None), (2, 0.6), (4, 1.0)])
+def test_reference_matches_the_float64_truth(dtype, bound, k, capacity_factor):
+    x, w_gate, w_up, w_down, logits, dout = make_experts(dtype=dtype)
+    routing = moe.route(logits, k, capacity_factor=capacity_factor)
+    weights = (w_gate, w_up, w_down)
+    got = run_experts(moe.experts_reference, x, routing, weights, dout)
+    truth = run_experts(moe.experts_truth, x, routing, weights, dout, torch.float64)
+    names = ("out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs")
+    for name, g, t in zip(names, got, truth):
+        want_dtype = torch.float32 if name == "dprobs" else dtype
+        assert g.dtype == want_dtype and t.dtype == torch.float64 and g.shape == t.shape, name
+        assert rel_l2(g, t) < bound, (name, rel_l2(g, t))
+
+
+def test_dropped_rows_contribute_nothing():
+    x, w_gate, w_up, w_down, logits, dout = make_experts(num_tokens=16, num_experts=4)
+    logits[:, 0] += 3.0  # expert 0 overflows
+    routing = moe.route(logits, 2, capacity_factor=0.5)
+    dropped = ~routing.kept
+    assert bool(dropped.any())
+    weights = (w_gate, w_up, w_down)
+    out, *_, dprobs = run_experts(moe.experts_reference, x, routing, weights, dout)
+    assert bool((dprobs[dropped] == 0).all())
+    # whatever weight a dropped slot carries, the output is the same
+    scrambled = dataclasses.replace(routing, probs=torch.where(dropped, 1e3, routing.probs))
+    assert torch.equal(moe.experts_reference(x, scrambled, *weights), out.detach())
+    # a token whose every slot was dropped gets zeros
+    empty = dropped.all(-1)
+    assert bool(empty.any()) and bool((out[empty] == 0).all())
+
+
+def test_gradients_reach_the_logits_through_the_reference():
+    x, w_gate, w_up, w_down, logits, dout = make_experts()
+    logits.requires_grad_()
+    out = moe.experts_reference(x, moe.route(logits, 2), w_gate, w_up, w_down)
+    (grad,) = torch.autograd.grad(out, logits, dout)
+    assert grad.shape == logits.shape and bool(grad.isfinite().all()) and bool((grad != 0).any())
+
+
+def test_reference_refuses_mismatched_shapes():
+    x, w_gate, w_up, w_down, logits, _ = make_experts()
+    routing = moe.route(logits, 2)
+    with pytest.raises(ValueError):
+        moe.experts_reference(x[:-1], routing, w_gate, w_up, w_down)
+    with pytest.raises(ValueError):
+        moe.experts_reference(x, routing, w_gate, w_up, w_down.transpose(1, 2))
+    with pytest.raises(ValueError):
+        moe.experts_reference(x, routing, w_gate[:-1], w_up[:-1], w_down[:-1])
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU
+# --------------------------------------------------------------------------------------------
+
+
+def routing_tensors(routing):
+    return [routing.probs.view(torch.int32), routing.expert_ids, routing.offsets, routing.row_id_map,
+            routing.source_of_row, routing.token_of_row, routing.routed_counts]
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_route_never_syncs_with_the_host(capacity_factor):
+    logits = torch.randn(4096, 64, device="cuda", requires_grad=True)
+    moe.route(logits, 8, capacity_factor=capacity_factor)  # first call: lazy init may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        routing = moe.route(logits, 8, capacity_factor=capacity_factor)
+        routing.num_rows, routing.num_dropped, routing.kept  # noqa: B018 - must not sync either
+        routing.probs.backward(torch.ones_like(routing.probs))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_route_is_deterministic(capacity_factor):
+    gen = torch.Generator().manual_seed(9)
+    # integer logits: ties everywhere
+    logits = torch.randint(0, 4, (8192, 32), generator=gen).float().cuda()
+    first, second = (moe.route(logits, 4, capacity_factor=capacity_factor) for _ in range(2))
+    for a, b in zip(routing_tensors(first), routing_tensors(second)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_route_on_the_gpu_matches_the_cpu():
+    # integer logits: ties are exact on both devices and distinct values stay far apart
+    logits = torch.randint(0, 4, (513, 16), generator=torch.Generator().manual_seed(10)).float()
+    cpu, gpu = moe.route(logits, 3, capacity_factor=0.8), moe.route(logits.cuda(), 3, capacity_factor=0.8)
+    for a, b in zip(routing_tensors(cpu)[1:], routing_tensors(gpu)[1:]):
+        assert torch.equal(a, b.cpu())
+    torch.testing.assert_close(cpu.probs, gpu.probs.cpu())
