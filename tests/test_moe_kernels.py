@@ -1,0 +1,174 @@
+"""The MoE expert kernels against plain torch (float64) on a hand-built ragged layout.
+
+Without a GPU the kernels run under Triton's interpreter (tests/conftest.py): shapes stay tiny,
+and fp32 carries the tight checks (the interpreter's bf16 tl.dot is wrong; the kernels upcast
+bf16 there, so bf16 runs too, at bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.arms import moe_kernels as mk
+from suite.arms import triton_support
+from suite.device_profile import RTX_SMEM_BYTES
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# T tokens, top-k, hidden d, expert width f: d and f are no multiple of the 16-wide
+# interpreter tiles, T * k is no multiple of the row tile.
+T, K, D, F = 15, 2, 40, 24
+# Rows per expert: expert 0 spans two row tiles, expert 1 is empty; one slot is dropped.
+COUNTS = (18, 0, 4, 7)
+E = len(COUNTS)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_layout(seed=0):
+    """-> dict of the routing's outputs plus expert_of_row, R and the per-slot experts."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = [e for e, n in enumerate(COUNTS) for _ in range(n)] + [-1] * (T * K - sum(COUNTS))
+    assert len(slots) == T * K and slots.count(-1) == 1
+    slot_expert = torch.tensor(slots)[torch.randperm(T * K, generator=gen)]
+    kept = (slot_expert >= 0).nonzero().flatten()
+    order = kept[torch.sort(slot_expert[kept], stable=True).indices]  # slot of each sorted row
+    n_rows = order.numel()
+    row_id_map = torch.full((T * K,), -1, dtype=torch.int32)
+    row_id_map[order] = torch.arange(n_rows, dtype=torch.int32)
+    token_of_row = torch.full((T * K,), -1, dtype=torch.int32)  # unused rows hold -1: never read
+    token_of_row[:n_rows] = (order // K).int()
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.tensor(COUNTS), 0)
+    probs = torch.rand(T, K, generator=gen)
+    return {
+        "token_of_row": token_of_row.to(DEVICE), "row_id_map": row_id_map.to(DEVICE),
+        "offsets": offsets.to(DEVICE), "probs": probs.to(DEVICE),
+        "expert_of_row": slot_expert[order], "R": n_rows,
+    }
+
+
+def make_weights(dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    w_gate = torch.randn(E, D, F, generator=gen) / D**0.5
+    w_up = torch.randn(E, D, F, generator=gen) / D**0.5
+    w_down = torch.randn(E, F, D, generator=gen) / F**0.5
+    return [t.to(DEVICE, dtype) for t in (x, w_gate, w_up, w_down)]
+
+
+def assert_close(value, truth, dtype):
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(value.double(), truth, rtol=tol, atol=tol * truth.abs().max().item())
+
+
+def per_row(layout, fn):
+    """Stack fn(row, expert) over the R kept rows, in float64."""
+    rows = [fn(r, int(e)) for r, e in enumerate(layout["expert_of_row"])]
+    return torch.stack(rows)
+
+
+# ---- forward up ----
+
+
+def up_reference(layout, x, w_gate, w_up):
+    tok = layout["token_of_row"].long().cpu()
+    x64, wg, wu = x.double().cpu(), w_gate.double().cpu(), w_up.double().cpu()
+    g = per_row(layout, lambda r, e: x64[tok[r]] @ wg[e])
+    u = per_row(layout, lambda r, e: x64[tok[r]] @ wu[e])
+    return torch.nn.functional.silu(g) * u, g, u
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_expert_up_matches_torch(dtype):
+    layout = make_layout()
+    x, w_gate, w_up, _ = make_weights(dtype)
+    a, g, u = mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"])
+    R = layout["R"]
+    assert a.shape == g.shape == u.shape == (T * K, F) and a.dtype == dtype
+    for value, truth in zip((a, g, u), up_reference(layout, x, w_gate, w_up)):
+        assert_close(value[:R].cpu(), truth, dtype)
+
+
+def test_expert_up_reuses_given_buffers_and_can_skip_the_preactivations():
+    layout = make_layout()
+    x, w_gate, w_up, _ = make_weights(torch.float32)
+    bufs = [torch.empty(T * K, F, device=DEVICE) for _ in range(3)]
+    a, g, u = mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
+                           out=bufs[0], gate_out=bufs[1], up_out=bufs[2])
+    assert [t.data_ptr() for t in (a, g, u)] == [b.data_ptr() for b in bufs]
+    a2, g2, u2 = mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
+                              save_preactivations=False)
+    assert g2 is None and u2 is None
+    R = layout["R"]
+    assert torch.equal(a2[:R], a[:R])  # deterministic, and independent of SAVE
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: torch.empty(T * K, F + 1, device=DEVICE),
+        lambda: torch.empty(T * K, F, device=DEVICE, dtype=torch.float16),
+        lambda: torch.empty(F, T * K, device=DEVICE).t(),
+    ],
+    ids=["shape", "dtype", "not-contiguous"],
+)
+def test_a_wrong_buffer_is_refused_with_the_fix(bad):
+    layout = make_layout()
+    x, w_gate, w_up, _ = make_weights(torch.float32)
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \(30, 24\)"):
+        mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"], out=bad())
+
+
+def test_layout_of_the_wrong_dtype_is_refused():
+    layout = make_layout()
+    x, w_gate, w_up, _ = make_weights(torch.float32)
+    with pytest.raises(ValueError, match="offsets must be a contiguous 1-D int32"):
+        mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"].long())
+
+
+# ---- tile configs fit the RTX card's shared memory ----
+
+# (rows per expert, N) classes: decode-like and prefill-like, narrow and wide outputs
+SHAPE_CLASSES = [(8, 768), (64, 1024), (512, 2048), (4096, 14336), (1024, 24), (300, 4096)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows_per_expert, n", SHAPE_CLASSES)
+@pytest.mark.parametrize("n_a, n_b", [(1, 1), (1, 2), (2, 2)])
+def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype, rows_per_expert, n, n_a, n_b):
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    cfg = mk._gemm_config(rows_per_expert, n, dtype, n_a, n_b, torch.device("cuda", 0))
+    assert cfg.smem_bytes <= RTX_SMEM_BYTES
+    assert cfg.num_stages >= 2  # every class still pipelines on the RTX card
+
+
+class _Recorder(dict):
+    def __init__(self, into):
+        super().__init__()
+        self.into = into
+
+    def __setitem__(self, name, compiled):
+        self.into.append((name, compiled))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens, d, f, experts, k", [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)])
+def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    recorded = []
+    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
+    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
+    x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, d, f, device="cuda", dtype=torch.bfloat16)
+    expert = torch.arange(tokens * k, device="cuda") % experts
+    order = torch.sort(expert, stable=True).indices
+    token_of_row = (order // k).int()
+    offsets = torch.zeros(experts + 1, dtype=torch.int32, device="cuda")
+    offsets[1:] = torch.cumsum(torch.bincount(expert, minlength=experts), 0)
+    mk.expert_up(x, w, w, token_of_row, offsets)
+    assert {name for name, _ in recorded} >= {"_up_kernel"}
+    for name, compiled in recorded:
+        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
