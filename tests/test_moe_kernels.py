@@ -128,6 +128,89 @@ def test_layout_of_the_wrong_dtype_is_refused():
         mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"].long())
 
 
+# ---- forward down and the combine ----
+
+
+def down_reference(layout, a, w_down):
+    a64, wd = a.double().cpu(), w_down.double().cpu()
+    return per_row(layout, lambda r, e: a64[r] @ wd[e])
+
+
+def combine_reference(layout, rows, probs=None):
+    """Slots summed in order 0..k-1, dropped ones skipped, in float64."""
+    row_id_map = layout["row_id_map"].long().cpu()
+    rows64 = rows.double().cpu()
+    out = torch.zeros(T, rows.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for s in range(K):
+            row = row_id_map[t * K + s]
+            if row >= 0:
+                weight = 1.0 if probs is None else probs[t, s].double().cpu()
+                out[t] += weight * rows64[row]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_expert_down_matches_torch(dtype):
+    layout = make_layout()
+    _, _, _, w_down = make_weights(dtype)
+    a = torch.randn(T * K, F).to(DEVICE, dtype)
+    y = mk.expert_down(a, w_down, layout["offsets"])
+    assert y.shape == (T * K, D) and y.dtype == dtype
+    assert_close(y[: layout["R"]].cpu(), down_reference(layout, a[: layout["R"]], w_down), dtype)
+
+
+def test_expert_down_reuses_out_and_refuses_a_wrong_one():
+    layout = make_layout()
+    _, _, _, w_down = make_weights(torch.float32)
+    a = torch.randn(T * K, F, device=DEVICE)
+    buf = torch.empty(T * K, D, device=DEVICE)
+    assert mk.expert_down(a, w_down, layout["offsets"], out=buf).data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError, match=r"expert_down: out must be a contiguous torch.float32 tensor of shape \(30, 40\)"):
+        mk.expert_down(a, w_down, layout["offsets"], out=torch.empty(T * K, D + 1, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_sums_the_weighted_slots_in_order(dtype):
+    layout = make_layout()
+    rows = torch.randn(T * K, D).to(DEVICE, dtype)
+    out = mk.combine(rows, layout["row_id_map"], layout["probs"])
+    assert out.shape == (T, D) and out.dtype == dtype
+    assert_close(out.cpu(), combine_reference(layout, rows, layout["probs"]), dtype)
+    # the token with the dropped slot gets its kept slot alone (K = 2)
+    dropped = int((layout["row_id_map"] < 0).nonzero()[0])
+    t, other = dropped // K, layout["row_id_map"][dropped // K * K + 1 - dropped % K]
+    expected = layout["probs"][t, 1 - dropped % K] * rows[other].float()
+    assert torch.equal(out[t], expected.to(dtype))
+
+
+def test_combine_without_probs_is_the_plain_sum_and_reuses_out():
+    layout = make_layout()
+    rows = torch.randn(T * K, D, device=DEVICE)
+    buf = torch.empty(T, D, device=DEVICE)
+    out = mk.combine(rows, layout["row_id_map"], top_k=K, out=buf)
+    assert out.data_ptr() == buf.data_ptr()
+    assert_close(out.cpu(), combine_reference(layout, rows), torch.float32)
+    with pytest.raises(ValueError, match="pass probs, or top_k"):
+        mk.combine(rows, layout["row_id_map"])
+
+
+def test_forward_end_to_end_matches_a_per_expert_torch_moe():
+    layout = make_layout()
+    x, w_gate, w_up, w_down = make_weights(torch.float32)
+    a, _, _ = mk.expert_up(x, w_gate, w_up, layout["token_of_row"], layout["offsets"], save_preactivations=False)
+    out = mk.combine(mk.expert_down(a, w_down, layout["offsets"]), layout["row_id_map"], layout["probs"])
+    # the plain MoE: each (token, slot) through its expert, weighted and summed
+    truth = torch.zeros(T, D, dtype=torch.float64)
+    x64, wg, wu, wd = (t.double().cpu() for t in (x, w_gate, w_up, w_down))
+    for slot, row in enumerate(layout["row_id_map"].tolist()):
+        if row >= 0:
+            t, e = slot // K, int(layout["expert_of_row"][row])
+            h = torch.nn.functional.silu(x64[t] @ wg[e]) * (x64[t] @ wu[e])
+            truth[t] += layout["probs"][t, slot % K].double().cpu() * (h @ wd[e])
+    assert_close(out.cpu(), truth, torch.float32)
+
+
 # ---- tile configs fit the RTX card's shared memory ----
 
 # (rows per expert, N) classes: decode-like and prefill-like, narrow and wide outputs
@@ -168,7 +251,12 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, exper
     token_of_row = (order // k).int()
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(torch.bincount(expert, minlength=experts), 0)
-    mk.expert_up(x, w, w, token_of_row, offsets)
-    assert {name for name, _ in recorded} >= {"_up_kernel"}
+    a, _, _ = mk.expert_up(x, w, w, token_of_row, offsets)
+    y = mk.expert_down(a, w.transpose(1, 2).contiguous(), offsets)
+    probs = torch.rand(tokens, k, device="cuda")
+    row_id_map = torch.empty(tokens * k, dtype=torch.int32, device="cuda")
+    row_id_map[order] = torch.arange(tokens * k, dtype=torch.int32, device="cuda")
+    mk.combine(y, row_id_map, probs)
+    assert {name for name, _ in recorded} >= {"_up_kernel", "_rows_gemm_kernel", "_combine_kernel"}
     for name, compiled in recorded:
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

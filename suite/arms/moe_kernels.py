@@ -103,6 +103,63 @@ def _up_kernel(
             tl.store(U + out, acc_u.to(U.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rows_gemm_kernel(
+    A, B, OFFSETS, C,
+    n_experts, n_k, n_n, sb_e, sb_k, sb_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """C[r] = A[r] @ B[e] for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A: [R_max, n_k],
+    C: [R_max, n_n], both contiguous; B[e] read through its strides (a transposed weight is
+    its strides swapped)."""
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    if expert < n_experts:
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        wide_rows = rows.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_n
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = A + wide_rows[:, None] * n_k + ks[None, :]
+        b_ptrs = B + expert.to(tl.int64) * sb_e + ks[:, None].to(tl.int64) * sb_k + cols[None, :] * sb_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, n_k, BLOCK_K):
+            k_mask = ks < n_k - k0
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = _dot(a, b, acc, UPCAST)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * sb_k
+        out = wide_rows[:, None] * n_n + cols[None, :]
+        tl.store(C + out, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    ROWS, ROW_ID_MAP, PROBS, OUT, n_tokens, d,
+    TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """OUT[t] = sum over slots s = 0..TOP_K-1, in that order, of probs[t, s] * ROWS[row] (or of
+    ROWS[row] without WEIGHTED), row = row_id_map[t * TOP_K + s], dropped slots (-1) skipped."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens
+    slot0 = tokens.to(tl.int64) * TOP_K
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < d
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for s in tl.static_range(TOP_K):
+        row = tl.load(ROW_ID_MAP + slot0 + s, mask=token_mask, other=-1)
+        kept = row >= 0
+        y = tl.load(ROWS + row.to(tl.int64)[:, None] * d + cols[None, :], mask=kept[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y *= tl.load(PROBS + slot0 + s, mask=kept, other=0.0)[:, None]
+        acc += y
+    out = tokens.to(tl.int64)[:, None] * d + cols[None, :]
+    tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=token_mask[:, None] & col_mask[None, :])
+
+
 # --------------------------------------------------------------------------------------------
 # Launch heuristics
 # --------------------------------------------------------------------------------------------
@@ -160,6 +217,17 @@ def _gemm_config(rows_per_expert: int, n: int, dtype: torch.dtype, n_a: int, n_b
         if config.smem_bytes <= limit:
             return config
     raise AssertionError(f"no stage count fits {limit} bytes of shared memory: {config}")
+
+
+# The combine is a streaming gather: tiles of 32 tokens x 128 columns (16 KiB fp32), 4 warps.
+COMBINE_BLOCK_T = 32
+COMBINE_BLOCK_D = 128
+
+
+def _combine_blocks(n_tokens: int, d: int, device) -> tuple[int, int]:
+    if _interpreting() and device.type != "cuda":
+        return 8, 16  # several programs and masked edges at test sizes
+    return COMBINE_BLOCK_T, min(COMBINE_BLOCK_D, max(16, triton.next_power_of_2(d)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,3 +326,69 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return a, g, u
+
+
+def expert_down(a, w_down, offsets, *, out=None):
+    """y_rows[r] = a[r] @ w_down[e] for every sorted row r of expert e; a [R_max, f], w_down
+    [E, f, d]. -> y_rows [R_max, d] in a's dtype, rows past offsets[E] unwritten. out: a
+    caller-owned buffer, reused."""
+    fn = "expert_down"
+    _check_dtype(a, fn)
+    _require_runnable(a, fn)
+    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    n_experts, f, d = w_down.shape
+    _check_rows(a, fn, "a", a.shape[0], f, w_down.dtype, w_down.device)
+    _check_index(offsets, fn, "offsets", a.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    n_rows = a.shape[0]
+    y = _buffer(out, fn, "out", (n_rows, d), a.dtype, a.device)
+    _grouped_rows(a, w_down, w_down.stride(), offsets, y)
+    return y
+
+
+def _grouped_rows(a, w, w_strides, offsets, c):
+    """c[r] = a[r] @ W[e] over the ragged rows, W[e] read as [K, N] through w_strides (e, k, n)."""
+    n_rows, n_k = a.shape
+    n_n = c.shape[1]
+    n_experts = offsets.shape[0] - 1
+    if n_rows and n_experts and n_n:
+        cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 1, 1, a.device)
+        grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
+        launch(
+            _rows_gemm_kernel, grid,
+            a, w, offsets, c, n_experts, n_k, n_n, *w_strides,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(n_experts), UPCAST=_upcast(a.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None):
+    """out[t] = sum over slots s = 0..k-1, in that order, of probs[t, s] * rows[row_id_map[t*k + s]]
+    (dropped slots, -1, skipped), summed in fp32, out [T, d] in rows' dtype. Without probs, the
+    plain sum (the gather of dx rows back to tokens); k is then `top_k`. out: a caller-owned
+    buffer, reused."""
+    fn = "combine"
+    _check_dtype(rows, fn)
+    _require_runnable(rows, fn)
+    _check(rows.dim() == 2 and rows.is_contiguous(), fn, f"rows must be a contiguous (R_max, d) tensor, got {tuple(rows.shape)}")
+    _check_index(row_id_map, fn, "row_id_map", rows.device)
+    if probs is not None:
+        _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
+               f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+        _check(probs.device == rows.device, fn, f"probs is on {probs.device}, rows on {rows.device}")
+        _check(top_k in (None, probs.shape[1]), fn, f"top_k={top_k} but probs has {probs.shape[1]} slots")
+        top_k = probs.shape[1]
+    _check(top_k is not None and top_k > 0, fn, "pass probs, or top_k for the unweighted sum")
+    _check(row_id_map.shape[0] % top_k == 0, fn, f"row_id_map has {row_id_map.shape[0]} slots, no multiple of k={top_k}")
+    n_tokens, d = row_id_map.shape[0] // top_k, rows.shape[1]
+    _check(probs is None or probs.shape[0] == n_tokens, fn, f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
+    result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
+    if n_tokens and d:
+        block_t, block_d = _combine_blocks(n_tokens, d, rows.device)
+        launch(
+            _combine_kernel, (_cdiv(n_tokens, block_t), _cdiv(d, block_d)),
+            rows, row_id_map, rows if probs is None else probs, result, n_tokens, d,
+            TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        )
+    return result
