@@ -211,6 +211,135 @@ def test_forward_end_to_end_matches_a_per_expert_torch_moe():
     assert_close(out.cpu(), truth, torch.float32)
 
 
+# ---- backward ----
+
+
+def randn_rows(width, dtype, seed):
+    return torch.randn(T * K, width, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def per_expert_weight_grad(layout, lhs_rows, grad_rows):
+    """dW[e] = lhs_e^T @ grad_e over each expert's rows, float64; zero for an empty expert."""
+    offsets = layout["offsets"].tolist()
+    lhs, grad = lhs_rows.double().cpu(), grad_rows.double().cpu()
+    return torch.stack([lhs[offsets[e]:offsets[e + 1]].T @ grad[offsets[e]:offsets[e + 1]] for e in range(E)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_backward_matches_autograd_of_the_combine(dtype):
+    layout = make_layout()
+    R = layout["R"]
+    y_rows = randn_rows(D, dtype, 2)
+    grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    grad_rows, grad_probs = mk.combine_backward(grad_out, y_rows, layout["probs"], layout["row_id_map"])
+    assert grad_rows.shape == (T * K, D) and grad_rows.dtype == dtype and grad_probs.dtype == torch.float32
+    y64 = y_rows[:R].double().cpu().requires_grad_()
+    p64 = layout["probs"].double().cpu().requires_grad_()
+    combine_reference(layout, y64, p64).backward(grad_out.double().cpu())
+    assert_close(grad_rows[:R].cpu(), y64.grad, dtype)
+    assert_close(grad_probs.cpu(), p64.grad, torch.float32 if dtype == torch.float32 else dtype)
+    dropped = int((layout["row_id_map"] < 0).nonzero()[0])
+    assert grad_probs.flatten()[dropped] == 0
+
+
+def test_combine_backward_reuses_its_buffers():
+    layout = make_layout()
+    y_rows = randn_rows(D, torch.float32, 2)
+    grad_out = torch.randn(T, D, device=DEVICE)
+    bufs = torch.empty(T * K, D, device=DEVICE), torch.empty(T, K, device=DEVICE)
+    got = mk.combine_backward(grad_out, y_rows, layout["probs"], layout["row_id_map"],
+                              grad_rows_out=bufs[0], grad_probs_out=bufs[1])
+    assert [t.data_ptr() for t in got] == [b.data_ptr() for b in bufs]
+    with pytest.raises(ValueError, match=r"grad_probs_out must be a contiguous torch.float32 tensor of shape \(15, 2\)"):
+        mk.combine_backward(grad_out, y_rows, layout["probs"], layout["row_id_map"],
+                            grad_probs_out=torch.empty(T, K, device=DEVICE, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_down_backward_matches_torch(dtype):
+    layout = make_layout()
+    R = layout["R"]
+    _, _, _, w_down = make_weights(dtype)
+    a, gate, up, grad_rows = randn_rows(F, dtype, 4), randn_rows(F, dtype, 5), randn_rows(F, dtype, 6), randn_rows(D, dtype, 7)
+    dg, du, dw_down = mk.expert_down_backward(grad_rows, a, gate, up, w_down, layout["offsets"])
+    assert dg.shape == du.shape == (T * K, F) and dw_down.shape == w_down.shape and dw_down.dtype == dtype
+    wd = w_down.double().cpu()
+    d_a = per_row(layout, lambda r, e: grad_rows[r].double().cpu() @ wd[e].T)
+    g64 = gate[:R].double().cpu().requires_grad_()
+    u64 = up[:R].double().cpu().requires_grad_()
+    (torch.nn.functional.silu(g64) * u64).backward(d_a)
+    assert_close(dg[:R].cpu(), g64.grad, dtype)
+    assert_close(du[:R].cpu(), u64.grad, dtype)
+    assert_close(dw_down.cpu(), per_expert_weight_grad(layout, a[:R], grad_rows[:R]), dtype)
+    assert torch.count_nonzero(dw_down[1]) == 0  # the empty expert
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_up_backward_and_the_gather_back_match_torch(dtype):
+    layout = make_layout()
+    R = layout["R"]
+    x, w_gate, w_up, _ = make_weights(dtype)
+    dg, du = randn_rows(F, dtype, 8), randn_rows(F, dtype, 9)
+    dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, w_gate, w_up, layout["token_of_row"], layout["offsets"])
+    assert dx_rows.shape == (T * K, D) and dw_gate.shape == dw_up.shape == w_gate.shape
+    wg, wu = w_gate.double().cpu(), w_up.double().cpu()
+    dg64, du64 = dg.double().cpu(), du.double().cpu()
+    truth = per_row(layout, lambda r, e: dg64[r] @ wg[e].T + du64[r] @ wu[e].T)
+    assert_close(dx_rows[:R].cpu(), truth, dtype)
+    x_rows = x[layout["token_of_row"][:R].long()]
+    assert_close(dw_gate.cpu(), per_expert_weight_grad(layout, x_rows, dg[:R]), dtype)
+    assert_close(dw_up.cpu(), per_expert_weight_grad(layout, x_rows, du[:R]), dtype)
+    dx = mk.combine(dx_rows, layout["row_id_map"], top_k=K)
+    assert_close(dx.cpu(), combine_reference(layout, dx_rows[:R]), dtype)
+
+
+def test_backward_buffers_are_reused_and_checked():
+    layout = make_layout()
+    x, w_gate, w_up, w_down = make_weights(torch.float32)
+    rows_f = [randn_rows(F, torch.float32, s) for s in range(3)]
+    grad_rows = randn_rows(D, torch.float32, 3)
+    down_bufs = torch.empty(T * K, F, device=DEVICE), torch.empty(T * K, F, device=DEVICE), torch.empty_like(w_down)
+    got = mk.expert_down_backward(grad_rows, *rows_f, w_down, layout["offsets"],
+                                  dg_out=down_bufs[0], du_out=down_bufs[1], dw_down_out=down_bufs[2])
+    assert [t.data_ptr() for t in got] == [b.data_ptr() for b in down_bufs]
+    up_bufs = torch.empty(T * K, D, device=DEVICE), torch.empty_like(w_gate), torch.empty_like(w_up)
+    got = mk.expert_up_backward(rows_f[0], rows_f[1], x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
+                                dx_rows_out=up_bufs[0], dw_gate_out=up_bufs[1], dw_up_out=up_bufs[2])
+    assert [t.data_ptr() for t in got] == [b.data_ptr() for b in up_bufs]
+    with pytest.raises(ValueError, match=r"dw_up_out must be a contiguous torch.float32 tensor of shape \(4, 40, 24\)"):
+        mk.expert_up_backward(rows_f[0], rows_f[1], x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
+                              dw_up_out=torch.empty(E, F, D, device=DEVICE))
+
+
+def test_full_backward_matches_autograd_of_the_per_expert_moe_and_repeats_bit_for_bit():
+    layout = make_layout()
+    x, w_gate, w_up, w_down = make_weights(torch.float32)
+    probs, row_id_map, tor, offsets = layout["probs"], layout["row_id_map"], layout["token_of_row"], layout["offsets"]
+    grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+
+    def kernels():
+        a, g, u = mk.expert_up(x, w_gate, w_up, tor, offsets)
+        y_rows = mk.expert_down(a, w_down, offsets)
+        grad_rows, grad_probs = mk.combine_backward(grad_out, y_rows, probs, row_id_map)
+        dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+        dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
+        return mk.combine(dx_rows, row_id_map, top_k=K), grad_probs, dw_gate, dw_up, dw_down
+
+    leaves = [t.double().cpu().requires_grad_() for t in (x, probs, w_gate, w_up, w_down)]
+    x64, p64, wg, wu, wd = leaves
+    out = torch.zeros(T, D, dtype=torch.float64)
+    for slot, row in enumerate(row_id_map.tolist()):
+        if row >= 0:
+            t, e = slot // K, int(layout["expert_of_row"][row])
+            h = torch.nn.functional.silu(x64[t] @ wg[e]) * (x64[t] @ wu[e])
+            out = out.index_add(0, torch.tensor([t]), (p64[t, slot % K] * (h @ wd[e]))[None])
+    out.backward(grad_out.double().cpu())
+    first = kernels()
+    for value, leaf in zip(first, leaves):
+        assert_close(value.cpu(), leaf.grad, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(first, kernels()))
+
+
 # ---- tile configs fit the RTX card's shared memory ----
 
 # (rows per expert, N) classes: decode-like and prefill-like, narrow and wide outputs
@@ -257,6 +386,11 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, exper
     row_id_map = torch.empty(tokens * k, dtype=torch.int32, device="cuda")
     row_id_map[order] = torch.arange(tokens * k, dtype=torch.int32, device="cuda")
     mk.combine(y, row_id_map, probs)
-    assert {name for name, _ in recorded} >= {"_up_kernel", "_rows_gemm_kernel", "_combine_kernel"}
+    grad_rows, _ = mk.combine_backward(torch.randn_like(x), y, probs, row_id_map)
+    dg, du, _ = mk.expert_down_backward(grad_rows, a, a, a, w.transpose(1, 2).contiguous(), offsets)
+    mk.expert_up_backward(dg, du, x, w, w, token_of_row, offsets)
+    assert {name for name, _ in recorded} == {
+        "_up_kernel", "_rows_gemm_kernel", "_combine_kernel", "_combine_bwd_kernel", "_weight_grad_kernel"
+    }
     for name, compiled in recorded:
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

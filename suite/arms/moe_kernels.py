@@ -105,34 +105,95 @@ def _up_kernel(
 
 @triton.jit
 def _rows_gemm_kernel(
-    A, B, OFFSETS, C,
-    n_experts, n_k, n_n, sb_e, sb_k, sb_n,
+    A, A2, B, B2, OFFSETS, C, C2, G, U,
+    n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr,
+    TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """C[r] = A[r] @ B[e] for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A: [R_max, n_k],
-    C: [R_max, n_n], both contiguous; B[e] read through its strides (a transposed weight is
-    its strides swapped)."""
+    """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the two operand
+    pairs, the concatenated K) for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A, A2:
+    [R_max, n_k], C, C2, G, U: [R_max, n_n], all contiguous; B[e], B2[e] read through their
+    strides (a transposed weight is its strides swapped).
+
+    SWIGLU_GRAD: the product is d_a, the gradient of a = silu(g) * u; the epilogue reads g and
+    u and stores dg = d_a * u * silu'(g) in C and du = d_a * silu(g) in C2 (d_a never leaves
+    registers)."""
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if expert < n_experts:
         rows = row_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         wide_rows = rows.to(tl.int64)
+        wide_expert = expert.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_n
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = A + wide_rows[:, None] * n_k + ks[None, :]
-        b_ptrs = B + expert.to(tl.int64) * sb_e + ks[:, None].to(tl.int64) * sb_k + cols[None, :] * sb_n
+        a_offs = wide_rows[:, None] * n_k + ks[None, :]
+        b_ptrs = B + wide_expert * sb_e + ks[:, None].to(tl.int64) * sb_k + cols[None, :] * sb_n
+        b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + cols[None, :] * sb2_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, n_k, BLOCK_K):
             k_mask = ks < n_k - k0
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            acc = _dot(a, b, acc, UPCAST)
-            a_ptrs += BLOCK_K
+            a_mask = row_mask[:, None] & k_mask[None, :]
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            acc = _dot(tl.load(A + a_offs, mask=a_mask, other=0.0), tl.load(b_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
+            if TWO:
+                a2 = tl.load(A2 + a_offs, mask=a_mask, other=0.0)
+                acc = _dot(a2, tl.load(b2_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
+                b2_ptrs += BLOCK_K * sb2_k
+            a_offs += BLOCK_K
             b_ptrs += BLOCK_K * sb_k
         out = wide_rows[:, None] * n_n + cols[None, :]
-        tl.store(C + out, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        mask = row_mask[:, None] & col_mask[None, :]
+        if SWIGLU_GRAD:
+            g = tl.load(G + out, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(U + out, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            tl.store(C + out, (acc * u * sig * (1.0 + g * (1.0 - sig))).to(C.dtype.element_ty), mask=mask)
+            tl.store(C2 + out, (acc * g * sig).to(C2.dtype.element_ty), mask=mask)
+        else:
+            tl.store(C + out, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_grad_kernel(
+    X, TOKEN_OF_ROW, GRAD, GRAD2, OFFSETS, DW, DW2, n_i, n_j, stride_x,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+    GATHER: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """DW[e] = X_e^T @ GRAD_e (and DW2[e] = X_e^T @ GRAD2_e with TWO, X_e read once for both):
+    program (tile, e) owns one [BLOCK_I, BLOCK_J] tile of expert e's [n_i, n_j] gradient and
+    loops over e's rows in order, so no two programs add into one value (no atomics) and an
+    empty expert gets zeros. X_e: rows of X gathered through TOKEN_OF_ROW with GATHER, else
+    the sorted rows themselves; GRAD, GRAD2: [R_max, n_j]."""
+    expert = tl.program_id(1)
+    tiles_j = tl.cdiv(n_j, BLOCK_J)
+    ii = tl.program_id(0) // tiles_j * BLOCK_I + tl.arange(0, BLOCK_I)
+    jj = tl.program_id(0) % tiles_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    i_mask = ii < n_i
+    j_mask = jj < n_j
+    row_start = tl.load(OFFSETS + expert)
+    row_end = tl.load(OFFSETS + expert + 1)
+    rs = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + rs
+        row_mask = rows < row_end
+        if GATHER:
+            src = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        xt = tl.load(X + src[None, :] * stride_x + ii[:, None], mask=i_mask[:, None] & row_mask[None, :], other=0.0)
+        grad_offs = rows.to(tl.int64)[:, None] * n_j + jj[None, :]
+        grad_mask = row_mask[:, None] & j_mask[None, :]
+        acc = _dot(xt, tl.load(GRAD + grad_offs, mask=grad_mask, other=0.0), acc, UPCAST)
+        if TWO:
+            acc2 = _dot(xt, tl.load(GRAD2 + grad_offs, mask=grad_mask, other=0.0), acc2, UPCAST)
+    out = expert.to(tl.int64) * n_i * n_j + ii.to(tl.int64)[:, None] * n_j + jj[None, :]
+    mask = i_mask[:, None] & j_mask[None, :]
+    tl.store(DW + out, acc.to(DW.dtype.element_ty), mask=mask)
+    if TWO:
+        tl.store(DW2 + out, acc2.to(DW2.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -158,6 +219,38 @@ def _combine_kernel(
         acc += y
     out = tokens.to(tl.int64)[:, None] * d + cols[None, :]
     tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=token_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    GRAD_OUT, Y_ROWS, ROW_ID_MAP, PROBS, GRAD_ROWS, GRAD_PROBS, n_tokens, d,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """The combine's backward in one pass over grad_out: for each kept slot (t, s) at sorted
+    row r, grad_rows[r] = grad_out[t] * probs[t, s] and grad_probs[t, s] = <grad_out[t], y_rows[r]>
+    (fp32). A program owns whole tokens, so each dot is its own sum over the column chunks, in
+    order; dropped slots get grad_probs 0 and write no row."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens
+    wide_tokens = tokens.to(tl.int64)
+    slot0 = wide_tokens * TOP_K
+    slots = tl.arange(0, BLOCK_S)
+    dots = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_mask = cols < d
+        grad = tl.load(GRAD_OUT + wide_tokens[:, None] * d + cols[None, :], mask=token_mask[:, None] & col_mask[None, :],
+                       other=0.0).to(tl.float32)
+        for s in tl.static_range(TOP_K):
+            row = tl.load(ROW_ID_MAP + slot0 + s, mask=token_mask, other=-1)
+            kept = row >= 0
+            p = tl.load(PROBS + slot0 + s, mask=kept, other=0.0)
+            offs = row.to(tl.int64)[:, None] * d + cols[None, :]
+            mask = kept[:, None] & col_mask[None, :]
+            tl.store(GRAD_ROWS + offs, (grad * p[:, None]).to(GRAD_ROWS.dtype.element_ty), mask=mask)
+            y = tl.load(Y_ROWS + offs, mask=mask, other=0.0).to(tl.float32)
+            dots += tl.where(slots[None, :] == s, tl.sum(grad * y, axis=1)[:, None], 0.0)
+    tl.store(GRAD_PROBS + slot0[:, None] + slots[None, :], dots, mask=token_mask[:, None] & (slots < TOP_K)[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,19 +439,41 @@ def expert_down(a, w_down, offsets, *, out=None):
     return y
 
 
-def _grouped_rows(a, w, w_strides, offsets, c):
-    """c[r] = a[r] @ W[e] over the ragged rows, W[e] read as [K, N] through w_strides (e, k, n)."""
+def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None):
+    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
+    w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2."""
     n_rows, n_k = a.shape
     n_n = c.shape[1]
     n_experts = offsets.shape[0] - 1
+    two = a2 is not None
     if n_rows and n_experts and n_n:
-        cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 1, 1, a.device)
+        cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 2 if two else 1, 2 if two else 1, a.device)
         grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
         launch(
             _rows_gemm_kernel, grid,
-            a, w, offsets, c, n_experts, n_k, n_n, *w_strides,
+            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, c if c2 is None else c2,
+            c if gate is None else gate, c if up is None else up,
+            n_experts, n_k, n_n, *w_strides, *(w_strides if w2_strides is None else w2_strides),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=triton.next_power_of_2(n_experts), UPCAST=_upcast(a.dtype),
+            BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, SWIGLU_GRAD=gate is not None,
+            UPCAST=_upcast(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
+    """dw[e] = x_e^T @ grad_e (and dw2[e] = x_e^T @ grad2_e); x_e gathered through token_of_row
+    when given."""
+    n_experts, n_i, n_j = dw.shape
+    if n_experts and n_i and n_j:
+        two = grad2 is not None
+        # the weight's rows take the place of the token rows: 128-row tiles once it has 128
+        cfg = _gemm_config(n_i, n_j, grad.dtype, 1, 2 if two else 1, grad.device)
+        launch(
+            _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts),
+            x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,
+            offsets, dw, dw if dw2 is None else dw2, n_i, n_j, x.stride(0),
+            BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k,
+            GATHER=token_of_row is not None, TWO=two, UPCAST=_upcast(grad.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -392,3 +507,91 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
             TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
         )
     return result
+
+
+def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None, grad_probs_out=None):
+    """The combine's backward in one pass over grad_out [T, d]: -> (grad_rows [R_max, d] in
+    grad_out's dtype, grad_rows[row_id_map[t*k + s]] = grad_out[t] * probs[t, s]; grad_probs
+    fp32 [T, k], grad_probs[t, s] = <grad_out[t], y_rows[row]>, 0 for a dropped slot). Rows
+    past offsets[E] are unwritten. grad_rows_out / grad_probs_out: caller-owned, reused."""
+    fn = "combine_backward"
+    _check_dtype(grad_out, fn)
+    _require_runnable(grad_out, fn)
+    _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
+           f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+    n_tokens, top_k = probs.shape
+    _check(grad_out.dim() == 2 and grad_out.shape[0] == n_tokens, fn,
+           f"grad_out must be (T={n_tokens}, d), got {tuple(grad_out.shape)}")
+    d = grad_out.shape[1]
+    _check_rows(grad_out, fn, "grad_out", n_tokens, d, grad_out.dtype, probs.device)
+    _check_rows(y_rows, fn, "y_rows", y_rows.shape[0], d, grad_out.dtype, grad_out.device)
+    _check_index(row_id_map, fn, "row_id_map", grad_out.device)
+    _check(row_id_map.shape[0] == n_tokens * top_k, fn, f"row_id_map must have T * k = {n_tokens * top_k} slots, got {row_id_map.shape[0]}")
+    grad_rows = _buffer(grad_rows_out, fn, "grad_rows_out", tuple(y_rows.shape), grad_out.dtype, grad_out.device)
+    grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
+    if n_tokens:
+        block_t, block_d = _combine_blocks(n_tokens, d, grad_out.device)
+        launch(
+            _combine_bwd_kernel, (_cdiv(n_tokens, block_t),),
+            grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
+        )
+    return grad_rows, grad_probs
+
+
+def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
+    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T, kept in
+    registers, gives dg = d_a * u * silu'(g) and du = d_a * silu(g) (gate, up: the forward's
+    pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
+    dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
+    dw_down_out: caller-owned, reused."""
+    fn = "expert_down_backward"
+    _check_dtype(a, fn)
+    _require_runnable(a, fn)
+    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    n_experts, f, d = w_down.shape
+    n_rows = a.shape[0]
+    _check_rows(a, fn, "a", n_rows, f, w_down.dtype, w_down.device)
+    for name, t in (("gate", gate), ("up", up)):
+        _check_rows(t, fn, name, n_rows, f, a.dtype, a.device)
+    _check_rows(grad_rows, fn, "grad_rows", n_rows, d, a.dtype, a.device)
+    _check_index(offsets, fn, "offsets", a.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
+    du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
+    dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
+    s_e, s_f, s_d = w_down.stride()
+    _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, c2=du, gate=gate, up=up)
+    _weight_grad(a, None, grad_rows, offsets, dw_down)
+    return dg, du, dw_down
+
+
+def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_rows_out=None, dw_gate_out=None,
+                       dw_up_out=None):
+    """Backward of expert_up's two GEMMs: dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one
+    accumulator; dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the
+    expert's token rows, gathered through token_of_row). -> (dx_rows [R_max, d] in x's dtype,
+    dw_gate and dw_up [E, d, f] in the weights' dtype). dx = combine(dx_rows, row_id_map,
+    top_k=k). dx_rows_out / dw_gate_out / dw_up_out: caller-owned, reused."""
+    fn = "expert_up_backward"
+    _check_dtype(x, fn)
+    _require_runnable(x, fn)
+    _check(x.dim() == 2 and x.stride(1) == 1, fn, f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
+    _check(w_gate.dim() == 3, fn, f"w_gate must be (E, d, f), got {tuple(w_gate.shape)}")
+    n_experts, d, f = w_gate.shape
+    _check_weight(w_gate, fn, "w_gate", (n_experts, x.shape[1], f), x.dtype, x.device)
+    _check_weight(w_up, fn, "w_up", (n_experts, d, f), x.dtype, x.device)
+    _check_index(token_of_row, fn, "token_of_row", x.device)
+    _check_index(offsets, fn, "offsets", x.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    n_rows = token_of_row.shape[0]
+    for name, t in (("dg", dg), ("du", du)):
+        _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
+    dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
+    dw_gate = _buffer(dw_gate_out, fn, "dw_gate_out", (n_experts, d, f), w_gate.dtype, x.device)
+    dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
+    g_e, g_d, g_f = w_gate.stride()
+    u_e, u_d, u_f = w_up.stride()
+    _grouped_rows(dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
+    _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
+    return dx_rows, dw_gate, dw_up
