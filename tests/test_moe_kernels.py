@@ -20,8 +20,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # T tokens, top-k, hidden d, expert width f: d and f are no multiple of the 16-wide
 # interpreter tiles, T * k is no multiple of the row tile.
 T, K, D, F = 15, 2, 40, 24
-# Rows per expert: expert 0 spans two row tiles, expert 1 is empty; one slot is dropped.
-COUNTS = (18, 0, 4, 7)
+# Rows per expert: expert 0 spans two row tiles, experts 1 and 5 are empty, E is no power of
+# two; one slot is dropped.
+COUNTS = (18, 0, 4, 5, 2, 0)
 E = len(COUNTS)
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -271,7 +272,7 @@ def test_expert_down_backward_matches_torch(dtype):
     assert_close(dg[:R].cpu(), g64.grad, dtype)
     assert_close(du[:R].cpu(), u64.grad, dtype)
     assert_close(dw_down.cpu(), per_expert_weight_grad(layout, a[:R], grad_rows[:R]), dtype)
-    assert torch.count_nonzero(dw_down[1]) == 0  # the empty expert
+    assert torch.count_nonzero(dw_down[1]) == torch.count_nonzero(dw_down[5]) == 0  # the empty experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -306,7 +307,7 @@ def test_backward_buffers_are_reused_and_checked():
     got = mk.expert_up_backward(rows_f[0], rows_f[1], x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
                                 dx_rows_out=up_bufs[0], dw_gate_out=up_bufs[1], dw_up_out=up_bufs[2])
     assert [t.data_ptr() for t in got] == [b.data_ptr() for b in up_bufs]
-    with pytest.raises(ValueError, match=r"dw_up_out must be a contiguous torch.float32 tensor of shape \(4, 40, 24\)"):
+    with pytest.raises(ValueError, match=r"dw_up_out must be a contiguous torch.float32 tensor of shape \(6, 40, 24\)"):
         mk.expert_up_backward(rows_f[0], rows_f[1], x, w_gate, w_up, layout["token_of_row"], layout["offsets"],
                               dw_up_out=torch.empty(E, F, D, device=DEVICE))
 
@@ -365,32 +366,67 @@ class _Recorder(dict):
         self.into.append((name, compiled))
 
 
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("tokens, d, f, experts, k", [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)])
-def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    recorded = []
-    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
-    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
+GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like
+ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_combine_kernel", "_combine_bwd_kernel", "_weight_grad_kernel"}
+
+
+def run_every_kernel(tokens, d, f, experts, k):
+    """Forward and backward once in bf16 on a balanced layout, every kernel variant launched."""
     x = torch.randn(tokens, d, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(experts, d, f, device="cuda", dtype=torch.bfloat16)
+    w_down = w.transpose(1, 2).contiguous()
     expert = torch.arange(tokens * k, device="cuda") % experts
     order = torch.sort(expert, stable=True).indices
     token_of_row = (order // k).int()
     offsets = torch.zeros(experts + 1, dtype=torch.int32, device="cuda")
     offsets[1:] = torch.cumsum(torch.bincount(expert, minlength=experts), 0)
-    a, _, _ = mk.expert_up(x, w, w, token_of_row, offsets)
-    y = mk.expert_down(a, w.transpose(1, 2).contiguous(), offsets)
-    probs = torch.rand(tokens, k, device="cuda")
     row_id_map = torch.empty(tokens * k, dtype=torch.int32, device="cuda")
     row_id_map[order] = torch.arange(tokens * k, dtype=torch.int32, device="cuda")
+    probs = torch.rand(tokens, k, device="cuda")
+    a, g, u = mk.expert_up(x, w, w, token_of_row, offsets)
+    y = mk.expert_down(a, w_down, offsets)
     mk.combine(y, row_id_map, probs)
     grad_rows, _ = mk.combine_backward(torch.randn_like(x), y, probs, row_id_map)
-    dg, du, _ = mk.expert_down_backward(grad_rows, a, a, a, w.transpose(1, 2).contiguous(), offsets)
+    dg, du, _ = mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
     mk.expert_up_backward(dg, du, x, w, w, token_of_row, offsets)
-    assert {name for name, _ in recorded} == {
-        "_up_kernel", "_rows_gemm_kernel", "_combine_kernel", "_combine_bwd_kernel", "_weight_grad_kernel"
-    }
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens, d, f, experts, k", GPU_SHAPES)
+def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    recorded = []
+    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
+    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
+    run_every_kernel(tokens, d, f, experts, k)
+    assert {name for name, _ in recorded} == ALL_KERNELS
     for name, compiled in recorded:
+        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("tokens, d, f, experts, k", GPU_SHAPES)
+def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
+    """Compile (not launch) every kernel for the RTX 50-series' sm_120 and read the shared
+    memory the compiler gave each (the outputs stay unwritten: only the builds are checked)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    driver = triton.runtime.driver.active
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
+    kernels = []
+
+    def compile_only(kernel, grid, *args, **meta):
+        kernel.device_caches.clear()  # forget the sm_90 builds: the target is part of the cache
+        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **meta)))
+        kernel.device_caches.clear()
+
+    monkeypatch.setattr(mk, "launch", compile_only)
+    run_every_kernel(tokens, d, f, experts, k)
+    assert {name for name, _ in kernels} == ALL_KERNELS
+    for name, compiled in kernels:
+        assert compiled.metadata.target.arch == 120, name
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)

@@ -78,11 +78,12 @@ def _up_kernel(
         tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < f
+        wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
         wide_expert = expert.to(tl.int64)
-        wg_ptrs = W_GATE + wide_expert * sw_e + ks[:, None].to(tl.int64) * sw_k + cols[None, :] * sw_n
-        wu_ptrs = W_UP + wide_expert * su_e + ks[:, None].to(tl.int64) * su_k + cols[None, :] * su_n
+        wg_ptrs = W_GATE + wide_expert * sw_e + ks[:, None].to(tl.int64) * sw_k + wide_cols[None, :] * sw_n
+        wu_ptrs = W_UP + wide_expert * su_e + ks[:, None].to(tl.int64) * su_k + wide_cols[None, :] * su_n
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, d, BLOCK_K):
@@ -126,10 +127,11 @@ def _rows_gemm_kernel(
         wide_expert = expert.to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_n
+        wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
         ks = tl.arange(0, BLOCK_K)
         a_offs = wide_rows[:, None] * n_k + ks[None, :]
-        b_ptrs = B + wide_expert * sb_e + ks[:, None].to(tl.int64) * sb_k + cols[None, :] * sb_n
-        b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + cols[None, :] * sb2_n
+        b_ptrs = B + wide_expert * sb_e + ks[:, None].to(tl.int64) * sb_k + wide_cols[None, :] * sb_n
+        b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, n_k, BLOCK_K):
             k_mask = ks < n_k - k0
