@@ -430,3 +430,92 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, tokens, d
     for name, compiled in kernels:
         assert compiled.metadata.target.arch == 120, name
         assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+
+
+# ---- on the GPU: bf16 at a realistic size, and no host sync ----
+
+
+def random_layout(tokens, k, experts, seed, device="cuda"):
+    """Skewed routing with expert 1 empty and about 5% of the slots dropped, as the routing
+    would lay it out."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=gen) ** 2
+    weights[1] = 0
+    slot_expert = torch.multinomial(weights, tokens * k, replacement=True, generator=gen)
+    slot_expert[torch.rand(tokens * k, generator=gen) < 0.05] = -1
+    kept = (slot_expert >= 0).nonzero().flatten()
+    order = kept[torch.sort(slot_expert[kept], stable=True).indices]
+    row_id_map = torch.full((tokens * k,), -1, dtype=torch.int32)
+    row_id_map[order] = torch.arange(order.numel(), dtype=torch.int32)
+    token_of_row = torch.zeros(tokens * k, dtype=torch.int32)
+    token_of_row[: order.numel()] = (order // k).int()
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(torch.bincount(slot_expert[kept], minlength=experts), 0)
+    probs = torch.rand(tokens, k, generator=gen)
+    return [t.to(device) for t in (token_of_row, row_id_map, offsets, probs)] + [slot_expert.to(device)]
+
+
+def torch_moe(x, w_gate, w_up, w_down, probs, slot_expert):
+    """The plain MoE, expert by expert over (token, slot) pairs, in x's dtype."""
+    k = probs.shape[1]
+    out = torch.zeros_like(x)
+    for e in range(w_gate.shape[0]):
+        slots = (slot_expert == e).nonzero().flatten()
+        tokens = slots // k
+        h = torch.nn.functional.silu(x[tokens] @ w_gate[e]) * (x[tokens] @ w_up[e])
+        out = out.index_add(0, tokens, probs.flatten()[slots, None] * (h @ w_down[e]))
+    return out
+
+
+def all_kernels(x, w_gate, w_up, w_down, token_of_row, row_id_map, offsets, probs, grad_out):
+    a, g, u = mk.expert_up(x, w_gate, w_up, token_of_row, offsets)
+    y_rows = mk.expert_down(a, w_down, offsets)
+    out = mk.combine(y_rows, row_id_map, probs)
+    grad_rows, grad_probs = mk.combine_backward(grad_out, y_rows, probs, row_id_map)
+    dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
+    return out, mk.combine(dx_rows, row_id_map, top_k=probs.shape[1]), grad_probs, dw_gate, dw_up, dw_down
+
+
+def rel_l2(value, truth):
+    return ((value.double() - truth.double()).norm() / truth.double().norm()).item()
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_forward_and_backward_match_fp32_torch_on_the_gpu():
+    tokens, k, d, f, experts = 2048, 2, 520, 352, 8  # d, f no multiple of the tiles
+    token_of_row, row_id_map, offsets, probs, slot_expert = random_layout(tokens, k, experts, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(tokens, d, device="cuda", generator=gen)
+    ws = [torch.randn(experts, *shape, device="cuda", generator=gen) / shape[0] ** 0.5
+          for shape in ((d, f), (d, f), (f, d))]
+    grad_out = torch.randn(tokens, d, device="cuda", generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (x, probs, *ws)]
+    torch_moe(leaves[0], leaves[2], leaves[3], leaves[4], leaves[1], slot_expert).backward(grad_out)
+    truth_out = torch_moe(x, *ws, probs, slot_expert)
+    bf16 = [t.bfloat16() for t in (x, *ws)]
+    got = all_kernels(bf16[0], *bf16[1:], token_of_row, row_id_map, offsets, probs, grad_out.bfloat16())
+    truths = [truth_out, leaves[0].grad, leaves[1].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad]
+    for name, value, truth in zip(["out", "dx", "dprobs", "dw_gate", "dw_up", "dw_down"], got, truths):
+        assert rel_l2(value, truth) < 1e-2, name
+    assert torch.count_nonzero(got[5][1]) == 0  # the empty expert
+    assert all(torch.equal(a, b) for a, b in zip(got, all_kernels(
+        bf16[0], *bf16[1:], token_of_row, row_id_map, offsets, probs, grad_out.bfloat16())))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_no_kernel_syncs_with_the_host():
+    token_of_row, row_id_map, offsets, probs, _ = random_layout(256, 2, 8, seed=7)
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(8, 128, 96, device="cuda", dtype=torch.bfloat16)
+    w_down = torch.randn(8, 96, 128, device="cuda", dtype=torch.bfloat16)
+    args = (x, w, w, w_down, token_of_row, row_id_map, offsets, probs, torch.randn_like(x))
+    all_kernels(*args)  # compiled first: compiling may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        all_kernels(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
