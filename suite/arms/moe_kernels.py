@@ -10,7 +10,18 @@ bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one parti
 each program finds its expert and rows from `offsets` on the device (`_expert_tile`); programs
 past the last tile do nothing. All sums run in a fixed order (no atomics), so a run reproduces
 its bits. Math is fp32 (fp32 accumulators, SwiGLU in fp32); tl.dot takes the operands in their
-own dtype, fp32 at full ("ieee") precision.
+own dtype: bf16 / fp16 on tensor cores (the training path), fp32 at full ("ieee") precision, no
+TF32 (the parity path: exact, and slow on a GPU).
+
+The pieces of one MoE layer, forward and backward:
+
+    a, g, u = expert_up(x, w_gate, w_up, token_of_row, offsets)
+    y_rows = expert_down(a, w_down, offsets)
+    out = combine(y_rows, row_id_map, probs)
+    grad_rows, grad_probs = combine_backward(grad_out, y_rows, probs, row_id_map)
+    dg, du, dw_down = expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
+    dx = combine(dx_rows, row_id_map, top_k=k)
 """
 
 from __future__ import annotations
@@ -262,8 +273,9 @@ def _combine_bwd_kernel(
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """One grouped GEMM's tiles: BLOCK_M rows (or, for a weight gradient, rows of the weight),
-    BLOCK_N output columns, BLOCK_K of the reduced dim per step; `stages` buffered steps."""
+    """One grouped GEMM's tiles: block_m rows (for a weight gradient, rows of the weight),
+    block_n output columns, block_k of the reduced dim (for a weight gradient, token rows) per
+    step; num_stages steps buffered in shared memory."""
 
     block_m: int
     block_n: int
@@ -276,7 +288,8 @@ class GemmConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """Shared memory the pipelined operand buffers take (what bounds a config)."""
+        """Shared memory the pipelined operand buffers take, counting all num_stages buffers (the
+    epilogue's layout conversions reuse them once the loop is done)."""
         per_stage = (self.n_a * self.block_m * self.block_k + self.n_b * self.block_k * self.block_n) * self.itemsize
         return self.num_stages * per_stage
 
@@ -302,7 +315,8 @@ def _gemm_config(rows_per_expert: int, n: int, dtype: torch.dtype, n_a: int, n_b
     if _interpreting() and device.type != "cuda":
         return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize)
     block_m = 128 if rows_per_expert >= _MANY_ROWS else 64
-    # two [block_m, block_n] fp32 accumulators (n_b = 2) take the registers of one twice as wide
+    # two B tiles a step (gate and up: two accumulators; dx: two operand pairs) halve the 128-row
+    # tile's width, keeping its registers and shared memory those of one
     block_n = max(16, min(128 // n_b if block_m == 128 else 128, triton.next_power_of_2(n)))
     block_k = 64 if itemsize < 4 else 32
     num_warps = 8 if block_m * block_n * n_b >= 128 * 128 else 4
