@@ -1,0 +1,613 @@
+"""MoE SwiGLU experts: ragged grouped GEMMs over the expert-sorted layout, with their launchers.
+
+The layout (made by the routing): R kept rows sorted by expert; expert e owns rows
+offsets[e]:offsets[e+1] (int32 [E+1], offsets[0] = 0); token_of_row (int32 [R_max]) gives each
+sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives the sorted row
+of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
+
+Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
+bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one partial tile), and
+each program finds its expert and rows from `offsets` on the device (`_expert_tile`); programs
+past the last tile do nothing. All sums run in a fixed order (no atomics), so a run reproduces
+its bits. Math is fp32 (fp32 accumulators, SwiGLU in fp32); tl.dot takes the operands in their
+own dtype: bf16 / fp16 on tensor cores (the training path), fp32 at full ("ieee") precision, no
+TF32 (the parity path: exact, and slow on a GPU).
+
+The pieces of one MoE layer, forward and backward:
+
+    a, g, u = expert_up(x, w_gate, w_up, token_of_row, offsets)
+    y_rows = expert_down(a, w_down, offsets)
+    out = combine(y_rows, row_id_map, probs)
+    grad_rows, grad_probs = combine_backward(grad_out, y_rows, probs, row_id_map)
+    dg, du, dw_down = expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
+    dx = combine(dx_rows, row_id_map, top_k=k)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from suite.arms.triton_support import interpreting, launch
+from suite.device_profile import smem_limit
+from suite.errors import CouldNotRun
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _expert_tile(OFFSETS, n_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile `tile` of the ragged layout, each expert's ceil(rows / BLOCK_M) tiles counted in
+    expert order -> (expert, first row, end row); expert is n_experts past the last tile."""
+    experts = tl.arange(0, BLOCK_E)
+    valid = experts < n_experts
+    starts = tl.load(OFFSETS + experts, mask=valid, other=0)
+    ends = tl.load(OFFSETS + experts + 1, mask=valid, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)
+    # empty experts end where the one before them does, so they are counted past, never picked
+    expert = tl.sum(((tiles_end <= tile) & valid).to(tl.int32), axis=0)
+    this = experts == expert
+    first_tile = tl.sum(tl.where(this, tiles_end - tiles, 0), axis=0)
+    row_start = tl.sum(tl.where(this, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(this, ends, 0), axis=0)
+    return expert, row_start, row_end
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    # UPCAST: the interpreter's bf16 tl.dot is wrong; fp32 operands are exact there
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision="ieee")
+
+
+@triton.jit
+def _up_kernel(
+    X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U,
+    n_experts, d, f, stride_x, sw_e, sw_k, sw_n, su_e, su_k, su_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """a = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for one [BLOCK_M, BLOCK_N] tile of
+    rows, gate and up in two accumulators over one pass of the gathered x rows; SAVE also
+    stores the pre-activations g and u (the backward's inputs). A, G, U: [R_max, f]."""
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    if expert < n_experts:
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < f
+        wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
+        wide_expert = expert.to(tl.int64)
+        wg_ptrs = W_GATE + wide_expert * sw_e + ks[:, None].to(tl.int64) * sw_k + wide_cols[None, :] * sw_n
+        wu_ptrs = W_UP + wide_expert * su_e + ks[:, None].to(tl.int64) * su_k + wide_cols[None, :] * su_n
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            k_mask = ks < d - k0
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = k_mask[:, None] & col_mask[None, :]
+            acc_g = _dot(x, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g, UPCAST)
+            acc_u = _dot(x, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u, UPCAST)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * sw_k
+            wu_ptrs += BLOCK_K * su_k
+        a = acc_g * tl.sigmoid(acc_g) * acc_u
+        out = rows.to(tl.int64)[:, None] * f + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(A + out, a.to(A.dtype.element_ty), mask=mask)
+        if SAVE:
+            tl.store(G + out, acc_g.to(G.dtype.element_ty), mask=mask)
+            tl.store(U + out, acc_u.to(U.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rows_gemm_kernel(
+    A, A2, B, B2, OFFSETS, C, C2, G, U,
+    n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the two operand
+    pairs, the concatenated K) for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A, A2:
+    [R_max, n_k], C, C2, G, U: [R_max, n_n], all contiguous; B[e], B2[e] read through their
+    strides (a transposed weight is its strides swapped).
+
+    SWIGLU_GRAD: the product is d_a, the gradient of a = silu(g) * u; the epilogue reads g and
+    u and stores dg = d_a * u * silu'(g) in C and du = d_a * silu(g) in C2 (d_a never leaves
+    registers)."""
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    if expert < n_experts:
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_mask = rows < row_end
+        wide_rows = rows.to(tl.int64)
+        wide_expert = expert.to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < n_n
+        wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
+        ks = tl.arange(0, BLOCK_K)
+        a_offs = wide_rows[:, None] * n_k + ks[None, :]
+        b_ptrs = B + wide_expert * sb_e + ks[:, None].to(tl.int64) * sb_k + wide_cols[None, :] * sb_n
+        b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, n_k, BLOCK_K):
+            k_mask = ks < n_k - k0
+            a_mask = row_mask[:, None] & k_mask[None, :]
+            b_mask = k_mask[:, None] & col_mask[None, :]
+            acc = _dot(tl.load(A + a_offs, mask=a_mask, other=0.0), tl.load(b_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
+            if TWO:
+                a2 = tl.load(A2 + a_offs, mask=a_mask, other=0.0)
+                acc = _dot(a2, tl.load(b2_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
+                b2_ptrs += BLOCK_K * sb2_k
+            a_offs += BLOCK_K
+            b_ptrs += BLOCK_K * sb_k
+        out = wide_rows[:, None] * n_n + cols[None, :]
+        mask = row_mask[:, None] & col_mask[None, :]
+        if SWIGLU_GRAD:
+            g = tl.load(G + out, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(U + out, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(g)
+            tl.store(C + out, (acc * u * sig * (1.0 + g * (1.0 - sig))).to(C.dtype.element_ty), mask=mask)
+            tl.store(C2 + out, (acc * g * sig).to(C2.dtype.element_ty), mask=mask)
+        else:
+            tl.store(C + out, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_grad_kernel(
+    X, TOKEN_OF_ROW, GRAD, GRAD2, OFFSETS, DW, DW2, n_i, n_j, stride_x,
+    BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
+    GATHER: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """DW[e] = X_e^T @ GRAD_e (and DW2[e] = X_e^T @ GRAD2_e with TWO, X_e read once for both):
+    program (tile, e) owns one [BLOCK_I, BLOCK_J] tile of expert e's [n_i, n_j] gradient and
+    loops over e's rows in order, so no two programs add into one value (no atomics) and an
+    empty expert gets zeros. X_e: rows of X gathered through TOKEN_OF_ROW with GATHER, else
+    the sorted rows themselves; GRAD, GRAD2: [R_max, n_j]."""
+    expert = tl.program_id(1)
+    tiles_j = tl.cdiv(n_j, BLOCK_J)
+    ii = tl.program_id(0) // tiles_j * BLOCK_I + tl.arange(0, BLOCK_I)
+    jj = tl.program_id(0) % tiles_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    i_mask = ii < n_i
+    j_mask = jj < n_j
+    row_start = tl.load(OFFSETS + expert)
+    row_end = tl.load(OFFSETS + expert + 1)
+    rs = tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_R):
+        rows = r0 + rs
+        row_mask = rows < row_end
+        if GATHER:
+            src = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        xt = tl.load(X + src[None, :] * stride_x + ii[:, None], mask=i_mask[:, None] & row_mask[None, :], other=0.0)
+        grad_offs = rows.to(tl.int64)[:, None] * n_j + jj[None, :]
+        grad_mask = row_mask[:, None] & j_mask[None, :]
+        acc = _dot(xt, tl.load(GRAD + grad_offs, mask=grad_mask, other=0.0), acc, UPCAST)
+        if TWO:
+            acc2 = _dot(xt, tl.load(GRAD2 + grad_offs, mask=grad_mask, other=0.0), acc2, UPCAST)
+    out = expert.to(tl.int64) * n_i * n_j + ii.to(tl.int64)[:, None] * n_j + jj[None, :]
+    mask = i_mask[:, None] & j_mask[None, :]
+    tl.store(DW + out, acc.to(DW.dtype.element_ty), mask=mask)
+    if TWO:
+        tl.store(DW2 + out, acc2.to(DW2.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(
+    ROWS, ROW_ID_MAP, PROBS, OUT, n_tokens, d,
+    TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """OUT[t] = sum over slots s = 0..TOP_K-1, in that order, of probs[t, s] * ROWS[row] (or of
+    ROWS[row] without WEIGHTED), row = row_id_map[t * TOP_K + s], dropped slots (-1) skipped."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens
+    slot0 = tokens.to(tl.int64) * TOP_K
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < d
+    acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+    for s in tl.static_range(TOP_K):
+        row = tl.load(ROW_ID_MAP + slot0 + s, mask=token_mask, other=-1)
+        kept = row >= 0
+        y = tl.load(ROWS + row.to(tl.int64)[:, None] * d + cols[None, :], mask=kept[:, None] & col_mask[None, :],
+                    other=0.0).to(tl.float32)
+        if WEIGHTED:
+            y *= tl.load(PROBS + slot0 + s, mask=kept, other=0.0)[:, None]
+        acc += y
+    out = tokens.to(tl.int64)[:, None] * d + cols[None, :]
+    tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=token_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _combine_bwd_kernel(
+    GRAD_OUT, Y_ROWS, ROW_ID_MAP, PROBS, GRAD_ROWS, GRAD_PROBS, n_tokens, d,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """The combine's backward in one pass over grad_out: for each kept slot (t, s) at sorted
+    row r, grad_rows[r] = grad_out[t] * probs[t, s] and grad_probs[t, s] = <grad_out[t], y_rows[r]>
+    (fp32). A program owns whole tokens, so each dot is its own sum over the column chunks, in
+    order; dropped slots get grad_probs 0 and write no row."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens
+    wide_tokens = tokens.to(tl.int64)
+    slot0 = wide_tokens * TOP_K
+    slots = tl.arange(0, BLOCK_S)
+    dots = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_mask = cols < d
+        grad = tl.load(GRAD_OUT + wide_tokens[:, None] * d + cols[None, :], mask=token_mask[:, None] & col_mask[None, :],
+                       other=0.0).to(tl.float32)
+        for s in tl.static_range(TOP_K):
+            row = tl.load(ROW_ID_MAP + slot0 + s, mask=token_mask, other=-1)
+            kept = row >= 0
+            p = tl.load(PROBS + slot0 + s, mask=kept, other=0.0)
+            offs = row.to(tl.int64)[:, None] * d + cols[None, :]
+            mask = kept[:, None] & col_mask[None, :]
+            tl.store(GRAD_ROWS + offs, (grad * p[:, None]).to(GRAD_ROWS.dtype.element_ty), mask=mask)
+            y = tl.load(Y_ROWS + offs, mask=mask, other=0.0).to(tl.float32)
+            dots += tl.where(slots[None, :] == s, tl.sum(grad * y, axis=1)[:, None], 0.0)
+    tl.store(GRAD_PROBS + slot0[:, None] + slots[None, :], dots, mask=token_mask[:, None] & (slots < TOP_K)[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# Launch heuristics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One grouped GEMM's tiles: block_m rows (for a weight gradient, rows of the weight),
+    block_n output columns, block_k of the reduced dim (for a weight gradient, token rows) per
+    step; num_stages steps buffered in shared memory."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    n_a: int  # operand tiles of [block_m, block_k] per step
+    n_b: int  # operand tiles of [block_k, block_n] per step
+    itemsize: int
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory the pipelined operand buffers take, counting all num_stages buffers (the
+    epilogue's layout conversions reuse them once the loop is done)."""
+        per_stage = (self.n_a * self.block_m * self.block_k + self.n_b * self.block_k * self.block_n) * self.itemsize
+        return self.num_stages * per_stage
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _interpreting() -> bool:
+    return interpreting(_up_kernel)
+
+
+# Tiles by shape class (no autotuning): rows per expert few (decode-like, many experts) or many,
+# output columns narrow or wide. The reduced dim steps by 64 two-byte values (32 fp32: the same
+# bytes). Under the interpreter, 16 everywhere: tiny test shapes then still take several tiles,
+# several steps and masked edges.
+_MANY_ROWS = 128  # average rows per expert from which 128-row tiles pay off
+_MAX_STAGES = 4
+
+
+def _gemm_config(rows_per_expert: int, n: int, dtype: torch.dtype, n_a: int, n_b: int, device) -> GemmConfig:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if _interpreting() and device.type != "cuda":
+        return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize)
+    block_m = 128 if rows_per_expert >= _MANY_ROWS else 64
+    # two B tiles a step (gate and up: two accumulators; dx: two operand pairs) halve the 128-row
+    # tile's width, keeping its registers and shared memory those of one
+    block_n = max(16, min(128 // n_b if block_m == 128 else 128, triton.next_power_of_2(n)))
+    block_k = 64 if itemsize < 4 else 32
+    num_warps = 8 if block_m * block_n * n_b >= 128 * 128 else 4
+    limit = smem_limit(device)
+    for stages in range(_MAX_STAGES, 0, -1):
+        config = GemmConfig(block_m, block_n, block_k, num_warps, stages, n_a, n_b, itemsize)
+        if config.smem_bytes <= limit:
+            return config
+    raise AssertionError(f"no stage count fits {limit} bytes of shared memory: {config}")
+
+
+# The combine is a streaming gather: tiles of 32 tokens x 128 columns (16 KiB fp32), 4 warps.
+COMBINE_BLOCK_T = 32
+COMBINE_BLOCK_D = 128
+
+
+def _combine_blocks(n_tokens: int, d: int, device) -> tuple[int, int]:
+    if _interpreting() and device.type != "cuda":
+        return 8, 16  # several programs and masked edges at test sizes
+    return COMBINE_BLOCK_T, min(COMBINE_BLOCK_D, max(16, triton.next_power_of_2(d)))
+
+
+# --------------------------------------------------------------------------------------------
+# Checks and buffers
+# --------------------------------------------------------------------------------------------
+
+
+def _require_runnable(t: torch.Tensor, fn: str) -> None:
+    if t.device.type != "cuda" and not _interpreting():
+        raise CouldNotRun(
+            f"{fn}: the MoE kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            f"imported), got a tensor on {t.device}"
+        )
+
+
+def _buffer(given, fn: str, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """The caller's buffer when it matches (reused as is), a new one when None."""
+    if given is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(given.shape) != shape or given.dtype != dtype or given.device != device or not given.is_contiguous():
+        raise ValueError(
+            f"{fn}: {name} must be a contiguous {dtype} tensor of shape {shape} on {device}, got "
+            f"{'a non-contiguous ' if not given.is_contiguous() else ''}{given.dtype} tensor of shape "
+            f"{tuple(given.shape)} on {given.device}; pass a matching tensor, or None to allocate one"
+        )
+    return given
+
+
+def _check(ok: bool, fn: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{fn}: {message}")
+
+
+def _check_index(t: torch.Tensor, fn: str, name: str, device) -> None:
+    _check(t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous(), fn,
+           f"{name} must be a contiguous 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    _check(t.device == device, fn, f"{name} is on {t.device}, the data on {device}")
+
+
+def _check_rows(t: torch.Tensor, fn: str, name: str, n_rows: int, width: int, dtype, device) -> None:
+    _check(tuple(t.shape) == (n_rows, width) and t.is_contiguous(), fn,
+           f"{name} must be a contiguous ({n_rows}, {width}) tensor, got shape {tuple(t.shape)}")
+    _check(t.dtype == dtype and t.device == device, fn,
+           f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+
+
+def _check_weight(w: torch.Tensor, fn: str, name: str, shape: tuple, dtype, device) -> None:
+    _check(tuple(w.shape) == shape, fn, f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    _check(w.dtype == dtype and w.device == device, fn,
+           f"{name} must be {dtype} on {device} (x's), got {w.dtype} on {w.device}")
+
+
+def _check_dtype(x: torch.Tensor, fn: str) -> None:
+    _check(x.dtype in _SUPPORTED_DTYPES, fn, f"tensors must be bfloat16, float16 or float32, not {x.dtype}")
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and _interpreting()
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------
+
+
+def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None, up_out=None,
+              save_preactivations: bool = True):
+    """a[r] = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for every sorted row r of expert e
+    (tok = token_of_row[r]); x [T, d], w_gate and w_up [E, d, f]. -> (a, g, u), each [R_max, f]
+    in x's dtype, g and u the pre-activations (None without save_preactivations). Rows past
+    offsets[E] are left unwritten. out / gate_out / up_out: caller-owned buffers, reused."""
+    fn = "expert_up"
+    _check_dtype(x, fn)
+    _require_runnable(x, fn)
+    _check(x.dim() == 2 and x.stride(1) == 1, fn, f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
+    n_experts, d, f = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
+    _check(w_gate.dim() == 3 and d == x.shape[1], fn, f"w_gate must be (E, d={x.shape[1]}, f), got {tuple(w_gate.shape)}")
+    _check_weight(w_up, fn, "w_up", (n_experts, d, f), x.dtype, x.device)
+    _check_weight(w_gate, fn, "w_gate", (n_experts, d, f), x.dtype, x.device)
+    _check_index(token_of_row, fn, "token_of_row", x.device)
+    _check_index(offsets, fn, "offsets", x.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    n_rows = token_of_row.shape[0]
+    a = _buffer(out, fn, "out", (n_rows, f), x.dtype, x.device)
+    g = _buffer(gate_out, fn, "gate_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
+    u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
+    if n_rows and n_experts and f:
+        cfg = _gemm_config(n_rows // n_experts, f, x.dtype, 1, 2, x.device)
+        grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
+        launch(
+            _up_kernel, grid,
+            x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g, a if u is None else u,
+            n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(n_experts), SAVE=save_preactivations, UPCAST=_upcast(x.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return a, g, u
+
+
+def expert_down(a, w_down, offsets, *, out=None):
+    """y_rows[r] = a[r] @ w_down[e] for every sorted row r of expert e; a [R_max, f], w_down
+    [E, f, d]. -> y_rows [R_max, d] in a's dtype, rows past offsets[E] unwritten. out: a
+    caller-owned buffer, reused."""
+    fn = "expert_down"
+    _check_dtype(a, fn)
+    _require_runnable(a, fn)
+    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    n_experts, f, d = w_down.shape
+    _check_rows(a, fn, "a", a.shape[0], f, w_down.dtype, w_down.device)
+    _check_index(offsets, fn, "offsets", a.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    n_rows = a.shape[0]
+    y = _buffer(out, fn, "out", (n_rows, d), a.dtype, a.device)
+    _grouped_rows(a, w_down, w_down.stride(), offsets, y)
+    return y
+
+
+def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None):
+    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
+    w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2."""
+    n_rows, n_k = a.shape
+    n_n = c.shape[1]
+    n_experts = offsets.shape[0] - 1
+    two = a2 is not None
+    if n_rows and n_experts and n_n:
+        cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 2 if two else 1, 2 if two else 1, a.device)
+        grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
+        launch(
+            _rows_gemm_kernel, grid,
+            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, c if c2 is None else c2,
+            c if gate is None else gate, c if up is None else up,
+            n_experts, n_k, n_n, *w_strides, *(w_strides if w2_strides is None else w2_strides),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, SWIGLU_GRAD=gate is not None,
+            UPCAST=_upcast(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
+    """dw[e] = x_e^T @ grad_e (and dw2[e] = x_e^T @ grad2_e); x_e gathered through token_of_row
+    when given."""
+    n_experts, n_i, n_j = dw.shape
+    if n_experts and n_i and n_j:
+        two = grad2 is not None
+        # the weight's rows take the place of the token rows: 128-row tiles once it has 128
+        cfg = _gemm_config(n_i, n_j, grad.dtype, 1, 2 if two else 1, grad.device)
+        launch(
+            _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts),
+            x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,
+            offsets, dw, dw if dw2 is None else dw2, n_i, n_j, x.stride(0),
+            BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k,
+            GATHER=token_of_row is not None, TWO=two, UPCAST=_upcast(grad.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None):
+    """out[t] = sum over slots s = 0..k-1, in that order, of probs[t, s] * rows[row_id_map[t*k + s]]
+    (dropped slots, -1, skipped), summed in fp32, out [T, d] in rows' dtype. Without probs, the
+    plain sum (the gather of dx rows back to tokens); k is then `top_k`. out: a caller-owned
+    buffer, reused."""
+    fn = "combine"
+    _check_dtype(rows, fn)
+    _require_runnable(rows, fn)
+    _check(rows.dim() == 2 and rows.is_contiguous(), fn, f"rows must be a contiguous (R_max, d) tensor, got {tuple(rows.shape)}")
+    _check_index(row_id_map, fn, "row_id_map", rows.device)
+    if probs is not None:
+        _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
+               f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+        _check(probs.device == rows.device, fn, f"probs is on {probs.device}, rows on {rows.device}")
+        _check(top_k in (None, probs.shape[1]), fn, f"top_k={top_k} but probs has {probs.shape[1]} slots")
+        top_k = probs.shape[1]
+    _check(top_k is not None and top_k > 0, fn, "pass probs, or top_k for the unweighted sum")
+    _check(row_id_map.shape[0] % top_k == 0, fn, f"row_id_map has {row_id_map.shape[0]} slots, no multiple of k={top_k}")
+    n_tokens, d = row_id_map.shape[0] // top_k, rows.shape[1]
+    _check(probs is None or probs.shape[0] == n_tokens, fn, f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
+    result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
+    if n_tokens and d:
+        block_t, block_d = _combine_blocks(n_tokens, d, rows.device)
+        launch(
+            _combine_kernel, (_cdiv(n_tokens, block_t), _cdiv(d, block_d)),
+            rows, row_id_map, rows if probs is None else probs, result, n_tokens, d,
+            TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+        )
+    return result
+
+
+def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None, grad_probs_out=None):
+    """The combine's backward in one pass over grad_out [T, d]: -> (grad_rows [R_max, d] in
+    grad_out's dtype, grad_rows[row_id_map[t*k + s]] = grad_out[t] * probs[t, s]; grad_probs
+    fp32 [T, k], grad_probs[t, s] = <grad_out[t], y_rows[row]>, 0 for a dropped slot). Rows
+    past offsets[E] are unwritten. grad_rows_out / grad_probs_out: caller-owned, reused."""
+    fn = "combine_backward"
+    _check_dtype(grad_out, fn)
+    _require_runnable(grad_out, fn)
+    _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
+           f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+    n_tokens, top_k = probs.shape
+    _check(grad_out.dim() == 2 and grad_out.shape[0] == n_tokens, fn,
+           f"grad_out must be (T={n_tokens}, d), got {tuple(grad_out.shape)}")
+    d = grad_out.shape[1]
+    _check_rows(grad_out, fn, "grad_out", n_tokens, d, grad_out.dtype, probs.device)
+    _check_rows(y_rows, fn, "y_rows", y_rows.shape[0], d, grad_out.dtype, grad_out.device)
+    _check_index(row_id_map, fn, "row_id_map", grad_out.device)
+    _check(row_id_map.shape[0] == n_tokens * top_k, fn, f"row_id_map must have T * k = {n_tokens * top_k} slots, got {row_id_map.shape[0]}")
+    grad_rows = _buffer(grad_rows_out, fn, "grad_rows_out", tuple(y_rows.shape), grad_out.dtype, grad_out.device)
+    grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
+    if n_tokens:
+        block_t, block_d = _combine_blocks(n_tokens, d, grad_out.device)
+        launch(
+            _combine_bwd_kernel, (_cdiv(n_tokens, block_t),),
+            grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
+            TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
+        )
+    return grad_rows, grad_probs
+
+
+def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
+    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T, kept in
+    registers, gives dg = d_a * u * silu'(g) and du = d_a * silu(g) (gate, up: the forward's
+    pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
+    dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
+    dw_down_out: caller-owned, reused."""
+    fn = "expert_down_backward"
+    _check_dtype(a, fn)
+    _require_runnable(a, fn)
+    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    n_experts, f, d = w_down.shape
+    n_rows = a.shape[0]
+    _check_rows(a, fn, "a", n_rows, f, w_down.dtype, w_down.device)
+    for name, t in (("gate", gate), ("up", up)):
+        _check_rows(t, fn, name, n_rows, f, a.dtype, a.device)
+    _check_rows(grad_rows, fn, "grad_rows", n_rows, d, a.dtype, a.device)
+    _check_index(offsets, fn, "offsets", a.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
+    du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
+    dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
+    s_e, s_f, s_d = w_down.stride()
+    _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, c2=du, gate=gate, up=up)
+    _weight_grad(a, None, grad_rows, offsets, dw_down)
+    return dg, du, dw_down
+
+
+def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_rows_out=None, dw_gate_out=None,
+                       dw_up_out=None):
+    """Backward of expert_up's two GEMMs: dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one
+    accumulator; dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the
+    expert's token rows, gathered through token_of_row). -> (dx_rows [R_max, d] in x's dtype,
+    dw_gate and dw_up [E, d, f] in the weights' dtype). dx = combine(dx_rows, row_id_map,
+    top_k=k). dx_rows_out / dw_gate_out / dw_up_out: caller-owned, reused."""
+    fn = "expert_up_backward"
+    _check_dtype(x, fn)
+    _require_runnable(x, fn)
+    _check(x.dim() == 2 and x.stride(1) == 1, fn, f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
+    _check(w_gate.dim() == 3, fn, f"w_gate must be (E, d, f), got {tuple(w_gate.shape)}")
+    n_experts, d, f = w_gate.shape
+    _check_weight(w_gate, fn, "w_gate", (n_experts, x.shape[1], f), x.dtype, x.device)
+    _check_weight(w_up, fn, "w_up", (n_experts, d, f), x.dtype, x.device)
+    _check_index(token_of_row, fn, "token_of_row", x.device)
+    _check_index(offsets, fn, "offsets", x.device)
+    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    n_rows = token_of_row.shape[0]
+    for name, t in (("dg", dg), ("du", du)):
+        _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
+    dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
+    dw_gate = _buffer(dw_gate_out, fn, "dw_gate_out", (n_experts, d, f), w_gate.dtype, x.device)
+    dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
+    g_e, g_d, g_f = w_gate.stride()
+    u_e, u_d, u_f = w_up.stride()
+    _grouped_rows(dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
+    _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
+    return dx_rows, dw_gate, dw_up
