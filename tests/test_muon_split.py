@@ -95,18 +95,21 @@ def test_equal_shapes_share_one_newton_schulz_call():
             return super().orthogonalize(update, group)
 
     qkv = [torch.zeros(48, 32, requires_grad=True) for _ in range(2)]
+    # another dtype or scale rule never joins a batch
+    other_dtype, other_rule = torch.zeros(32, 32, dtype=torch.float64, requires_grad=True), torch.zeros(8, 32, requires_grad=True)
     wo = torch.zeros(32, 32, requires_grad=True)
-    for p in (*qkv, wo):
-        p.grad = torch.randn(p.shape)
-    opt = Counting([{"params": qkv, "split_sizes": (32, 8, 8)}, {"params": [wo]}], lr=0.1)
+    for p in (*qkv, wo, other_dtype, other_rule):
+        p.grad = torch.randn(p.shape, dtype=p.dtype)
+    opt = Counting([{"params": qkv, "split_sizes": (32, 8, 8)}, {"params": [wo, other_dtype]},
+                    {"params": [other_rule], "scale": "rms"}], lr=0.1)
     opt.calls = []
     opt.step()
-    # the two q blocks in one batch, the four k and v blocks in another; wo's group on its own
-    assert opt.calls == [(2, 32, 32), (4, 8, 32), (1, 32, 32)]
+    # the two q blocks and wo (another group) in one batch, the four k and v blocks in another
+    assert opt.calls == [(3, 32, 32), (4, 8, 32), (1, 32, 32), (1, 8, 32)]
     opt.param_groups[0]["batch_ns"] = False
     opt.calls = []
     opt.step()
-    assert opt.calls == [(32, 32), (8, 32), (8, 32), (32, 32), (8, 32), (8, 32), (1, 32, 32)]
+    assert opt.calls == [(32, 32), (8, 32), (8, 32), (32, 32), (8, 32), (8, 32), (1, 32, 32), (1, 32, 32), (1, 8, 32)]
 
 
 def test_capturable_with_splits_is_bitwise_plain():
@@ -187,3 +190,36 @@ def test_checkpoints_cross_between_split_and_whole(saved_split, loaded_split):
     assert_bitwise(resumed_p.detach(), reference_p.detach())
     if saved_split == loaded_split:
         assert_bitwise(resumed_p.detach(), uninterrupted_p.detach())
+
+
+def test_model_layout_is_bitwise_its_blocks_as_separate_params():
+    """Two layers of fused QKV and gate/up beside whole wo and down matrices: the q blocks batch
+    with wo (another group), and the fused model steps as the model with the blocks separated."""
+    gen = torch.Generator().manual_seed(5)
+    d, kv, f = 16, 4, 64
+    shapes = {"qkv": (d + 2 * kv, d), "gate_up": (2 * f, d), "wo": (d, d), "down": (d, f)}
+    splits = {"qkv": (d, kv, kv), "gate_up": (f, f)}
+    layers = [{name: torch.randn(shape, generator=gen) for name, shape in shapes.items()} for _ in range(2)]
+    grads = [[{name: torch.randn(shape, generator=gen) for name, shape in shapes.items()} for _ in layers]
+             for _ in range(6)]
+
+    fused = [{name: w.clone().requires_grad_() for name, w in layer.items()} for layer in layers]
+    fused_opt = Muon([{"params": [l["qkv"] for l in fused], "split_sizes": splits["qkv"]},
+                      {"params": [l["gate_up"] for l in fused], "split_sizes": splits["gate_up"]},
+                      {"params": [m for l in fused for m in (l["wo"], l["down"])]}], lr=0.02)
+    separate = [{name: ([b.clone().requires_grad_() for b in w.split(splits[name])] if name in splits
+                        else [w.clone().requires_grad_()]) for name, w in layer.items()} for layer in layers]
+    separate_opt = Muon([{"params": [b for l in separate for b in l["qkv"]]},
+                         {"params": [b for l in separate for b in l["gate_up"]]},
+                         {"params": [m for l in separate for n in ("wo", "down") for m in l[n]]}], lr=0.02)
+    for step_grads in grads:
+        for f_layer, s_layer, g_layer in zip(fused, separate, step_grads):
+            for name, g in g_layer.items():
+                f_layer[name].grad = g.clone()
+                for p, block in zip(s_layer[name], g.split(splits.get(name, (g.size(0),)))):
+                    p.grad = block.clone()
+        fused_opt.step()
+        separate_opt.step()
+    for f_layer, s_layer in zip(fused, separate):
+        for name in shapes:
+            assert_bitwise(f_layer[name].detach(), torch.cat([p.detach() for p in s_layer[name]]), name)

@@ -23,11 +23,13 @@ and gives each block the update a separate parameter of the block's shape would 
 Newton-Schulz and its own scale. Momentum stays one buffer of the fused shape (it is elementwise),
 and weight decay and lr are the group's.
 
-Batching. Within a group, the matrices of equal shape (blocks and whole parameters alike) are
-orthogonalised together, one Newton-Schulz on a 3-D batch (a bmm chain), in a fixed order: the
-group's params in order, each one's blocks in order. A fused parameter with split_sizes therefore
-runs exactly the batches that its blocks, given as separate parameters of one group, would run,
-and gets the same bits. batch_ns=False runs Newton-Schulz matrix by matrix instead (2-D matmuls).
+Batching. The matrices of one step that agree in shape, dtype, device, ns_steps and scale rule
+(blocks and whole parameters alike, across the Muon groups) are orthogonalised together, one
+Newton-Schulz on a 3-D batch (a bmm chain), in a fixed order: groups in order, each group's params
+in order, each one's blocks in order. A fused parameter with split_sizes therefore runs exactly
+the batches that its blocks, given in its place as separate parameters in block order, would run,
+and gets the same bits. batch_ns=False keeps a group's matrices out of the batches: Newton-Schulz
+matrix by matrix (2-D matmuls).
 
 Vectors (norm gains, biases) and the matrices a user marks use_muon=False (embeddings, output
 heads) get AdamW: Adam moments with bias correction and decoupled weight decay.
@@ -153,7 +155,8 @@ class Muon(torch.optim.Optimizer):
 
     Subclasses change the update by overriding muon_momentum (the momentum step, which returns the
     matrix to orthogonalise), split_blocks, orthogonalize (scale * Newton-Schulz of a matrix or of
-    a batch) or adamw_update; the updates receive the group's StepScalars (0-d fp32 device tensors).
+    a batch; given the group of the batch's first matrix) or adamw_update; the updates receive the
+    group's StepScalars (0-d fp32 device tensors).
     """
 
     # The hyperparameters a captured step reads from device tensors, hence may change between replays.
@@ -322,6 +325,7 @@ class Muon(torch.optim.Optimizer):
         if not capturing:
             # Under capture the host values must not be baked in: the wrapper syncs before replays.
             self.sync_hyperparameters()
+        muon_groups: list[tuple[dict, list[torch.Tensor], StepScalars]] = []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -330,18 +334,24 @@ class Muon(torch.optim.Optimizer):
                 raise RuntimeError("Muon does not support sparse gradients; use dense embeddings")
             scalars = self._step_scalars(index, group, capturing)
             if group["use_muon"]:
-                self.muon_step(params, group, scalars)
+                muon_groups.append((group, params, scalars))
             else:
                 for p in params:
                     self.adamw_update(p, p.grad, self.state[p], group, scalars)
+        if muon_groups:
+            # all Muon groups at once: their matrices of equal shape share a batched Newton-Schulz
+            self.muon_step(muon_groups)
         return loss
 
-    def muon_step(self, params: list[torch.Tensor], group: dict, scalars: StepScalars) -> None:
-        """One Muon step of the group's matrices that have grads, in place."""
-        updates = [self.muon_momentum(p, p.grad, self.state[p], group, scalars) for p in params]
-        for p, direction in zip(params, self.directions(updates, group)):
-            p.mul_(scalars.decay)
-            p.sub_(direction * scalars.lr)
+    def muon_step(self, groups: list[tuple[dict, list[torch.Tensor], StepScalars]]) -> None:
+        """One Muon step of each (group, its params that have grads, its scalars), in place."""
+        updates = [[self.muon_momentum(p, p.grad, self.state[p], group, scalars) for p in params]
+                   for group, params, scalars in groups]
+        directions = self.directions([(group, group_updates) for (group, _, _), group_updates in zip(groups, updates)])
+        for (group, params, scalars), group_directions in zip(groups, directions):
+            for p, direction in zip(params, group_directions):
+                p.mul_(scalars.decay)
+                p.sub_(direction * scalars.lr)
 
     def muon_momentum(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
                       scalars: StepScalars) -> torch.Tensor:
@@ -358,26 +368,30 @@ class Muon(torch.optim.Optimizer):
             return [update]
         return list(update.split(group["split_sizes"], dim=group["split_dim"]))
 
-    def directions(self, updates: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
-        """Each update's direction, of its shape: every block orthogonalised and scaled on its own."""
-        blocks = [self.split_blocks(update, group) for update in updates]
-        oriented: list[list[torch.Tensor | None]] = [[None] * len(parts) for parts in blocks]
-        if group["batch_ns"]:
-            # Equal shapes in first-seen order, so that split blocks and separate params batch alike.
-            batches: dict[torch.Size, list[tuple[int, int]]] = {}
-            for i, parts in enumerate(blocks):
+    def directions(self, work: list[tuple[dict, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
+        """For each (group, updates), each update's direction, of its shape: every block orthogonalised
+        and scaled on its own. Matrices that agree in shape, dtype, device, ns_steps and scale rule
+        are orthogonalised as one batch, across groups, in order: groups, params, blocks."""
+        blocks = [[self.split_blocks(update, group) for update in updates] for group, updates in work]
+        oriented = [[[None] * len(parts) for parts in group_blocks] for group_blocks in blocks]
+        batches: dict[tuple, list[tuple[int, int, int]]] = {}
+        for g, (group, _) in enumerate(work):
+            for i, parts in enumerate(blocks[g]):
                 for j, block in enumerate(parts):
-                    batches.setdefault(block.shape, []).append((i, j))
-            for members in batches.values():
-                # stack copies: every matrix enters the bmm contiguous, whatever view it came from
-                batch = self.orthogonalize(torch.stack([blocks[i][j] for i, j in members]), group)
-                for k, (i, j) in enumerate(members):
-                    oriented[i][j] = batch[k]
-        else:
-            for i, parts in enumerate(blocks):
-                for j, block in enumerate(parts):
-                    oriented[i][j] = self.orthogonalize(block, group)
-        return [parts[0] if len(parts) == 1 else torch.cat(parts, dim=group["split_dim"]) for parts in oriented]
+                    if group["batch_ns"]:
+                        key = (block.shape, block.dtype, block.device, group["ns_steps"], group["scale"])
+                        batches.setdefault(key, []).append((g, i, j))
+                    else:
+                        oriented[g][i][j] = self.orthogonalize(block, group)
+        for members in batches.values():
+            # stack copies: every matrix enters the bmm contiguous, whatever view it came from; the
+            # members' groups agree on everything orthogonalize reads
+            stacked = torch.stack([blocks[g][i][j] for g, i, j in members])
+            batch = self.orthogonalize(stacked, work[members[0][0]][0])
+            for k, (g, i, j) in enumerate(members):
+                oriented[g][i][j] = batch[k]
+        return [[parts[0] if len(parts) == 1 else torch.cat(parts, dim=group["split_dim"]) for parts in group_oriented]
+                for (group, _), group_oriented in zip(work, oriented)]
 
     def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """scale * newton_schulz(update), a new tensor, for a matrix or a 3-D batch of equal-shaped
