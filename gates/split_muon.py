@@ -8,8 +8,8 @@ Cases (each with its split saved in the buffers, so recorded buffers describe th
 Each runs with both scale rules, Nesterov on and off, and a warm-up + cosine lr (LambdaLR). On a
 GPU the qkv case also runs under CapturedOptimizer (the arm captured, the reference eager).
 
-Why bitwise holds: Muon batches the matrices of equal shape within a group, in the order of the
-group's params and of each one's blocks, so the fused parameter's blocks and the separate
+Why bitwise holds: Muon batches the matrices of equal shape (and dtype, ns_steps, scale rule) in
+a fixed order (groups, params, blocks), so the fused parameter's blocks and the separate
 parameters (one group, in block order) run the same batched Newton-Schulz calls on the same
 contiguous inputs; momentum, weight decay and the lr step are elementwise. No tolerance is
 loosened: where cuBLAS picks another algorithm for a batch than for one matrix, both sides batch
@@ -82,8 +82,9 @@ def _preset(name: str, d: int, layers: int, where: str = "cuda", steps: int = 12
     gate_elements = sum(math.prod(shape) for shape, _, _ in _case_splits(preset).values())
     model_elements = sum(math.prod(s) for shapes in _model_shapes(preset).values() for s in shapes)
     # fp32 gate buffers (init + K grads), the runs' params, momentum and outputs, the float64
-    # truth; bf16 params, grads and momentum for the two contenders of a bench case alive at once
-    memory = 4 * gate_elements * (steps + 12) + 2 * 3 * 2 * model_elements + (4 << 30)
+    # truth; bf16 params, grads and momentum for the two contenders of a bench case alive at once,
+    # and Newton-Schulz's bf16 temporaries (about four copies of its largest batch, over half the model)
+    memory = 4 * gate_elements * (steps + 12) + 2 * (3 * 2 + 4) * model_elements + (4 << 30)
     return Preset(name, dict(d=d, layers=layers, steps=steps), where=where, memory_bytes=memory, note=note)
 
 
