@@ -170,6 +170,8 @@ def test_checkpoints_cross_between_split_and_whole(saved_split, loaded_split):
     for grad in grads[:4]:
         first_p.grad = grad.clone()
         first.step()
+    saved = first.state_dict()["param_groups"][0]
+    assert (saved["split_sizes"], saved["split_dim"]) == ((sizes if saved_split else None), 0)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
