@@ -144,6 +144,9 @@ def test_bad_split_options_are_refused(group, message):
 
 
 def test_split_of_a_vector_is_refused_naming_it():
+    # without use_muon the vector would make the group AdamW: the message still names the vector
+    with pytest.raises(ValueError, match=r"param group 0: split_sizes splits matrices, but 'gain' is 1-D"):
+        Muon([{"params": [("qkv", torch.zeros(4, 4)), ("gain", torch.zeros(4))], "split_sizes": (2, 2)}], lr=0.1)
     opt = Muon([torch.zeros(4, 4)], lr=0.1)
     with pytest.raises(ValueError, match=r"param group 1: split_sizes splits matrices, but params\[1\] \(shape \(4,\)\) is 1-D"):
         opt.add_param_group({"params": [torch.zeros(4, 4), torch.zeros(4)], "use_muon": True, "split_sizes": (2, 2)})

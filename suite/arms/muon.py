@@ -239,6 +239,12 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: split_dim must be 0 (output rows) or 1 (input columns), not {dim!r}")
         if sizes is None:
             return
+        # before the use_muon check: a vector in the group is why use_muon was inferred False
+        for position, p in enumerate(group["params"]):
+            if p.dim() != 2:
+                raise ValueError(
+                    f"{where}: split_sizes splits matrices, but {param_label(group, position)} is {p.dim()}-D"
+                )
         if not group["use_muon"]:
             raise ValueError(
                 f"{where} has split_sizes but use_muon=False: only Muon orthogonalises blocks; put the fused "
@@ -250,10 +256,6 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: split_sizes must be positive ints, not {sizes!r}")
         group["split_sizes"] = tuple(sizes)
         for position, p in enumerate(group["params"]):
-            if p.dim() != 2:
-                raise ValueError(
-                    f"{where}: split_sizes splits matrices, but {param_label(group, position)} is {p.dim()}-D"
-                )
             if sum(sizes) != p.size(dim):
                 raise ValueError(
                     f"{where}: split_sizes {tuple(sizes)} sum to {sum(sizes)}, but {param_label(group, position)} "
