@@ -99,9 +99,22 @@ def test_newton_schulz_of_zero_is_zero():
     assert torch.count_nonzero(newton_schulz(torch.zeros(6, 4))) == 0
 
 
-def test_newton_schulz_rejects_non_matrix():
-    with pytest.raises(ValueError, match="2-D"):
-        newton_schulz(torch.randn(3, 4, 5))
+@pytest.mark.parametrize("shape", [(6,), (2, 3, 4, 5)])
+def test_newton_schulz_rejects_non_matrix(shape):
+    with pytest.raises(ValueError, match="a matrix or a 3-D batch"):
+        newton_schulz(torch.randn(shape))
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 24), (3, 24, 16)])
+def test_batched_newton_schulz_is_each_matrix_s(shape):
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    batched = newton_schulz(G)
+    assert batched.shape == G.shape
+    for k in range(shape[0]):
+        # each matrix normalised by its own norm: scaling one must not move the others
+        torch.testing.assert_close(batched[k], newton_schulz(G[k]), atol=2e-2, rtol=0)
+    G[0] *= 1000
+    assert torch.equal(newton_schulz(G)[1:], batched[1:])
 
 
 def test_scale_rules():

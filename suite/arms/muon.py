@@ -14,6 +14,23 @@ which trains as well as the exact polar factor and costs only matmuls. `scale` s
 size from the shape: "spectral" = sqrt(max(1, rows / cols)) (Jordan), "rms" = 0.2 * sqrt(max(rows,
 cols)), which gives the update AdamW's RMS of about 0.2 so that both kinds of group can share an lr.
 
+Fused weights. A model may fuse projections into one wide weight so that one GEMM does their
+work (Q, K and V, unequal under grouped-query attention; gate and up of a SwiGLU MLP). Muon on the
+fused matrix would mix the singular directions of unrelated blocks and scale the update by the
+fused shape. The param-group option split_sizes=(s1, s2, ...) cuts each parameter of the group
+along split_dim (0: the output rows of a torch.nn.Linear weight; 1: weights stored input-major)
+and gives each block the update a separate parameter of the block's shape would get: its own
+Newton-Schulz and its own scale. Momentum stays one buffer of the fused shape (it is elementwise),
+and weight decay and lr are the group's.
+
+Batching. The matrices of one step that agree in shape, dtype, device, ns_steps and scale rule
+(blocks and whole parameters alike, across the Muon groups) are orthogonalised together, one
+Newton-Schulz on a 3-D batch (a bmm chain), in a fixed order: groups in order, each group's params
+in order, each one's blocks in order. A fused parameter with split_sizes therefore runs exactly
+the batches that its blocks, given in its place as separate parameters in block order, would run,
+and gets the same bits. batch_ns=False keeps a group's matrices out of the batches: Newton-Schulz
+matrix by matrix (2-D matmuls).
+
 Vectors (norm gains, biases) and the matrices a user marks use_muon=False (embeddings, output
 heads) get AdamW: Adam moments with bias correction and decoupled weight decay.
 
@@ -45,23 +62,24 @@ SCALE_RULES = ("spectral", "rms")
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """About the orthogonal polar factor U V^T of the 2-D G; computed in bf16, returned in G's dtype."""
-    if G.dim() != 2:
-        raise ValueError(f"newton_schulz: G must be 2-D, got shape {tuple(G.shape)}")
+    """About the orthogonal polar factor U V^T of the matrix G, or of each matrix of the 3-D batch G
+    (one bmm chain); computed in bf16, returned in G's dtype."""
+    if G.dim() not in (2, 3):
+        raise ValueError(f"newton_schulz: G must be a matrix or a 3-D batch of them, got shape {tuple(G.shape)}")
     a, b, c = NS_COEFFICIENTS
     X = G.bfloat16()
     # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].
-    X = X / (X.norm() + NS_EPS)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_EPS)
     # Iterate on the wide form: X X^T is then the smaller Gram matrix.
-    tall = G.size(0) > G.size(1)
+    tall = G.size(-2) > G.size(-1)
     if tall:
-        X = X.T
+        X = X.mT
     for _ in range(steps):
-        A = X @ X.T
+        A = X @ X.mT
         B = b * A + c * A @ A
         X = a * X + B @ X
     if tall:
-        X = X.T
+        X = X.mT
     return X.to(G.dtype)
 
 
@@ -78,6 +96,10 @@ def muon_scale(rows: int, cols: int, rule: str) -> float:
 def _stream_capturing() -> bool:
     # The CPU build cannot capture (and its query raises).
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:
@@ -127,18 +149,28 @@ class Muon(torch.optim.Optimizer):
     docstring); an eager step refreshes them itself, a capture wrapper calls sync_hyperparameters()
     before each replay.
 
-    Subclasses change the per-parameter update by overriding muon_update, orthogonalize or
-    adamw_update; each receives the group's StepScalars (0-d fp32 device tensors).
+    Param-group options of the Muon groups: split_sizes (None, or two or more positive sizes that
+    sum to each param's size along split_dim) and split_dim (0 or 1) orthogonalise and scale each
+    block of a fused weight on its own; batch_ns=False runs Newton-Schulz one matrix at a time.
+
+    Subclasses change the update by overriding muon_momentum (the momentum step, which returns the
+    matrix to orthogonalise), split_blocks, orthogonalize (scale * Newton-Schulz of a matrix or of
+    a batch; given the group of the batch's first matrix) or adamw_update; the updates receive the
+    group's StepScalars (0-d fp32 device tensors).
     """
 
     # The hyperparameters a captured step reads from device tensors, hence may change between replays.
     live_hyperparameters = ("lr", "weight_decay", "momentum", "betas")
+    # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
+    # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
+    kept_on_load = ("capturable", "split_sizes", "split_dim", "batch_ns")
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, scale: str = "spectral", ns_steps: int = 5,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
-                        ns_steps=ns_steps, betas=betas, eps=eps, capturable=capturable)
+                        ns_steps=ns_steps, betas=betas, eps=eps, capturable=capturable,
+                        split_sizes=None, split_dim=0, batch_ns=True)
         # Device copies of the live hyperparameters by group index; kept out of param_groups so
         # that state_dict never saves them and a load never restores stale ones.
         self._device_hyperparameters: dict[int, dict[str, torch.Tensor]] = {}
@@ -165,6 +197,9 @@ class Muon(torch.optim.Optimizer):
             group["use_muon"] = all(p.dim() == 2 for p in params)
         if not isinstance(group["use_muon"], bool):
             raise ValueError(f"{where}: use_muon must be True or False, not {group['use_muon']!r}")
+        self._resolve_split(where, group)
+        if not isinstance(group["batch_ns"], bool):
+            raise ValueError(f"{where}: batch_ns must be True or False, not {group['batch_ns']!r}")
         if group["use_muon"]:
             for position, p in enumerate(params):
                 if p.dim() != 2:
@@ -195,6 +230,37 @@ class Muon(torch.optim.Optimizer):
                 f"{where} holds params on {sorted(map(str, devices))}: a group's lr tensor lives on one "
                 f"device, so split the group by device"
             )
+
+    @staticmethod
+    def _resolve_split(where: str, group: dict) -> None:
+        """Validate split_dim and split_sizes against every param of the group; sizes become a tuple."""
+        dim, sizes = group["split_dim"], group["split_sizes"]
+        if not (_is_int(dim) and dim in (0, 1)):
+            raise ValueError(f"{where}: split_dim must be 0 (output rows) or 1 (input columns), not {dim!r}")
+        if sizes is None:
+            return
+        # before the use_muon check: a vector in the group is why use_muon was inferred False
+        for position, p in enumerate(group["params"]):
+            if p.dim() != 2:
+                raise ValueError(
+                    f"{where}: split_sizes splits matrices, but {param_label(group, position)} is {p.dim()}-D"
+                )
+        if not group["use_muon"]:
+            raise ValueError(
+                f"{where} has split_sizes but use_muon=False: only Muon orthogonalises blocks; put the fused "
+                f"weight in a Muon group"
+            )
+        if not (isinstance(sizes, (tuple, list)) and len(sizes) >= 2):
+            raise ValueError(f"{where}: split_sizes must list two or more block sizes, not {sizes!r}")
+        if not all(_is_int(size) and size > 0 for size in sizes):
+            raise ValueError(f"{where}: split_sizes must be positive ints, not {sizes!r}")
+        group["split_sizes"] = tuple(sizes)
+        for position, p in enumerate(group["params"]):
+            if sum(sizes) != p.size(dim):
+                raise ValueError(
+                    f"{where}: split_sizes {tuple(sizes)} sum to {sum(sizes)}, but {param_label(group, position)} "
+                    f"has {p.size(dim)} along split_dim={dim}; every param of the group must split the same way"
+                )
 
     # ----------------------------------------------------------------------------------------
     # Hyperparameters on the device
@@ -261,32 +327,78 @@ class Muon(torch.optim.Optimizer):
         if not capturing:
             # Under capture the host values must not be baked in: the wrapper syncs before replays.
             self.sync_hyperparameters()
+        muon_groups: list[tuple[dict, list[torch.Tensor], StepScalars]] = []
         for index, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            if any(p.grad.is_sparse for p in params):
+                raise RuntimeError("Muon does not support sparse gradients; use dense embeddings")
             scalars = self._step_scalars(index, group, capturing)
-            update = self.muon_update if group["use_muon"] else self.adamw_update
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("Muon does not support sparse gradients; use dense embeddings")
-                update(p, p.grad, self.state[p], group, scalars)
+            if group["use_muon"]:
+                muon_groups.append((group, params, scalars))
+            else:
+                for p in params:
+                    self.adamw_update(p, p.grad, self.state[p], group, scalars)
+        if muon_groups:
+            # all Muon groups at once: their matrices of equal shape share a batched Newton-Schulz
+            self.muon_step(muon_groups)
         return loss
 
-    def muon_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
-                    scalars: StepScalars) -> None:
-        """One Muon step of the matrix p, in place."""
+    def muon_step(self, groups: list[tuple[dict, list[torch.Tensor], StepScalars]]) -> None:
+        """One Muon step of each (group, its params that have grads, its scalars), in place."""
+        updates = [[self.muon_momentum(p, p.grad, self.state[p], group, scalars) for p in params]
+                   for group, params, scalars in groups]
+        directions = self.directions([(group, group_updates) for (group, _, _), group_updates in zip(groups, updates)])
+        for (group, params, scalars), group_directions in zip(groups, directions):
+            for p, direction in zip(params, group_directions):
+                p.mul_(scalars.decay)
+                p.sub_(direction * scalars.lr)
+
+    def muon_momentum(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
+                      scalars: StepScalars) -> torch.Tensor:
+        """Advance p's momentum in place; return the matrix to orthogonalise (Nesterov's or the buffer)."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
         buf.mul_(scalars.momentum).add_(grad)
-        update = grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
-        p.mul_(scalars.decay)
-        p.sub_(self.orthogonalize(update, group) * scalars.lr)
+        return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
+
+    def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
+        """The blocks of update (views) that are orthogonalised on their own: the whole without a split."""
+        if group["split_sizes"] is None:
+            return [update]
+        return list(update.split(group["split_sizes"], dim=group["split_dim"]))
+
+    def directions(self, work: list[tuple[dict, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
+        """For each (group, updates), each update's direction, of its shape: every block orthogonalised
+        and scaled on its own. Matrices that agree in shape, dtype, device, ns_steps and scale rule
+        are orthogonalised as one batch, across groups, in order: groups, params, blocks."""
+        blocks = [[self.split_blocks(update, group) for update in updates] for group, updates in work]
+        oriented = [[[None] * len(parts) for parts in group_blocks] for group_blocks in blocks]
+        batches: dict[tuple, list[tuple[int, int, int]]] = {}
+        for g, (group, _) in enumerate(work):
+            for i, parts in enumerate(blocks[g]):
+                for j, block in enumerate(parts):
+                    if group["batch_ns"]:
+                        key = (block.shape, block.dtype, block.device, group["ns_steps"], group["scale"])
+                        batches.setdefault(key, []).append((g, i, j))
+                    else:
+                        oriented[g][i][j] = self.orthogonalize(block, group)
+        for members in batches.values():
+            # stack copies: every matrix enters the bmm contiguous, whatever view it came from; the
+            # members' groups agree on everything orthogonalize reads
+            stacked = torch.stack([blocks[g][i][j] for g, i, j in members])
+            batch = self.orthogonalize(stacked, work[members[0][0]][0])
+            for k, (g, i, j) in enumerate(members):
+                oriented[g][i][j] = batch[k]
+        return [[parts[0] if len(parts) == 1 else torch.cat(parts, dim=group["split_dim"]) for parts in group_oriented]
+                for (group, _), group_oriented in zip(work, oriented)]
 
     def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
-        """scale * newton_schulz(update), a new tensor: the direction a Muon step takes."""
-        rows, cols = update.shape
+        """scale * newton_schulz(update), a new tensor, for a matrix or a 3-D batch of equal-shaped
+        ones: the direction a Muon step takes, scaled by the matrix's own shape."""
+        rows, cols = update.shape[-2:]
         return newton_schulz(update, group["ns_steps"]).mul_(muon_scale(rows, cols, group["scale"]))
 
     def adamw_update(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
@@ -313,11 +425,10 @@ class Muon(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
-        # capturable says how this optimizer runs, not what it learned: a checkpoint keeps it.
-        capturable = [group["capturable"] for group in self.param_groups]
+        kept = [{key: group[key] for key in self.kept_on_load} for group in self.param_groups]
         super().load_state_dict(state_dict)
-        for index, (group, flag) in enumerate(zip(self.param_groups, capturable)):
-            group["capturable"] = flag
+        for index, (group, values) in enumerate(zip(self.param_groups, kept)):
+            group.update(values)
             self._resolve_group(index, group)
         # The base class moves "step" to the param's device only for groups saved as capturable;
         # both modes compute bias correction there.

@@ -1,0 +1,369 @@
+"""Gate `split-muon`: split-block Muon (suite.arms.muon.Muon with split_sizes) on one fused weight
+against the same Muon on its blocks as separate parameters, bit for bit, over K saved gradient sets.
+
+Cases (each with its split saved in the buffers, so recorded buffers describe themselves):
+- input-major: a [2, 6] weight split along dim 1 into [2, 3] + [2, 3];
+- qkv: a grouped-query QKV weight [q + 2kv, d] split along dim 0 into q, kv, kv (GQA 4:1);
+- gate-up: a SwiGLU gate/up weight [2f, d] split into its two halves (f = 4d).
+Each runs with both scale rules, Nesterov on and off, and a warm-up + cosine lr (LambdaLR). On a
+GPU the qkv case also runs under CapturedOptimizer (the arm captured, the reference eager).
+
+Why bitwise holds: Muon batches the matrices of equal shape (and dtype, ns_steps, scale rule) in
+a fixed order (groups, params, blocks), so the fused parameter's blocks and the separate
+parameters (one group, in block order) run the same batched Newton-Schulz calls on the same
+contiguous inputs; momentum, weight decay and the lr step are elementwise. No tolerance is
+loosened: where cuBLAS picks another algorithm for a batch than for one matrix, both sides batch
+alike.
+
+Also judged, in tolerance mode against a float64 truth (k = 2): one step's direction with the
+batched Newton-Schulz (the arm) against one-by-one Newton-Schulz (the reference), outputs ns/*.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+from gates.optim_loop import MUON_LR, WEIGHT_DECAY, lambda_schedule, newton_schulz_float64
+from suite.arms.graph import CapturedOptimizer
+from suite.arms.muon import Muon, muon_scale, newton_schulz
+from suite.harness.gate import (
+    BenchCase,
+    Bitwise,
+    Buffers,
+    Contender,
+    Gate,
+    Outputs,
+    PerfCriterion,
+    Preset,
+    Saboteur,
+    Tolerance,
+)
+from suite.harness.parity import bits_checksum
+
+CASES = ("input-major", "qkv", "gate-up")
+CONFIGS = tuple((rule, nesterov) for rule in ("spectral", "rms") for nesterov in (True, False))
+# The case that also runs captured on a GPU.
+CAPTURED_CASE = "qkv"
+NS_STEPS = 5
+
+# (params, split sizes, split dim, scale rule, nesterov, capturable) -> the optimizer stepped
+Make = Callable[[list[torch.Tensor], tuple[int, ...], int, str, bool, bool], Muon]
+
+
+def _dims(preset: Preset) -> tuple[int, int, int, int]:
+    """d, q, kv, f: q = d heads' width, kv = q / 4 (GQA 4:1), f = 4d."""
+    d = preset.params["d"]
+    return d, d, d // 4, 4 * d
+
+
+def _case_splits(preset: Preset) -> dict[str, tuple[tuple[int, int], tuple[int, ...], int]]:
+    """Each case's fused shape, split sizes and split dim."""
+    d, q, kv, f = _dims(preset)
+    return {
+        "input-major": ((2, 6), (3, 3), 1),
+        "qkv": ((q + 2 * kv, d), (q, kv, kv), 0),
+        "gate-up": ((2 * f, d), (f, f), 0),
+    }
+
+
+def _model_shapes(preset: Preset) -> dict[str, list[tuple[int, int]]]:
+    """The bench's model: per layer a fused QKV, wo, a fused gate/up and the down projection."""
+    d, q, kv, f = _dims(preset)
+    layers = preset.params["layers"]
+    return {"qkv": [(q + 2 * kv, d)] * layers, "gate-up": [(2 * f, d)] * layers,
+            "rest": [(d, q), (d, f)] * layers}
+
+
+def _preset(name: str, d: int, layers: int, where: str = "cuda", steps: int = 12, note: str = "") -> Preset:
+    preset = Preset(name, dict(d=d, layers=layers, steps=steps), where=where, note=note)
+    gate_elements = sum(math.prod(shape) for shape, _, _ in _case_splits(preset).values())
+    model_elements = sum(math.prod(s) for shapes in _model_shapes(preset).values() for s in shapes)
+    # fp32 gate buffers (init + K grads), the runs' params, momentum and outputs, the float64
+    # truth; bf16 params, grads and momentum for the two contenders of a bench case alive at once,
+    # and Newton-Schulz's bf16 temporaries (about four copies of its largest batch, over half the model)
+    memory = 4 * gate_elements * (steps + 12) + 2 * (3 * 2 + 4) * model_elements + (4 << 30)
+    return Preset(name, dict(d=d, layers=layers, steps=steps), where=where, memory_bytes=memory, note=note)
+
+
+PRESETS = (
+    _preset("tiny", 16, 2, where="any", note="seconds, on the CPU too: the gate and the saboteurs"),
+    _preset("d1024", 1024, 24, note="24 layers, d=1024: QKV [1536, 1024], gate/up [8192, 1024]"),
+    _preset("d2048", 2048, 24, note="24 layers, d=2048: QKV [3072, 2048] (q 2048, kv 512), gate/up [16384, 2048]"),
+)
+
+
+def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    buffers = {}
+    for case, (shape, sizes, dim) in _case_splits(preset).items():
+        buffers[f"sizes/{case}"] = torch.tensor(sizes, dtype=torch.int64, device=device)
+        buffers[f"dim/{case}"] = torch.tensor([dim], dtype=torch.int64, device=device)
+        buffers[f"param/{case}"] = torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[1])
+        for step in range(preset.params["steps"]):
+            # gradients shrink over the run, as a loss does
+            buffers[f"grad{step:02d}/{case}"] = 1e-3 / (1 + step) * torch.randn(shape, generator=gen, device=device)
+    return buffers
+
+
+def buffer_params(buffers: Buffers) -> dict[str, Any]:
+    return dict(steps=len({k.split("/")[0] for k in buffers if k.startswith("grad")}))
+
+
+def _split(buffers: Buffers, case: str) -> tuple[tuple[int, ...], int]:
+    return tuple(buffers[f"sizes/{case}"].tolist()), int(buffers[f"dim/{case}"].item())
+
+
+# ---- the optimizers: the reference's separate blocks, the arm's fused split, the saboteurs ----
+
+
+def _muon(groups: list[dict], rule: str, nesterov: bool, capturable: bool, cls: type[Muon] = Muon, **extra) -> Muon:
+    return cls(groups, lr=MUON_LR, weight_decay=WEIGHT_DECAY, scale=rule, nesterov=nesterov, ns_steps=NS_STEPS,
+               capturable=capturable, **extra)
+
+
+def _separate(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    """The reference: the blocks as separate parameters of one group, in block order."""
+    return _muon([{"params": params}], rule, nesterov, capturable)
+
+
+def _fused_split(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    """The arm: one fused parameter with split_sizes."""
+    return _muon([{"params": params, "split_sizes": sizes, "split_dim": dim}], rule, nesterov, capturable)
+
+
+class _WholeMatrixScale(Muon):
+    """Saboteur: each block orthogonalised on its own but scaled by the fused matrix's shape."""
+
+    def __init__(self, *args, fused_shape: tuple[int, int], **kwargs):
+        self.fused_shape = fused_shape
+        super().__init__(*args, **kwargs)
+
+    def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        return newton_schulz(update, group["ns_steps"]).mul_(muon_scale(*self.fused_shape, group["scale"]))
+
+
+def _whole_matrix_scale(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    groups = [{"params": params, "split_sizes": sizes, "split_dim": dim}]
+    return _muon(groups, rule, nesterov, capturable, cls=_WholeMatrixScale, fused_shape=tuple(params[0].shape))
+
+
+def _unsplit(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    return _muon([{"params": params}], rule, nesterov, capturable)
+
+
+def _wrong_dim(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    """As many blocks, as even as they come, along the other dimension."""
+    other = 1 - dim
+    n, count = params[0].size(other), len(sizes)
+    even = tuple(n // count + (i < n % count) for i in range(count))
+    return _muon([{"params": params, "split_sizes": even, "split_dim": other}], rule, nesterov, capturable)
+
+
+# ---- the training loop ----
+
+
+def _train(buffers: Buffers, preset: Preset, case: str, rule: str, nesterov: bool, make: Make,
+           fused: bool, captured: bool = False) -> Outputs:
+    """K steps from the saved weight: fused (one param) or as its blocks; each step's fused
+    parameter (the blocks concatenated) as a bit checksum, the final one and its momentum whole."""
+    sizes, dim = _split(buffers, case)
+    init = buffers[f"param/{case}"]
+    params = [init.clone()] if fused else [block.clone() for block in init.split(sizes, dim)]
+    for p in params:
+        p.requires_grad_()
+        p.grad = torch.zeros_like(p)
+    optimizer = make(params, sizes, dim, rule, nesterov, captured)
+    stepper = CapturedOptimizer(optimizer) if captured else optimizer
+    steps = preset.params["steps"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(stepper, lambda_schedule(steps))
+    prefix = f"{case}{'-captured' if captured else ''}/{rule}-{'nesterov' if nesterov else 'plain'}"
+    outputs: Outputs = {}
+    for step in range(steps):
+        grad = buffers[f"grad{step:02d}/{case}"]
+        # in place: a captured step reads the grad tensors it saw at capture
+        for p, block in zip(params, grad.split(sizes, dim) if not fused else [grad]):
+            p.grad.copy_(block)
+        stepper.step()
+        scheduler.step()
+        outputs[f"{prefix}/step{step:02d}"] = bits_checksum(torch.cat([p.detach() for p in params], dim))
+    outputs[f"{prefix}/final"] = torch.cat([p.detach() for p in params], dim)
+    outputs[f"{prefix}/momentum"] = torch.cat([optimizer.state[p]["momentum_buffer"] for p in params], dim)
+    return outputs
+
+
+def _direction(buffers: Buffers, case: str, batch_ns: bool) -> torch.Tensor:
+    """One split Muon step from zero with lr 1, no momentum: minus the step's direction."""
+    sizes, dim = _split(buffers, case)
+    grad = buffers[f"grad00/{case}"]
+    p = torch.zeros_like(grad, requires_grad=True)
+    p.grad = grad.clone()
+    group = {"params": [p], "split_sizes": sizes, "split_dim": dim, "batch_ns": batch_ns}
+    Muon([group], lr=1.0, momentum=0.0, nesterov=False, ns_steps=NS_STEPS).step()
+    return p.detach()
+
+
+def _on_gpu(buffers: Buffers) -> bool:
+    return buffers[f"param/{CAPTURED_CASE}"].is_cuda
+
+
+def reference(buffers: Buffers, preset: Preset) -> Outputs:
+    outputs: Outputs = {}
+    for case in CASES:
+        for rule, nesterov in CONFIGS:
+            outputs.update(_train(buffers, preset, case, rule, nesterov, _separate, fused=False))
+    if _on_gpu(buffers):
+        # the captured arm's reference is the same eager run of the separate blocks
+        outputs.update({name.replace(f"{CAPTURED_CASE}/", f"{CAPTURED_CASE}-captured/", 1): value
+                        for name, value in list(outputs.items()) if name.startswith(f"{CAPTURED_CASE}/")})
+    for case in CASES:
+        outputs[f"ns/{case}"] = _direction(buffers, case, batch_ns=False)
+    return outputs
+
+
+def _arm_with(make: Make) -> Callable[[Buffers, Preset], Outputs]:
+    def arm(buffers: Buffers, preset: Preset) -> Outputs:
+        outputs: Outputs = {}
+        for case in CASES:
+            for rule, nesterov in CONFIGS:
+                outputs.update(_train(buffers, preset, case, rule, nesterov, make, fused=True))
+        if _on_gpu(buffers):
+            for rule, nesterov in CONFIGS:
+                outputs.update(_train(buffers, preset, CAPTURED_CASE, rule, nesterov, make, fused=True, captured=True))
+        for case in CASES:
+            outputs[f"ns/{case}"] = _direction(buffers, case, batch_ns=True)
+        return outputs
+
+    return arm
+
+
+arm = _arm_with(_fused_split)
+
+
+def truth(buffers: Buffers, preset: Preset) -> Outputs:
+    """The ns/* outputs in float64: minus each block's spectral scale times its Newton-Schulz."""
+    outputs: Outputs = {}
+    for case in CASES:
+        sizes, dim = _split(buffers, case)
+        blocks = buffers[f"grad00/{case}"].split(sizes, dim)
+        directions = [muon_scale(*block.shape, "spectral") * newton_schulz_float64(block, NS_STEPS) for block in blocks]
+        outputs[f"ns/{case}"] = -torch.cat(directions, dim)
+    return outputs
+
+
+SABOTEURS = (
+    Saboteur("whole-matrix-scale", "each block orthogonalised on its own but scaled by the fused shape",
+             _arm_with(_whole_matrix_scale)),
+    Saboteur("no-split", "the fused matrix orthogonalised as a whole", _arm_with(_unsplit)),
+    Saboteur("wrong-dim", "the split taken along the other dimension (as many blocks, even sizes)",
+             _arm_with(_wrong_dim)),
+)
+
+# ---- bench: warm optimizer steps of a 24-layer model with fused weights, dispatch included ----
+
+
+def _model(buffers: Buffers, preset: Preset) -> dict[str, list[torch.Tensor]]:
+    """bf16 params with bf16 grads, drawn on the buffers' device (only their shapes matter to
+    the step's time)."""
+    device = buffers[f"param/{CAPTURED_CASE}"].device
+    gen = torch.Generator(device=device).manual_seed(0)
+    model = {}
+    for kind, shapes in _model_shapes(preset).items():
+        params = []
+        for shape in shapes:
+            p = (torch.randn(shape, generator=gen, device=device) / math.sqrt(shape[1])).bfloat16().requires_grad_()
+            p.grad = (1e-3 * torch.randn(shape, generator=gen, device=device)).bfloat16()
+            params.append(p)
+        model[kind] = params
+    return model
+
+
+def _model_groups(model: dict[str, list[torch.Tensor]], preset: Preset, split: bool, batch_ns: bool = True) -> list[dict]:
+    _, q, kv, f = _dims(preset)
+    qkv = {"split_sizes": (q, kv, kv)} if split else {}
+    gate_up = {"split_sizes": (f, f)} if split else {}
+    return [{"params": model["qkv"], "batch_ns": batch_ns, **qkv},
+            {"params": model["gate-up"], "batch_ns": batch_ns, **gate_up},
+            {"params": model["rest"], "batch_ns": batch_ns}]
+
+
+def _bench_step(split: bool, batch_ns: bool = True, captured: bool = False):
+    def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+        groups = _model_groups(_model(buffers, preset), preset, split, batch_ns)
+        optimizer = Muon(groups, lr=MUON_LR, weight_decay=WEIGHT_DECAY, capturable=captured)
+        return (CapturedOptimizer(optimizer) if captured else optimizer).step
+
+    return build
+
+
+CONTENDERS = (
+    Contender("whole-matrix", "reference", _bench_step(split=False), cases=("split-step",),
+              note="Muon on the fused matrices as wholes (batched Newton-Schulz)"),
+    Contender("split-block", "arm", _bench_step(split=True), cases=("split-step", "ns-batched"),
+              note="split_sizes on the fused QKV and gate/up, batched Newton-Schulz, eager"),
+    Contender("split-block one-by-one", "reference", _bench_step(split=True, batch_ns=False), cases=("ns-batched",),
+              note="the same, batch_ns=False: Newton-Schulz one matrix at a time"),
+    Contender("split-block eager", "reference", _bench_step(split=True), cases=("split-captured",),
+              note="split-block again, as the reference of its capture"),
+    Contender("split-block captured", "arm", _bench_step(split=True, captured=True), cases=("split-captured",),
+              note="CapturedOptimizer(Muon(split, capturable=True))"),
+)
+
+
+def _ns_flops(preset: Preset) -> int:
+    """Newton-Schulz per split-block step: per matrix m x n (m <= n), A = X X^T, A @ A, B @ X."""
+    _, q, kv, f = _dims(preset)
+    layers = preset.params["layers"]
+    d = preset.params["d"]
+    matrices = [(q, d), (kv, d), (kv, d), (f, d), (f, d), (d, q), (d, f)]
+    total = 0
+    for shape in matrices:
+        m, n = sorted(shape)
+        total += NS_STEPS * (4 * m * m * n + 2 * m * m * m)
+    return layers * total
+
+
+def _step_bytes(preset: Preset) -> int:
+    # bf16: read p, g, m; write p, m = 10 B/param
+    return 10 * sum(math.prod(s) for shapes in _model_shapes(preset).values() for s in shapes)
+
+
+def _case(name: str, description: str, cold_calls: int = 1) -> BenchCase:
+    return BenchCase(name, description, bytes=_step_bytes, flops=_ns_flops, ceiling="gemm", l2="warm",
+                     modes=("eager",), window=2, gpu_busy=True, calls_per_round=2, cold_calls=cold_calls)
+
+
+# Host-bound steps: eager windows only (a captured step is a contender of its own), the L2 warm,
+# GPU busy time beside the wall time. FLOPs are the split-block Newton-Schulz in every case.
+BENCHES = (
+    _case("split-step", "split-block vs whole-matrix Muon step, dispatch included"),
+    _case("ns-batched", "split-block step: batched vs one-by-one Newton-Schulz"),
+    _case("split-captured", "split-block step: captured vs eager", cold_calls=4),
+)
+
+GATE = Gate(
+    name="split-muon",
+    summary="Split-block Muon on fused weights vs Muon on the blocks as separate params, bitwise",
+    arm_name="suite.arms.muon.Muon(split_sizes=...)",
+    needs_cuda=False,
+    presets=PRESETS,
+    make_buffers=make_buffers,
+    buffer_params=buffer_params,
+    reference=reference,
+    arm=arm,
+    truth=truth,
+    parity=Bitwise(),
+    parity_by_output={"ns/*": Tolerance(k=2.0)},
+    saboteurs=SABOTEURS,
+    contenders=CONTENDERS,
+    benches=BENCHES,
+    perf=PerfCriterion(min_speedup={
+        # "at most 10% slower": the split step's speedup over the whole-matrix step >= 0.9
+        ("d1024", "split-step"): 0.9,
+        ("d2048", "split-step"): 0.9,
+        ("d1024", "ns-batched"): 1.5,
+        ("d1024", "split-captured"): 1.8,
+    }),
+)

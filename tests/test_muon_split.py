@@ -1,0 +1,230 @@
+"""Split-block Muon on the CPU: a fused weight with split_sizes steps bit for bit as its blocks
+given as separate parameters, batched Newton-Schulz is within bf16 error of one-by-one, the
+options are validated, and checkpoints cross between split and whole-matrix optimizers."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from gates.optim_loop import newton_schulz_float64
+from suite.arms.muon import Muon, muon_scale
+from tests.test_muon import assert_bitwise
+
+# (fused shape, split_sizes, split_dim): input-major halves, grouped-query QKV, SwiGLU gate/up
+CASES = {
+    "input-major": ((2, 6), (3, 3), 1),
+    "gqa-qkv": ((48, 32), (32, 8, 8), 0),
+    "gate-up": ((256, 32), (128, 128), 0),
+}
+
+
+def fused_and_separate(shape, sizes, dim, seed=0):
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    fused = p0.clone().requires_grad_()
+    separate = [block.clone().requires_grad_() for block in p0.split(sizes, dim)]
+    return fused, separate
+
+
+def grads_for(shape, steps, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(steps)]
+
+
+def step_both(fused_opt, fused, separate_opt, separate, grad, sizes, dim):
+    fused.grad = grad.clone()
+    for p, block in zip(separate, grad.split(sizes, dim)):
+        p.grad = block.clone()
+    fused_opt.step()
+    separate_opt.step()
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("rule", ["spectral", "rms"])
+@pytest.mark.parametrize("case", CASES)
+def test_fused_split_is_bitwise_the_separate_blocks(case, rule, nesterov):
+    shape, sizes, dim = CASES[case]
+    fused, separate = fused_and_separate(shape, sizes, dim)
+    hyper = dict(lr=0.02, nesterov=nesterov, scale=rule, weight_decay=0.01)
+    fused_opt = Muon([{"params": [fused], "split_sizes": sizes, "split_dim": dim}], **hyper)
+    separate_opt = Muon([{"params": separate}], **hyper)
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: 0.125 + k / 8) for o in (fused_opt, separate_opt)]
+    for grad in grads_for(shape, 10):
+        step_both(fused_opt, fused, separate_opt, separate, grad, sizes, dim)
+        for scheduler in schedulers:
+            scheduler.step()
+    assert_bitwise(fused.detach(), torch.cat([p.detach() for p in separate], dim), case)
+    buffers = [separate_opt.state[p]["momentum_buffer"] for p in separate]
+    assert_bitwise(fused_opt.state[fused]["momentum_buffer"], torch.cat(buffers, dim), "momentum")
+
+
+def test_each_block_gets_its_own_scale_and_polar_factor():
+    """One step from zero with lr 1: each block of the fused direction is scale(block) * NS(block)."""
+    shape, sizes, dim = CASES["gqa-qkv"]
+    grad = grads_for(shape, 1)[0]
+    p = torch.zeros(shape, requires_grad=True)
+    p.grad = grad.clone()
+    Muon([{"params": [p], "split_sizes": sizes}], lr=1.0, momentum=0.0, nesterov=False, scale="rms").step()
+    whole = (muon_scale(*shape, "rms") * newton_schulz_float64(grad, 5)).split(sizes, dim)
+    for block, g, of_whole in zip((-p.detach()).split(sizes, dim), grad.split(sizes, dim), whole):
+        expected = muon_scale(*g.shape, "rms") * newton_schulz_float64(g, 5)
+        # within bf16 Newton-Schulz error of the block's own direction, far from the whole matrix's
+        assert ((block.double() - expected).norm() / expected.norm()) < 0.05
+        assert ((block.double() - of_whole).norm() / expected.norm()) > 0.3
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_batched_newton_schulz_is_one_by_one_within_bf16(case):
+    shape, sizes, dim = CASES[case]
+    results = []
+    for batch_ns in (True, False):
+        p = torch.zeros(shape, requires_grad=True)
+        p.grad = grads_for(shape, 1)[0]
+        Muon([{"params": [p], "split_sizes": sizes, "split_dim": dim, "batch_ns": batch_ns}], lr=1.0).step()
+        results.append(p.detach())
+    batched, one_by_one = results
+    assert ((batched - one_by_one).norm() / one_by_one.norm()) < 0.02
+
+
+def test_equal_shapes_share_one_newton_schulz_call():
+    class Counting(Muon):
+        def orthogonalize(self, update, group):
+            self.calls.append(tuple(update.shape))
+            return super().orthogonalize(update, group)
+
+    qkv = [torch.zeros(48, 32, requires_grad=True) for _ in range(2)]
+    # another dtype or scale rule never joins a batch
+    other_dtype, other_rule = torch.zeros(32, 32, dtype=torch.float64, requires_grad=True), torch.zeros(8, 32, requires_grad=True)
+    wo = torch.zeros(32, 32, requires_grad=True)
+    for p in (*qkv, wo, other_dtype, other_rule):
+        p.grad = torch.randn(p.shape, dtype=p.dtype)
+    opt = Counting([{"params": qkv, "split_sizes": (32, 8, 8)}, {"params": [wo, other_dtype]},
+                    {"params": [other_rule], "scale": "rms"}], lr=0.1)
+    opt.calls = []
+    opt.step()
+    # the two q blocks and wo (another group) in one batch, the four k and v blocks in another
+    assert opt.calls == [(3, 32, 32), (4, 8, 32), (1, 32, 32), (1, 8, 32)]
+    opt.param_groups[0]["batch_ns"] = False
+    opt.calls = []
+    opt.step()
+    assert opt.calls == [(32, 32), (8, 32), (8, 32), (32, 32), (8, 32), (8, 32), (1, 32, 32), (1, 32, 32), (1, 8, 32)]
+
+
+def test_capturable_with_splits_is_bitwise_plain():
+    shape, sizes, dim = CASES["gqa-qkv"]
+    runs = []
+    for capturable in (False, True):
+        fused, _ = fused_and_separate(shape, sizes, dim)
+        opt = Muon([{"params": [fused], "split_sizes": sizes}], lr=0.02, weight_decay=0.01, capturable=capturable)
+        for k, grad in enumerate(grads_for(shape, 8)):
+            if k == 4:
+                opt.param_groups[0].update(lr=0.005, momentum=0.8)
+            fused.grad = grad.clone()
+            opt.step()
+        runs.append((fused.detach(), opt.state[fused]["momentum_buffer"]))
+    for a, b in zip(*runs):
+        assert_bitwise(a, b)
+
+
+@pytest.mark.parametrize("group,message", [
+    ({"split_sizes": (48,)}, r"param group 0: split_sizes must list two or more"),
+    ({"split_sizes": (32, 16, 0)}, r"param group 0: split_sizes must be positive ints"),
+    ({"split_sizes": (32, 8, 4)}, r"param group 0: split_sizes \(32, 8, 4\) sum to 44, but 'qkv' has 48 along split_dim=0"),
+    ({"split_sizes": (32, 8, 8), "split_dim": 1}, r"sum to 48, but 'qkv' has 32 along split_dim=1"),
+    ({"split_sizes": (24, 24), "use_muon": False}, r"param group 0 has split_sizes but use_muon=False"),
+    ({"split_dim": 2}, r"param group 0: split_dim must be 0 \(output rows\) or 1"),
+    ({"split_dim": True}, r"split_dim must be 0"),
+    ({"batch_ns": 1}, r"batch_ns must be True or False"),
+])
+def test_bad_split_options_are_refused(group, message):
+    with pytest.raises(ValueError, match=message):
+        Muon([{"params": [("qkv", torch.zeros(48, 32))], **group}], lr=0.1)
+
+
+def test_split_of_a_vector_is_refused_naming_it():
+    # without use_muon the vector would make the group AdamW: the message still names the vector
+    with pytest.raises(ValueError, match=r"param group 0: split_sizes splits matrices, but 'gain' is 1-D"):
+        Muon([{"params": [("qkv", torch.zeros(4, 4)), ("gain", torch.zeros(4))], "split_sizes": (2, 2)}], lr=0.1)
+    opt = Muon([torch.zeros(4, 4)], lr=0.1)
+    with pytest.raises(ValueError, match=r"param group 1: split_sizes splits matrices, but params\[1\] \(shape \(4,\)\) is 1-D"):
+        opt.add_param_group({"params": [torch.zeros(4, 4), torch.zeros(4)], "use_muon": True, "split_sizes": (2, 2)})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("saved_split,loaded_split", [(True, False), (False, True), (True, True)])
+def test_checkpoints_cross_between_split_and_whole(saved_split, loaded_split):
+    """Momentum has the fused shape either way; the loading optimizer keeps its own split options."""
+    shape, sizes, dim = CASES["gqa-qkv"]
+    grads = grads_for(shape, 8)
+
+    def make(p, split):
+        return Muon([{"params": [p], **({"split_sizes": sizes} if split else {})}], lr=0.02)
+
+    uninterrupted_p, _ = fused_and_separate(shape, sizes, dim)
+    uninterrupted = make(uninterrupted_p, saved_split)
+    for grad in grads:
+        uninterrupted_p.grad = grad.clone()
+        uninterrupted.step()
+
+    first_p, _ = fused_and_separate(shape, sizes, dim)
+    first = make(first_p, saved_split)
+    for grad in grads[:4]:
+        first_p.grad = grad.clone()
+        first.step()
+    saved = first.state_dict()["param_groups"][0]
+    assert (saved["split_sizes"], saved["split_dim"]) == ((sizes if saved_split else None), 0)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_p = first_p.detach().clone().requires_grad_()
+    resumed = make(resumed_p, loaded_split)
+    resumed.load_state_dict(torch.load(buffer))
+    group = resumed.param_groups[0]
+    assert group["split_sizes"] == (sizes if loaded_split else None) and group["split_dim"] == 0
+    assert resumed.state[resumed_p]["momentum_buffer"].shape == shape
+    # the same continuation with the momentum handed over by hand
+    reference_p = first_p.detach().clone().requires_grad_()
+    reference = make(reference_p, loaded_split)
+    reference.state[reference_p]["momentum_buffer"] = first.state[first_p]["momentum_buffer"].clone()
+    for grad in grads[4:]:
+        for p, opt in ((resumed_p, resumed), (reference_p, reference)):
+            p.grad = grad.clone()
+            opt.step()
+    assert_bitwise(resumed_p.detach(), reference_p.detach())
+    if saved_split == loaded_split:
+        assert_bitwise(resumed_p.detach(), uninterrupted_p.detach())
+
+
+def test_model_layout_is_bitwise_its_blocks_as_separate_params():
+    """Two layers of fused QKV and gate/up beside whole wo and down matrices: the q blocks batch
+    with wo (another group), and the fused model steps as the model with the blocks separated."""
+    gen = torch.Generator().manual_seed(5)
+    d, kv, f = 16, 4, 64
+    shapes = {"qkv": (d + 2 * kv, d), "gate_up": (2 * f, d), "wo": (d, d), "down": (d, f)}
+    splits = {"qkv": (d, kv, kv), "gate_up": (f, f)}
+    layers = [{name: torch.randn(shape, generator=gen) for name, shape in shapes.items()} for _ in range(2)]
+    grads = [[{name: torch.randn(shape, generator=gen) for name, shape in shapes.items()} for _ in layers]
+             for _ in range(6)]
+
+    fused = [{name: w.clone().requires_grad_() for name, w in layer.items()} for layer in layers]
+    fused_opt = Muon([{"params": [l["qkv"] for l in fused], "split_sizes": splits["qkv"]},
+                      {"params": [l["gate_up"] for l in fused], "split_sizes": splits["gate_up"]},
+                      {"params": [m for l in fused for m in (l["wo"], l["down"])]}], lr=0.02)
+    separate = [{name: ([b.clone().requires_grad_() for b in w.split(splits[name])] if name in splits
+                        else [w.clone().requires_grad_()]) for name, w in layer.items()} for layer in layers]
+    separate_opt = Muon([{"params": [b for l in separate for b in l["qkv"]]},
+                         {"params": [b for l in separate for b in l["gate_up"]]},
+                         {"params": [m for l in separate for n in ("wo", "down") for m in l[n]]}], lr=0.02)
+    for step_grads in grads:
+        for f_layer, s_layer, g_layer in zip(fused, separate, step_grads):
+            for name, g in g_layer.items():
+                f_layer[name].grad = g.clone()
+                for p, block in zip(s_layer[name], g.split(splits.get(name, (g.size(0),)))):
+                    p.grad = block.clone()
+        fused_opt.step()
+        separate_opt.step()
+    for f_layer, s_layer in zip(fused, separate):
+        for name in shapes:
+            assert_bitwise(f_layer[name].detach(), torch.cat([p.detach() for p in s_layer[name]]), name)
