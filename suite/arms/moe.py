@@ -16,7 +16,9 @@ The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
 autograd reference (gradients for x, the weights and probs, hence the logits);
-`experts_truth` is the same maths in float64, what the gate judges errors against.
+`experts_truth` is the same maths in float64, what the gate judges errors against. `experts`
+is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
+host sync).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
+
+from suite.arms import moe_kernels
 
 # Row indices and flat (token, slot) indices are stored as int32.
 _MAX_ROWS = 2**31 - 1
@@ -202,3 +206,40 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     through `dataclasses.replace`) to get float64 gradients."""
     wide = dataclasses.replace(routing, probs=routing.probs.double())
     return experts_reference(x.double(), wide, w_gate.double(), w_up.double(), w_down.double())
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """The experts on the kernels. Every buffer is sized by routing.max_rows (a host bound), so
+    neither pass reads R on the host; rows past R are never read."""
+
+    @staticmethod
+    def forward(ctx, x, probs, w_gate, w_up, w_down, routing):
+        a, g, u = moe_kernels.expert_up(x, w_gate, w_up, routing.token_of_row, routing.offsets)
+        y_rows = moe_kernels.expert_down(a, w_down, routing.offsets)
+        out = moe_kernels.combine(y_rows, routing.row_id_map, probs)
+        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, a, g, u, y_rows)
+        ctx.routing = routing
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, probs, w_gate, w_up, w_down, a, g, u, y_rows = ctx.saved_tensors
+        routing = ctx.routing
+        grad_rows, grad_probs = moe_kernels.combine_backward(grad_out.contiguous(), y_rows, probs, routing.row_id_map)
+        dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, routing.offsets)
+        dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(
+            dg, du, x, w_gate, w_up, routing.token_of_row, routing.offsets
+        )
+        # each token's k slots summed in slot order, so dx repeats its bits run to run
+        dx = moe_kernels.combine(dx_rows, routing.row_id_map, top_k=routing.k)
+        return dx, grad_probs, dw_gate, dw_up, dw_down, None
+
+
+def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
+    autograd the gradients for x, the three weights and routing.probs (hence the logits).
+    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout."""
+    _check_experts_args(x, routing, w_gate, w_up, w_down)
+    probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
+    return _ExpertsFunction.apply(x.contiguous(), probs, w_gate, w_up, w_down, routing)
+

@@ -1,0 +1,101 @@
+"""The experts arm (`moe.experts`, on the Triton kernels) against the eager reference and the
+float64 truth: output and every gradient, on routings with the edge cases a layer meets. On the
+CPU the kernels run under Triton's interpreter: tiny shapes, fp32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from suite.arms import moe
+
+# d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
+T, D, F = 19, 40, 24
+
+
+def make_inputs(num_experts, seed=0, logit_shift=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    w_gate = torch.randn(num_experts, D, F, generator=gen) / D**0.5
+    w_up = torch.randn(num_experts, D, F, generator=gen) / D**0.5
+    w_down = torch.randn(num_experts, F, D, generator=gen) / F**0.5
+    logits = torch.randn(T, num_experts, generator=gen)
+    if logit_shift is not None:
+        logits = logits + logit_shift
+    grad_out = torch.randn(T, D, generator=gen)
+    return x, (w_gate, w_up, w_down), logits, grad_out
+
+
+def run(fn, x, weights, logits, grad_out, k, capacity_factor=None, dtype=None):
+    """-> (routing, [out, dx, dw_gate, dw_up, dw_down, dprobs, dlogits]), every leaf cast to dtype."""
+    cast = (lambda t: t.detach().to(dtype)) if dtype else (lambda t: t.detach())
+    x = cast(x).requires_grad_()
+    weights = [cast(w).requires_grad_() for w in weights]
+    logits = logits.detach().clone().requires_grad_()
+    routing = moe.route(logits, k, capacity_factor=capacity_factor)
+    probs = routing.probs
+    if dtype is not None:
+        probs = probs.to(dtype)
+    probs.retain_grad()
+    out = fn(x, dataclasses.replace(routing, probs=probs), *weights)
+    out.backward(cast(grad_out))
+    return routing, [out.detach(), x.grad, *(w.grad for w in weights), probs.grad, logits.grad]
+
+
+NAMES = ("out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits")
+
+
+def rel_l2(value, truth):
+    truth = truth.double()
+    return ((value.double() - truth).norm() / truth.norm().clamp_min(1e-300)).item()
+
+
+# (E, k, capacity factor, a logit shift per expert): the cases the gate also runs
+CASES = {
+    "top1": (6, 1, None, None),
+    "top2": (6, 2, None, None),
+    "top8": (9, 8, None, None),
+    "empty-expert": (5, 2, None, torch.tensor([0.0, -30.0, 0.0, 0.0, 0.0])),
+    "one-expert": (4, 2, None, torch.tensor([30.0, 0.0, 0.0, 0.0])),
+    "capacity-drops": (4, 2, 0.75, torch.tensor([2.0, 0.0, 0.0, -1.0])),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_arm_matches_reference_and_truth_in_every_gradient(case):
+    num_experts, k, capacity_factor, shift = CASES[case]
+    x, weights, logits, grad_out = make_inputs(num_experts, logit_shift=shift)
+    routing, got = run(moe.experts, x, weights, logits, grad_out, k, capacity_factor)
+    _, ref = run(moe.experts_reference, x, weights, logits, grad_out, k, capacity_factor)
+    _, truth = run(moe.experts_truth, x, weights, logits, grad_out, k, capacity_factor, torch.float64)
+    for name, g, r, t in zip(NAMES, got, ref, truth):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        # fp32 end to end: within a few times the reference's own error
+        assert rel_l2(g, t) <= 4 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    counts = routing.offsets.diff()
+    if case == "empty-expert":
+        assert counts[1] == 0 and torch.count_nonzero(got[2][1]) == 0 and torch.count_nonzero(got[4][1]) == 0
+    if case == "one-expert":
+        assert counts[0] == T
+    if case == "capacity-drops":
+        dropped = ~routing.kept
+        assert bool(dropped.any()) and bool((got[5][dropped] == 0).all())
+
+
+def test_arm_repeats_its_bits():
+    # k = 4: the slots' sums have an order to keep; a capacity drops some of them
+    x, weights, logits, grad_out = make_inputs(5, seed=3)
+    _, first = run(moe.experts, x, weights, logits, grad_out, 4, 1.0)
+    _, second = run(moe.experts, x, weights, logits, grad_out, 4, 1.0)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def test_arm_refuses_mismatched_shapes():
+    x, (w_gate, w_up, w_down), logits, _ = make_inputs(4)
+    routing = moe.route(logits, 2)
+    with pytest.raises(ValueError, match="w_down"):
+        moe.experts(x, routing, w_gate, w_up, w_down.transpose(1, 2))
+
