@@ -18,7 +18,7 @@ with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the e
 autograd reference (gradients for x, the weights and probs, hence the logits);
 `experts_truth` is the same maths in float64, what the gate judges errors against. `experts`
 is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
-host sync).
+host sync), and `MoEExperts` the module: router, top-k routing and experts, either impl.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from suite.arms import moe_kernels
 
@@ -243,3 +244,42 @@ def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
     return _ExpertsFunction.apply(x.contiguous(), probs, w_gate, w_up, w_down, routing)
 
+
+EXPERTS_IMPLS = ("fused", "eager")
+
+
+class MoEExperts(nn.Module):
+    """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
+    an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
+    "eager": `experts_reference`. forward(x [..., d]) -> out of x's shape and dtype."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
+                 device=None, dtype=None):
+        super().__init__()
+        if impl not in EXPERTS_IMPLS:
+            raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
+        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
+        self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
+        factory = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fan-in scaling, so each matmul keeps its input's scale
+        for weight, fan_in in ((self.w_gate, self.hidden_size), (self.w_up, self.hidden_size), (self.w_down, self.ffn_size)):
+            nn.init.normal_(weight, std=fan_in**-0.5)
+        self.router.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, self.hidden_size)
+        routing = route(self.router(tokens), self.top_k, self.renormalize, self.capacity_factor)
+        run = experts if self.impl == "fused" else experts_reference
+        return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
