@@ -1,0 +1,273 @@
+"""Gate `moe-bwd`: the MoE experts on the Triton kernels (suite.arms.moe.experts), forward and
+backward, against the eager per-expert reference.
+
+One call routes the router logits (top-k, optional capacity) and runs the SwiGLU experts forward
+and backward: the output and every gradient (x, the three expert weights, the combine weights
+probs and through them the logits) are judged in tolerance mode against a closed-form float64
+truth; the routing's integers (expert_ids, offsets, row_id_map) must be exact. Buffers are drawn
+at the scales of a trained layer: unit-RMS activations, fan-in-scaled weights, router logits of
+a few units, gradients of order 1e-3.
+
+Tiny presets run everywhere (the CPU under Triton's interpreter, fp32); the GPU presets are
+real models' layers at 8192 tokens in bf16, and the edge cases at a smaller size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from suite.arms import moe_kernels
+from suite.arms.moe import experts, experts_reference, route
+from suite.harness.gate import Bitwise, Buffers, Gate, Outputs, Preset, Saboteur, Tolerance
+from suite.harness.results import Check
+
+# How the router logits are skewed: the edge cases are made by the routing itself.
+#   none            plain random logits
+#   empty-expert    expert 1 is never chosen
+#   one-expert      every token's first choice is expert 0
+#   skewed          a linear bias over the experts, so the first ones overflow a capacity
+SKEWS = ("none", "empty-expert", "one-expert", "skewed")
+
+
+def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none") -> dict[str, Any]:
+    return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
+                capacity_factor=capacity_factor, skew=skew)
+
+
+def memory_bytes(p: dict[str, Any]) -> int:
+    """Peak device memory of one preset's gate and bench, estimated (not measured): the buffers;
+    the arm's outputs three times (judged, determinism and after-timing runs) and its saved
+    activations; the reference's outputs and its fp32 autograd temporaries; the float64 truth's
+    outputs and its temporaries for the largest expert (every token); a bench's gradients."""
+    tokens, d, f, num_experts, k = p["tokens"], p["hidden"], p["ffn"], p["experts"], p["top_k"]
+    item = torch.empty((), dtype=getattr(torch, p["dtype"])).element_size()
+    rows, weights = tokens * k, 3 * num_experts * d * f
+    outputs = (2 * tokens * d + weights) * item + 3 * tokens * (k + num_experts) * 4
+    buffers = (2 * tokens * d + weights) * item + tokens * num_experts * 4
+    arm_saved = rows * (5 * f + 3 * d) * item  # a, g, u, y_rows; dg, du, grad_rows, dx_rows
+    reference_temps = rows * (6 * f + 3 * d) * 4
+    truth = (2 * tokens * d + weights) * 8 + tokens * (d + 8 * f) * 8
+    bench = outputs + arm_saved
+    total = buffers + 3 * outputs + arm_saved + outputs + reference_temps + truth + bench
+    return int(total * 1.25)
+
+
+def _tiny(name, top_k, experts, capacity_factor=None, skew="none", tokens=19, hidden=40, ffn=24, standard=False,
+          note="") -> Preset:
+    # hidden and ffn are no multiple of the interpreter's 16-wide tiles, nor T * k of its rows
+    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew)
+    return Preset(name, params, where="any", standard=standard, note=note, memory_bytes=memory_bytes(params))
+
+
+def _gpu(name, tokens, hidden, ffn, experts, top_k, capacity_factor=None, skew="none", standard=True, note="") -> Preset:
+    params = _params(tokens, hidden, ffn, experts, top_k, "bfloat16", capacity_factor, skew)
+    return Preset(name, params, where="cuda", standard=standard, note=note, memory_bytes=memory_bytes(params))
+
+
+# The odd GPU shape: tokens, hidden and ffn multiples of no tile (rows 64/128, columns 16..128)
+_ODD = dict(tokens=4099, hidden=1000, ffn=712)
+
+PRESETS = (
+    # the default CPU preset is the smallest and every saboteur shows on it (k = 3 sums slots
+    # in an order; the capacity drops rows), so `suite run` on the CPU adds no other preset
+    _tiny("tiny", 3, 4, capacity_factor=1.0, skew="skewed", tokens=10, hidden=20, ffn=18, standard=True,
+          note="k 3, capacity drops, fp32"),
+    _tiny("tiny-top1", 1, 6),
+    _tiny("tiny-top2", 2, 6),
+    _tiny("tiny-top8", 8, 9, tokens=11),
+    _tiny("tiny-empty-expert", 2, 5, skew="empty-expert"),
+    _tiny("tiny-one-expert", 2, 4, skew="one-expert"),
+    _tiny("tiny-capacity", 2, 4, capacity_factor=0.75, skew="skewed"),
+    _gpu("olmoe", 8192, 2048, 1024, 64, 8),
+    _gpu("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
+    _gpu("mixtral", 8192, 4096, 14336, 8, 2),
+    _gpu("top2-small", 8192, 1024, 2816, 16, 2),
+    # the edge cases on the GPU: parity on request (--preset), they time nothing new
+    _gpu("gpu-top1", top_k=1, experts=16, standard=False, **_ODD),
+    _gpu("gpu-top8", top_k=8, experts=64, standard=False, **_ODD),
+    _gpu("gpu-empty-expert", top_k=2, experts=16, skew="empty-expert", standard=False, **_ODD),
+    _gpu("gpu-one-expert", top_k=2, experts=16, skew="one-expert", standard=False, **_ODD),
+    _gpu("gpu-capacity", top_k=2, experts=16, capacity_factor=1.0, skew="skewed", standard=False, **_ODD),
+)
+
+
+def _router_logits(p: dict[str, Any], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    tokens, num_experts = p["tokens"], p["experts"]
+    logits = 2.0 * torch.randn(tokens, num_experts, generator=gen, device=device)
+    if p["skew"] == "empty-expert":
+        logits[:, 1] = -30.0
+    elif p["skew"] == "one-expert":
+        logits[:, 0] = 30.0
+    elif p["skew"] == "skewed":
+        logits += torch.linspace(2.0, -1.0, num_experts, device=device)
+    return logits
+
+
+def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
+    p = preset.params
+    tokens, d, f, num_experts = p["tokens"], p["hidden"], p["ffn"], p["experts"]
+    dtype = getattr(torch, p["dtype"])
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*shape, std):
+        return (std * torch.randn(*shape, generator=gen, device=device)).to(dtype)
+
+    return {
+        "x": normal(tokens, d, std=1.0),
+        "logits": _router_logits(p, gen, device),
+        "w_gate": normal(num_experts, d, f, std=d**-0.5),
+        "w_up": normal(num_experts, d, f, std=d**-0.5),
+        "w_down": normal(num_experts, f, d, std=f**-0.5),
+        "grad_out": normal(tokens, d, std=1e-3),
+    }
+
+
+def buffer_params(buffers: Buffers) -> dict[str, Any]:
+    x, w_gate = buffers["x"], buffers["w_gate"]
+    num_experts, d, f = w_gate.shape
+    return dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
+
+
+def _route(buffers: Buffers, preset: Preset):
+    """-> (logits leaf, routing): routed in fp32 with a gradient path to the logits."""
+    logits = buffers["logits"].detach().requires_grad_()
+    p = preset.params
+    return logits, route(logits, p["top_k"], capacity_factor=p["capacity_factor"])
+
+
+def _routing_outputs(routing) -> Outputs:
+    return {"expert_ids": routing.expert_ids, "offsets": routing.offsets, "row_id_map": routing.row_id_map}
+
+
+def _forward_backward(layer, buffers: Buffers, preset: Preset) -> Outputs:
+    logits, routing = _route(buffers, preset)
+    x = buffers["x"].detach().requires_grad_()
+    weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
+    out = layer(x, routing, *weights)
+    dx, dw_gate, dw_up, dw_down, dprobs, dlogits = torch.autograd.grad(
+        out, (x, *weights, routing.probs, logits), buffers["grad_out"]
+    )
+    return {"out": out.detach(), "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down,
+            "dprobs": dprobs, "dlogits": dlogits, **_routing_outputs(routing)}
+
+
+def reference(buffers: Buffers, preset: Preset) -> Outputs:
+    return _forward_backward(experts_reference, buffers, preset)
+
+
+def arm(buffers: Buffers, preset: Preset) -> Outputs:
+    return _forward_backward(experts, buffers, preset)
+
+
+def truth(buffers: Buffers, preset: Preset) -> Outputs:
+    """Closed-form forward and backward in float64, one expert at a time (so the temporaries
+    are one expert's rows), independent of the reference's autograd; the routing's choices are
+    the fp32 routing's, its probabilities recomputed in float64 (the dlogits path by autograd
+    through the softmax and the renormalisation alone)."""
+    routing = route(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
+    chosen, kept = routing.expert_ids.long(), routing.kept
+    logits = buffers["logits"].double().requires_grad_()
+    probs = torch.softmax(logits, dim=-1).gather(1, chosen)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    x, grad_out = buffers["x"].double(), buffers["grad_out"].double()
+    out, dx = torch.zeros_like(x), torch.zeros_like(x)
+    dprobs = torch.zeros_like(probs)
+    dws = {n: torch.zeros(buffers[n].shape, dtype=torch.float64, device=x.device) for n in ("w_gate", "w_up", "w_down")}
+    weight = probs.detach()
+    for e in range(routing.num_experts):
+        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
+        wg, wu, wd = (buffers[n][e].double() for n in ("w_gate", "w_up", "w_down"))
+        v = x[tokens]
+        g, u = v @ wg, v @ wu
+        sig = torch.sigmoid(g)
+        h = g * sig * u
+        y = h @ wd
+        p = weight[tokens, slots][:, None]
+        out.index_add_(0, tokens, p * y)
+        dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
+        dy = grad_out[tokens] * p
+        dh = dy @ wd.T
+        dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+        dws["w_down"][e] = h.T @ dy
+        dws["w_gate"][e], dws["w_up"][e] = v.T @ dg, v.T @ du
+        dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
+    (dlogits,) = torch.autograd.grad(probs, logits, dprobs)
+    return {"out": out, "dx": dx, "dw_gate": dws["w_gate"], "dw_up": dws["w_up"], "dw_down": dws["w_down"],
+            "dprobs": dprobs, "dlogits": dlogits}
+
+
+# ---- saboteurs: known-bad variants assembled from the arm's kernels ----
+
+
+def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, dropped_unwritten=False,
+                  dx_gate_term_only=False, slot_order=None) -> Outputs:
+    """The arm's forward and backward launched kernel by kernel (the same bits as `experts`),
+    so that a saboteur can tamper between them."""
+    logits, routing = _route(buffers, preset)
+    x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
+    probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
+    a, g, u = moe_kernels.expert_up(x, w_gate, w_up, tor, offsets)
+    y_rows = moe_kernels.expert_down(a, w_down, offsets)
+    out = moe_kernels.combine(y_rows, row_id_map, probs)
+    grad_rows, dprobs = moe_kernels.combine_backward(grad_out, y_rows, probs, row_id_map)
+    if bf16_dprobs:
+        _, dprobs = moe_kernels.combine_backward(grad_out.bfloat16(), y_rows.bfloat16(), probs, row_id_map)
+    if dropped_unwritten:
+        dprobs = torch.where(routing.kept, dprobs, torch.empty_like(dprobs))
+    dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
+    if dx_gate_term_only:
+        dx_rows, _, _ = moe_kernels.expert_up_backward(dg, torch.zeros_like(du), x, w_gate, w_up, tor, offsets)
+    if slot_order is not None:
+        row_id_map = slot_order(row_id_map.view(routing.num_tokens, routing.k)).reshape(-1).contiguous()
+    dx = moe_kernels.combine(dx_rows, row_id_map, top_k=routing.k)
+    (dlogits,) = torch.autograd.grad(routing.probs, logits, dprobs)
+    return {"out": out, "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down, "dprobs": dprobs,
+            "dlogits": dlogits, **_routing_outputs(routing)}
+
+
+_calls = itertools.count(1)
+
+
+def _rotated_slots(slot_rows: torch.Tensor) -> torch.Tensor:
+    # like atomics: which slot is added first moves from one call to the next
+    return slot_rows.roll(next(_calls), dims=1)
+
+
+SABOTEURS = (
+    Saboteur("dprobs-in-bf16", "the probability gradient computed from bf16 grad_out and expert outputs",
+             lambda b, p: _kernel_chain(b, p, bf16_dprobs=True),
+             # on bf16 presets its operands are bf16 already
+             applies=lambda p: p.params["dtype"] == "float32"),
+    Saboteur("dropped-rows-not-zeroed", "the probability gradient of a dropped slot left unwritten, not zeroed",
+             lambda b, p: _kernel_chain(b, p, dropped_unwritten=True), caught_by=Check.POISON,
+             applies=lambda p: p.params["capacity_factor"] is not None),
+    Saboteur("dx-one-term", "dx from the gate projection's term alone (the up projection's missing)",
+             lambda b, p: _kernel_chain(b, p, dx_gate_term_only=True)),
+    Saboteur("slot-order-varies", "dx sums each token's k slots in an order that changes from call to call",
+             lambda b, p: _kernel_chain(b, p, slot_order=_rotated_slots), caught_by=Check.DETERMINISM,
+             # two fp32 terms add the same either way round
+             applies=lambda p: p.params["top_k"] >= 3),
+)
+
+GATE = Gate(
+    name="moe-bwd",
+    summary="MoE SwiGLU experts on Triton kernels, forward+backward vs the eager per-expert reference",
+    arm_name="suite.arms.moe.experts",
+    needs_cuda=False,
+    presets=PRESETS,
+    make_buffers=make_buffers,
+    required_buffers=("x", "logits", "w_gate", "w_up", "w_down", "grad_out"),
+    buffer_params=buffer_params,
+    reference=reference,
+    arm=arm,
+    truth=truth,
+    parity=Tolerance(k=2.0, floor=1e-6),
+    parity_by_output={"expert_ids": Bitwise(), "offsets": Bitwise(), "row_id_map": Bitwise()},
+    saboteurs=SABOTEURS,
+)
