@@ -94,3 +94,48 @@ def test_gpu_presets_are_the_models_layers_in_bf16():
     for p in GATE.presets:
         if p.where == "cuda":
             assert p.params["dtype"] == "bfloat16" and 0 < p.memory_bytes < 100 * 2**30, p.name
+
+
+# ---- the bench's contenders compute what the reference does (on the CPU, fp32) ----
+
+
+def _assert_all_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [c.name for c in GATE.benches])
+def test_every_contender_matches_the_reference_in_every_case(case):
+    bench = next(c for c in GATE.benches if c.name == case)
+    preset = GATE.preset("tiny")  # capacity drops: dropped slots and padding rows must give nothing
+    buffers = GATE.make_buffers(preset, 1, CPU)
+    contenders = {c.name: c for c in GATE.contenders_for(bench)}
+    want = contenders.pop("reference").build(bench, buffers, preset)()
+    for name, contender in contenders.items():
+        if contender.unavailable(CPU):
+            continue
+        got = contender.build(bench, buffers, preset)()
+        if case == "combine-bwd":  # rows past R are never read
+            rows = int(moe.route(buffers["logits"], 3, capacity_factor=1.0).num_rows)
+            got, want = (got[0][:rows], got[1]), (want[0][:rows], want[1])
+        _assert_all_close(got, want)
+
+
+def test_grouped_mm_peer_computes_the_experts():
+    from gates.moe_bwd import grouped_mm_experts
+
+    preset = GATE.preset("tiny-top2")
+    buffers = GATE.make_buffers(preset, 2, CPU)
+    routing = moe.route(buffers["logits"], 2)
+    weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
+    torch.testing.assert_close(grouped_mm_experts(buffers["x"], routing, *weights),
+                               moe.experts_reference(buffers["x"], routing, *weights), rtol=1e-4, atol=1e-6)
+    assert "CUDA" in GATE.contenders[3].unavailable(CPU)
+
+
+def test_bench_counts():
+    olmoe = GATE.preset("olmoe")
+    fwd_bwd, bwd, _ = GATE.benches
+    assert fwd_bwd.flops(olmoe) == 18 * 8192 * 8 * 2048 * 1024
+    assert bwd.flops(olmoe) == 12 * 8192 * 8 * 2048 * 1024
