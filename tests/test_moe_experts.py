@@ -135,3 +135,58 @@ def test_module_keeps_the_input_shape_and_refuses_an_unknown_impl():
     assert layer(torch.randn(2, 5, 16)).shape == (2, 5, 16)
     with pytest.raises(ValueError, match="impl"):
         moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="triton")
+
+
+# ---- on the GPU: bf16 at a realistic size, and no host sync (not yet run on a GPU) ----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
+    """d and f no multiple of the tiles; expert 1 empty, the first experts overflow a capacity."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, d, device="cuda", generator=gen)
+    weights = [torch.randn(num_experts, *shape, device="cuda", generator=gen) / shape[0] ** 0.5
+               for shape in ((d, f), (d, f), (f, d))]
+    logits = 2 * torch.randn(tokens, num_experts, device="cuda", generator=gen)
+    logits += torch.linspace(1.0, -1.0, num_experts, device="cuda")
+    logits[:, 1] = -30.0
+    grad_out = torch.randn(tokens, d, device="cuda", generator=gen)
+    return x, weights, logits, grad_out
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats():
+    x, weights, logits, grad_out = gpu_inputs()
+    bf16 = [t.bfloat16() for t in (x, *weights)]
+    args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
+    routing, got = run(moe.experts, *args)
+    _, ref = run(moe.experts_reference, *args)
+    _, truth = run(moe.experts_truth, x, weights, logits, grad_out, 2, 1.0, torch.float64)
+    assert int(routing.offsets[2] - routing.offsets[1]) == 0 and int(routing.num_dropped) > 0
+    for name, g, r, t in zip(NAMES, got, ref, truth):
+        assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    _, again = run(moe.experts, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_forward_and_backward_never_sync_with_the_host():
+    x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
+    bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
+    logits.requires_grad_()
+
+    def step():
+        routing = moe.route(logits, 2, capacity_factor=1.0)
+        out = moe.experts(bf16[0], routing, *bf16[1:])
+        return torch.autograd.grad(out, (*bf16, logits), grad_out.bfloat16())
+
+    step()  # compiled first: compiling may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
