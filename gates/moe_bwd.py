@@ -46,6 +46,8 @@ SKEWS = ("none", "empty-expert", "one-expert", "skewed")
 
 
 def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none") -> dict[str, Any]:
+    if skew not in SKEWS:
+        raise ValueError(f"moe-bwd: skew must be one of {SKEWS}, not {skew!r}")
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
                 capacity_factor=capacity_factor, skew=skew)
 
