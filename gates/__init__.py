@@ -15,6 +15,7 @@ from suite.harness.gate import Gate
 GATE_MODULES = {
     "rmsnorm": "gates.rmsnorm",
     "graph-capture": "gates.graph_capture",
+    "moe-bwd": "gates.moe_bwd",
     "split-muon": "gates.split_muon",
 }
 

@@ -249,7 +249,8 @@ def test_list_and_env_print_json():
     assert [p["name"] for p in rmsnorm["presets"] if p["default_here"]] == ["tiny"]
     env = json.loads(invoke("env", "--device", "cpu", "--json").output)
     assert env["fingerprint"]["device_slug"] == "cpu"
-    assert {g["gate"]: g["parity"] for g in env["gates"]} == {"rmsnorm": True, "graph-capture": False, "split-muon": True}
+    assert {g["gate"]: g["parity"] for g in env["gates"]} == {
+        "rmsnorm": True, "graph-capture": False, "moe-bwd": True, "split-muon": True}
 
 
 def test_gate_names_are_never_cut_in_a_narrow_pipe():

@@ -16,7 +16,9 @@ The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
 autograd reference (gradients for x, the weights and probs, hence the logits);
-`experts_truth` is the same maths in float64, what the gate judges errors against.
+`experts_truth` is the same maths in float64, what the gate judges errors against. `experts`
+is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
+host sync), and `MoEExperts` the module: router, top-k routing and experts, either impl.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from suite.arms import moe_kernels
 
 # Row indices and flat (token, slot) indices are stored as int32.
 _MAX_ROWS = 2**31 - 1
@@ -202,3 +207,79 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     through `dataclasses.replace`) to get float64 gradients."""
     wide = dataclasses.replace(routing, probs=routing.probs.double())
     return experts_reference(x.double(), wide, w_gate.double(), w_up.double(), w_down.double())
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """The experts on the kernels. Every buffer is sized by routing.max_rows (a host bound), so
+    neither pass reads R on the host; rows past R are never read."""
+
+    @staticmethod
+    def forward(ctx, x, probs, w_gate, w_up, w_down, routing):
+        a, g, u = moe_kernels.expert_up(x, w_gate, w_up, routing.token_of_row, routing.offsets)
+        y_rows = moe_kernels.expert_down(a, w_down, routing.offsets)
+        out = moe_kernels.combine(y_rows, routing.row_id_map, probs)
+        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, a, g, u, y_rows)
+        ctx.routing = routing
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, probs, w_gate, w_up, w_down, a, g, u, y_rows = ctx.saved_tensors
+        routing = ctx.routing
+        grad_rows, grad_probs = moe_kernels.combine_backward(grad_out.contiguous(), y_rows, probs, routing.row_id_map)
+        dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, routing.offsets)
+        dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(
+            dg, du, x, w_gate, w_up, routing.token_of_row, routing.offsets
+        )
+        # each token's k slots summed in slot order, so dx repeats its bits run to run
+        dx = moe_kernels.combine(dx_rows, routing.row_id_map, top_k=routing.k)
+        return dx, grad_probs, dw_gate, dw_up, dw_down, None
+
+
+def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
+    autograd the gradients for x, the three weights and routing.probs (hence the logits).
+    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout."""
+    _check_experts_args(x, routing, w_gate, w_up, w_down)
+    probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
+    return _ExpertsFunction.apply(x.contiguous(), probs, w_gate, w_up, w_down, routing)
+
+
+EXPERTS_IMPLS = ("fused", "eager")
+
+
+class MoEExperts(nn.Module):
+    """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
+    an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
+    "eager": `experts_reference`. forward(x [..., d]) -> out of x's shape and dtype."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
+                 device=None, dtype=None):
+        super().__init__()
+        if impl not in EXPERTS_IMPLS:
+            raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
+        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
+        self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
+        factory = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fan-in scaling, so each matmul keeps its input's scale
+        for weight, fan_in in ((self.w_gate, self.hidden_size), (self.w_up, self.hidden_size), (self.w_down, self.ffn_size)):
+            nn.init.normal_(weight, std=fan_in**-0.5)
+        self.router.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, self.hidden_size)
+        routing = route(self.router(tokens), self.top_k, self.renormalize, self.capacity_factor)
+        run = experts if self.impl == "fused" else experts_reference
+        return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")

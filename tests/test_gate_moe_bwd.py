@@ -1,0 +1,141 @@
+"""Gate `moe-bwd` on the CPU (kernels interpreted, fp32): the arm passes every tiny preset,
+every saboteur is caught by the check it is meant to trip, and the closed-form truth is the
+float64 autograd of the reference."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import gates
+from suite.arms import moe
+from suite.harness import parity
+
+GATE = gates.get("moe-bwd")
+TINY = [p for p in GATE.presets if p.where == "any"]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=[p.name for p in TINY])
+def judged(request):
+    preset = GATE.preset(request.param)
+    buffers = GATE.make_buffers(preset, 0, CPU)
+    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+
+
+def test_arm_passes(judged):
+    preset, buffers, expected = judged
+    result, _ = parity.judge_arm(GATE, preset, buffers, expected)
+    assert result.passed, result.failures
+    assert result.deterministic and result.inputs_unchanged
+    assert {t.name for t in result.tensors} == {
+        "out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits", "expert_ids", "offsets", "row_id_map"}
+
+
+def test_each_preset_is_the_case_it_names(judged):
+    preset, buffers, _ = judged
+    p = preset.params
+    routing = moe.route(buffers["logits"], p["top_k"], capacity_factor=p["capacity_factor"])
+    counts = routing.offsets.diff()
+    if p["skew"] == "empty-expert":
+        assert counts[1] == 0
+    if p["skew"] == "one-expert":
+        assert counts[0] == p["tokens"]
+    assert bool(routing.num_dropped > 0) == (p["capacity_factor"] is not None)
+
+
+@pytest.fixture(scope="module")
+def judged_default():
+    preset, = GATE.default_presets(CPU)
+    buffers = GATE.make_buffers(preset, 0, CPU)
+    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+
+
+# on the default preset alone, where `suite run` places them all (the interpreter is slow)
+@pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
+def test_every_saboteur_fails_the_gate(judged_default, saboteur):
+    preset, buffers, expected = judged_default
+    copies = {n: t.clone() for n, t in buffers.items()}
+    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
+    assert not result.passed
+    assert saboteur.caught_by in result.checks_failed(), result.failures
+
+
+def test_every_saboteur_shows_on_the_default_cpu_preset_the_smallest():
+    default, = GATE.default_presets(CPU)
+    assert all(s.applies(default) for s in GATE.saboteurs)
+    assert GATE.runnable_presets(CPU)[0] is default
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-top8"])
+def test_closed_form_truth_matches_float64_autograd(name):
+    preset = GATE.preset(name)
+    buffers = GATE.make_buffers(preset, 3, CPU)
+    got = GATE.truth(buffers, preset)
+    p = preset.params
+    logits = buffers["logits"].double().requires_grad_()
+    routing = moe.route(buffers["logits"], p["top_k"], capacity_factor=p["capacity_factor"])
+    probs = torch.softmax(logits, -1).gather(1, routing.expert_ids.long())
+    probs = probs / probs.sum(-1, keepdim=True)
+    leaves = [buffers[n].double().requires_grad_() for n in ("x", "w_gate", "w_up", "w_down")]
+    out = moe.experts_reference(leaves[0], dataclasses.replace(routing, probs=probs), *leaves[1:])
+    grads = torch.autograd.grad(out, (*leaves, probs, logits), buffers["grad_out"].double())
+    want = dict(zip(("dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits"), grads), out=out)
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-10, atol=1e-14, msg=key)
+
+
+def test_gpu_presets_are_the_models_layers_in_bf16():
+    shapes = {p.name: (p.params["hidden"], p.params["ffn"], p.params["experts"], p.params["top_k"])
+              for p in GATE.presets if p.where == "cuda" and p.standard}
+    assert shapes == {"olmoe": (2048, 1024, 64, 8), "qwen3-30b-a3b": (2048, 768, 128, 8),
+                      "mixtral": (4096, 14336, 8, 2), "top2-small": (1024, 2816, 16, 2)}
+    for p in GATE.presets:
+        if p.where == "cuda":
+            assert p.params["dtype"] == "bfloat16" and 0 < p.memory_bytes < 100 * 2**30, p.name
+
+
+# ---- the bench's contenders compute what the reference does (on the CPU, fp32) ----
+
+
+def _assert_all_close(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", [c.name for c in GATE.benches])
+def test_every_contender_matches_the_reference_in_every_case(case):
+    bench = next(c for c in GATE.benches if c.name == case)
+    preset = GATE.preset("tiny")  # capacity drops: dropped slots and padding rows must give nothing
+    buffers = GATE.make_buffers(preset, 1, CPU)
+    contenders = {c.name: c for c in GATE.contenders_for(bench)}
+    want = contenders.pop("reference").build(bench, buffers, preset)()
+    for name, contender in contenders.items():
+        if contender.unavailable(CPU):
+            continue
+        got = contender.build(bench, buffers, preset)()
+        if case == "combine-bwd":  # rows past R are never read
+            rows = int(moe.route(buffers["logits"], 3, capacity_factor=1.0).num_rows)
+            got, want = (got[0][:rows], got[1]), (want[0][:rows], want[1])
+        _assert_all_close(got, want)
+
+
+def test_grouped_mm_peer_computes_the_experts():
+    from gates.moe_bwd import grouped_mm_experts
+
+    preset = GATE.preset("tiny-top2")
+    buffers = GATE.make_buffers(preset, 2, CPU)
+    routing = moe.route(buffers["logits"], 2)
+    weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
+    torch.testing.assert_close(grouped_mm_experts(buffers["x"], routing, *weights),
+                               moe.experts_reference(buffers["x"], routing, *weights), rtol=1e-4, atol=1e-6)
+    assert "CUDA" in GATE.contenders[3].unavailable(CPU)
+
+
+def test_bench_counts():
+    olmoe = GATE.preset("olmoe")
+    fwd_bwd, bwd, _ = GATE.benches
+    assert fwd_bwd.flops(olmoe) == 18 * 8192 * 8 * 2048 * 1024
+    assert bwd.flops(olmoe) == 12 * 8192 * 8 * 2048 * 1024

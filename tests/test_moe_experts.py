@@ -1,0 +1,192 @@
+"""The experts arm (`moe.experts`, on the Triton kernels) against the eager reference and the
+float64 truth: output and every gradient, on routings with the edge cases a layer meets. On the
+CPU the kernels run under Triton's interpreter: tiny shapes, fp32."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from suite.arms import moe
+
+# d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
+T, D, F = 19, 40, 24
+
+
+def make_inputs(num_experts, seed=0, logit_shift=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    w_gate = torch.randn(num_experts, D, F, generator=gen) / D**0.5
+    w_up = torch.randn(num_experts, D, F, generator=gen) / D**0.5
+    w_down = torch.randn(num_experts, F, D, generator=gen) / F**0.5
+    logits = torch.randn(T, num_experts, generator=gen)
+    if logit_shift is not None:
+        logits = logits + logit_shift
+    grad_out = torch.randn(T, D, generator=gen)
+    return x, (w_gate, w_up, w_down), logits, grad_out
+
+
+def run(fn, x, weights, logits, grad_out, k, capacity_factor=None, dtype=None):
+    """-> (routing, [out, dx, dw_gate, dw_up, dw_down, dprobs, dlogits]), every leaf cast to dtype."""
+    cast = (lambda t: t.detach().to(dtype)) if dtype else (lambda t: t.detach())
+    x = cast(x).requires_grad_()
+    weights = [cast(w).requires_grad_() for w in weights]
+    logits = logits.detach().clone().requires_grad_()
+    routing = moe.route(logits, k, capacity_factor=capacity_factor)
+    probs = routing.probs
+    if dtype is not None:
+        probs = probs.to(dtype)
+    probs.retain_grad()
+    out = fn(x, dataclasses.replace(routing, probs=probs), *weights)
+    out.backward(cast(grad_out))
+    return routing, [out.detach(), x.grad, *(w.grad for w in weights), probs.grad, logits.grad]
+
+
+NAMES = ("out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits")
+
+
+def rel_l2(value, truth):
+    truth = truth.double()
+    return ((value.double() - truth).norm() / truth.norm().clamp_min(1e-300)).item()
+
+
+# (E, k, capacity factor, a logit shift per expert): the cases the gate also runs
+CASES = {
+    "top1": (6, 1, None, None),
+    "top2": (6, 2, None, None),
+    "top8": (9, 8, None, None),
+    "empty-expert": (5, 2, None, torch.tensor([0.0, -30.0, 0.0, 0.0, 0.0])),
+    "one-expert": (4, 2, None, torch.tensor([30.0, 0.0, 0.0, 0.0])),
+    "capacity-drops": (4, 2, 0.75, torch.tensor([2.0, 0.0, 0.0, -1.0])),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_arm_matches_reference_and_truth_in_every_gradient(case):
+    num_experts, k, capacity_factor, shift = CASES[case]
+    x, weights, logits, grad_out = make_inputs(num_experts, logit_shift=shift)
+    routing, got = run(moe.experts, x, weights, logits, grad_out, k, capacity_factor)
+    _, ref = run(moe.experts_reference, x, weights, logits, grad_out, k, capacity_factor)
+    _, truth = run(moe.experts_truth, x, weights, logits, grad_out, k, capacity_factor, torch.float64)
+    for name, g, r, t in zip(NAMES, got, ref, truth):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        # fp32 end to end: within a few times the reference's own error
+        assert rel_l2(g, t) <= 4 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    counts = routing.offsets.diff()
+    if case == "empty-expert":
+        assert counts[1] == 0 and torch.count_nonzero(got[2][1]) == 0 and torch.count_nonzero(got[4][1]) == 0
+    if case == "one-expert":
+        assert counts[0] == T
+    if case == "capacity-drops":
+        dropped = ~routing.kept
+        assert bool(dropped.any()) and bool((got[5][dropped] == 0).all())
+
+
+def test_arm_repeats_its_bits():
+    # k = 4: the slots' sums have an order to keep; a capacity drops some of them
+    x, weights, logits, grad_out = make_inputs(5, seed=3)
+    _, first = run(moe.experts, x, weights, logits, grad_out, 4, 1.0)
+    _, second = run(moe.experts, x, weights, logits, grad_out, 4, 1.0)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def test_arm_refuses_mismatched_shapes():
+    x, (w_gate, w_up, w_down), logits, _ = make_inputs(4)
+    routing = moe.route(logits, 2)
+    with pytest.raises(ValueError, match="w_down"):
+        moe.experts(x, routing, w_gate, w_up, w_down.transpose(1, 2))
+
+
+# ---- the module ----
+
+
+def train(impl, steps=50):
+    """A toy regression (fit a fixed random MoE's outputs), AdamW, the same seed and data for
+    either impl -> the loss at every step."""
+    torch.manual_seed(0)
+    layer = moe.MoEExperts(16, 16, num_experts=4, top_k=2, capacity_factor=1.25, impl=impl)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 16, generator=gen)
+    target = torch.tanh(x @ torch.randn(16, 16, generator=gen) / 16**0.5)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(layer(x), target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_fused_and_eager_layers_train_alike():
+    fused, eager = train("fused"), train("eager")
+    assert fused[-1] < 0.5 * fused[0]
+    # fp32 on both sides; routing decisions could flip on a near tie, which would show here
+    for step, (a, b) in enumerate(zip(fused, eager)):
+        assert abs(a - b) <= 1e-4 * max(b, 1e-3), (step, a, b)
+
+
+def test_module_keeps_the_input_shape_and_refuses_an_unknown_impl():
+    layer = moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="eager")
+    assert layer(torch.randn(2, 5, 16)).shape == (2, 5, 16)
+    with pytest.raises(ValueError, match="impl"):
+        moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="triton")
+
+
+# ---- on the GPU: bf16 at a realistic size, and no host sync (not yet run on a GPU) ----
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
+    """d and f no multiple of the tiles; expert 1 empty, the first experts overflow a capacity."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, d, device="cuda", generator=gen)
+    weights = [torch.randn(num_experts, *shape, device="cuda", generator=gen) / shape[0] ** 0.5
+               for shape in ((d, f), (d, f), (f, d))]
+    logits = 2 * torch.randn(tokens, num_experts, device="cuda", generator=gen)
+    logits += torch.linspace(1.0, -1.0, num_experts, device="cuda")
+    logits[:, 1] = -30.0
+    grad_out = torch.randn(tokens, d, device="cuda", generator=gen)
+    return x, weights, logits, grad_out
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats():
+    x, weights, logits, grad_out = gpu_inputs()
+    bf16 = [t.bfloat16() for t in (x, *weights)]
+    args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
+    routing, got = run(moe.experts, *args)
+    _, ref = run(moe.experts_reference, *args)
+    _, truth = run(moe.experts_truth, x, weights, logits, grad_out, 2, 1.0, torch.float64)
+    assert int(routing.offsets[2] - routing.offsets[1]) == 0 and int(routing.num_dropped) > 0
+    for name, g, r, t in zip(NAMES, got, ref, truth):
+        assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    _, again = run(moe.experts, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_forward_and_backward_never_sync_with_the_host():
+    x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
+    bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
+    logits.requires_grad_()
+
+    def step():
+        routing = moe.route(logits, 2, capacity_factor=1.0)
+        out = moe.experts(bf16[0], routing, *bf16[1:])
+        return torch.autograd.grad(out, (*bf16, logits), grad_out.bfloat16())
+
+    step()  # compiled first: compiling may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
