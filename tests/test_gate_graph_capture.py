@@ -8,6 +8,7 @@ import torch
 from torch.optim import lr_scheduler
 from typer.testing import CliRunner
 
+import gatecheck
 import gates
 from cli import app
 from gates import graph_capture as gc
@@ -15,7 +16,6 @@ from gates import optim_loop
 from suite.arms.graph import CapturedOptimizer
 from suite.errors import ExitCode
 from suite.harness import parity
-from suite.harness.results import Check
 
 GATE = gates.get("graph-capture")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -106,17 +106,13 @@ def test_run_on_cpu_lists_it_as_skipped(tmp_path):
 
 @pytest.fixture(scope="module")
 def judged_tiny():
-    preset = GATE.preset("tiny")
-    buffers = GATE.make_buffers(preset, 0, torch.device("cuda"))
-    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+    return gatecheck.judge_setup(GATE, "tiny", "cuda")
 
 
 @pytest.mark.cuda
 @needs_cuda
 def test_captured_step_is_bitwise_eager_in_every_scenario(judged_tiny):
-    preset, buffers, expected = judged_tiny
-    result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
-    assert result.passed, result.failures[:5]
+    _, outputs = gatecheck.arm_result(GATE, judged_tiny)
     prefixes = {name.split("/")[0] for name in outputs}
     assert prefixes == {"muon-constant", "muon-schedule", "muon-wd-change", "muon-resume", "muon-onecycle",
                         "adamw-constant", "adamw-schedule", "adamw-resume", "adamw-onecycle-lr",
@@ -128,8 +124,5 @@ def test_captured_step_is_bitwise_eager_in_every_scenario(judged_tiny):
 @needs_cuda
 @pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
 def test_every_saboteur_fails_the_gate_with_its_first_divergence(judged_tiny, saboteur):
-    preset, buffers, expected = judged_tiny
-    copies = {n: t.clone() for n, t in buffers.items()}
-    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed and any(f.check == Check.PARITY for f in result.failures)
+    result, _ = gatecheck.sabotaged_result(GATE, judged_tiny, saboteur)
     assert "/step" in result.first_divergence  # names the step and tensor where it began

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+import gatecheck
 import gates
 from suite.arms import moe
-from suite.harness import parity
 
 GATE = gates.get("moe-bwd")
 TINY = [p for p in GATE.presets if p.where == "any"]
@@ -18,16 +18,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=[p.name for p in TINY])
 def judged(request):
-    preset = GATE.preset(request.param)
-    buffers = GATE.make_buffers(preset, 0, CPU)
-    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+    return gatecheck.judge_setup(GATE, request.param)
 
 
 def test_arm_passes(judged):
-    preset, buffers, expected = judged
-    result, _ = parity.judge_arm(GATE, preset, buffers, expected)
-    assert result.passed, result.failures
-    assert result.deterministic and result.inputs_unchanged
+    result, _ = gatecheck.arm_result(GATE, judged)
     assert {t.name for t in result.tensors} == {
         "out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits", "expert_ids", "offsets", "row_id_map"}
 
@@ -47,18 +42,13 @@ def test_each_preset_is_the_case_it_names(judged):
 @pytest.fixture(scope="module")
 def judged_default():
     preset, = GATE.default_presets(CPU)
-    buffers = GATE.make_buffers(preset, 0, CPU)
-    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+    return gatecheck.judge_setup(GATE, preset.name)
 
 
 # on the default preset alone, where `suite run` places them all (the interpreter is slow)
 @pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
 def test_every_saboteur_fails_the_gate(judged_default, saboteur):
-    preset, buffers, expected = judged_default
-    copies = {n: t.clone() for n, t in buffers.items()}
-    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed
-    assert saboteur.caught_by in result.checks_failed(), result.failures
+    gatecheck.sabotaged_result(GATE, judged_default, saboteur)
 
 
 def test_every_saboteur_shows_on_the_default_cpu_preset_the_smallest():

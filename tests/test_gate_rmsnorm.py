@@ -4,8 +4,8 @@ by the check it is meant to trip."""
 import pytest
 import torch
 
+import gatecheck
 import gates
-from suite.harness import parity
 
 GATE = gates.get("rmsnorm")
 TINY = [p for p in GATE.presets if p.where == "any"]
@@ -14,28 +14,19 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", params=[p.name for p in TINY])
 def judged(request):
-    preset = GATE.preset(request.param)
-    buffers = GATE.make_buffers(preset, 0, CPU)
-    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+    return gatecheck.judge_setup(GATE, request.param)
 
 
 def test_arm_passes(judged):
-    preset, buffers, expected = judged
-    result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
-    assert result.passed, result.failures
-    assert result.deterministic and result.inputs_unchanged
+    result, outputs = gatecheck.arm_result(GATE, judged)
     assert {t.name for t in result.tensors} == {"y", "dx", "dw"}
 
 
 @pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
 def test_every_saboteur_fails_the_gate(judged, saboteur):
-    preset, buffers, expected = judged
-    if not saboteur.applies(preset):
-        pytest.skip(f"{saboteur.name} cannot show on {preset.name}")
-    copies = {n: t.clone() for n, t in buffers.items()}
-    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed
-    assert saboteur.caught_by in result.checks_failed(), result.failures
+    if not saboteur.applies(judged[0]):
+        pytest.skip(f"{saboteur.name} cannot show on {judged[0].name}")
+    gatecheck.sabotaged_result(GATE, judged, saboteur)
 
 
 def test_every_saboteur_applies_to_the_default_cpu_preset():

@@ -4,6 +4,7 @@ parity; on a GPU the captured case joins the outputs and the same holds."""
 import pytest
 import torch
 
+import gatecheck
 import gates
 from gates import split_muon as sm
 from suite.harness import parity
@@ -15,20 +16,14 @@ CPU = torch.device("cpu")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def judged(device: torch.device):
-    preset = GATE.preset("tiny")
-    buffers = GATE.make_buffers(preset, 0, device)
-    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
-
-
 @pytest.fixture(scope="module")
 def judged_cpu():
-    return judged(CPU)
+    return gatecheck.judge_setup(GATE, "tiny", CPU)
 
 
 @pytest.fixture(scope="module")
 def judged_cuda():
-    return judged(torch.device("cuda"))
+    return gatecheck.judge_setup(GATE, "tiny", "cuda")
 
 
 def test_presets_and_cases_match_the_issue():
@@ -62,10 +57,7 @@ def test_parity_modes():
 
 
 def test_arm_passes_tiny_on_the_cpu(judged_cpu):
-    preset, buffers, expected = judged_cpu
-    result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
-    assert result.passed, result.failures[:5]
-    assert result.deterministic and result.inputs_unchanged
+    _, outputs = gatecheck.arm_result(GATE, judged_cpu)
     runs = {name.rsplit("/", 1)[0] for name in outputs if not name.startswith("ns/")}
     assert len(runs) == len(sm.CASES) * len(sm.CONFIGS)  # no captured run on the CPU
     assert {name for name in outputs if name.startswith("ns/")} == {f"ns/{case}" for case in sm.CASES}
@@ -73,11 +65,8 @@ def test_arm_passes_tiny_on_the_cpu(judged_cpu):
 
 @pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
 def test_every_saboteur_fails_tiny_on_the_cpu(judged_cpu, saboteur):
-    preset, buffers, expected = judged_cpu
-    copies = {n: t.clone() for n, t in buffers.items()}
-    result, _ = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed
-    assert saboteur.caught_by == Check.PARITY and Check.PARITY in result.checks_failed(), result.failures
+    assert saboteur.caught_by == Check.PARITY
+    result, _ = gatecheck.sabotaged_result(GATE, judged_cpu, saboteur)
     assert "/step00" in result.first_divergence  # every sabotage shows on the first step
 
 
@@ -148,10 +137,8 @@ def test_arm_passes_tiny_on_the_gpu_with_its_capture(judged_cuda):
 @needs_cuda
 @pytest.mark.parametrize("saboteur", GATE.saboteurs, ids=lambda s: s.name)
 def test_every_saboteur_fails_tiny_on_the_gpu(judged_cuda, saboteur):
-    preset, buffers, expected = judged_cuda
-    copies = {n: t.clone() for n, t in buffers.items()}
-    result, outputs = parity.judge_arm(GATE, preset, copies, expected, arm=saboteur.fn)
-    assert not result.passed and Check.PARITY in result.checks_failed()
+    expected = judged_cuda[2]
+    _, outputs = gatecheck.sabotaged_result(GATE, judged_cuda, saboteur)
     # the captured run is sabotaged too, and caught there (the report keeps only the first failures)
     captured = [name for name in outputs if name.startswith("qkv-captured/")]
     assert captured and any(not parity.bitwise_check(name, outputs[name], expected.reference[name]).passed
@@ -187,9 +174,9 @@ def test_captured_case_plumbing_on_the_cpu(monkeypatch):
     graph: the arm adds the run, the reference mirrors its eager one, and a saboteur shows there."""
     monkeypatch.setattr(sm, "_on_gpu", lambda buffers: True)
     monkeypatch.setattr(sm, "CapturedOptimizer", lambda optimizer: optimizer)
-    preset, buffers, expected = judged(CPU)
-    result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
-    assert result.passed, result.failures[:5]
+    judged = gatecheck.judge_setup(GATE, "tiny", CPU)
+    preset, buffers, expected = judged
+    _, outputs = gatecheck.arm_result(GATE, judged)
     captured = [name for name in outputs if name.startswith("qkv-captured/")]
     assert len(captured) == len(sm.CONFIGS) * (preset.params["steps"] + 2)
     sabotaged = sm._arm_with(sm._unsplit)(buffers, preset)
