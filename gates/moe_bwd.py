@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
 from suite.arms import moe_kernels
-from suite.arms.moe import experts, experts_reference, route
+from suite.arms.moe import expert_rows, experts, experts_reference, route
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -348,12 +349,13 @@ def _combine_backward_in_torch(grad_out, y_rows, probs, routing):
     return grad_rows[:-1], torch.where(kept, dots, 0.0).view_as(probs)
 
 
-def _build(layer: Callable | None) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
-    """A contender's build; layer None: `padded_bmm`, made for this routing."""
+def _build(layer_for: Callable[[Any], Callable]) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
+    """A contender's build; `layer_for(routing)` gives its experts call, whatever it needs to
+    know of the layout read once here, at build time, so the timed call never syncs."""
 
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         x, weights, routing = _leaves(buffers, preset)
-        run = padded_bmm(routing) if layer is None else layer
+        run = layer_for(routing)
         inputs, grad_out = (x, *weights, routing.probs), buffers["grad_out"]
         if case.name == "fwd+bwd":
             return lambda: torch.autograd.grad(run(x, routing, *weights), inputs, grad_out)
@@ -398,13 +400,17 @@ def _grouped_mm_missing(device: torch.device) -> str | None:
 EXPERT_CASES = ("fwd+bwd", "bwd")
 
 CONTENDERS = (
-    Contender("reference", "reference", _per_case(_build(experts_reference), _build_combine_backward(kernel=False)),
-              note="experts_reference: eager, one expert at a time; eager torch for the combine's backward"),
-    Contender("arm", "arm", _per_case(_build(experts), _build_combine_backward(kernel=True)),
+    Contender("reference", "reference",
+              _per_case(_build(lambda routing: partial(experts_reference, rows=expert_rows(routing))),
+                        _build_combine_backward(kernel=False)),
+              note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
+                   "it can be captured); eager torch for the combine's backward"),
+    Contender("arm", "arm", _per_case(_build(lambda routing: experts), _build_combine_backward(kernel=True)),
               note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd)"),
-    Contender("padded-bmm", "peer", _build(None), cases=EXPERT_CASES,
+    Contender("padded-bmm", "peer", _build(padded_bmm), cases=EXPERT_CASES,
               note="torch.bmm over every expert padded to the largest one's rows"),
-    Contender("grouped_mm", "peer", _build(grouped_mm_experts), unavailable=_grouped_mm_missing, cases=EXPERT_CASES,
+    Contender("grouped_mm", "peer", _build(lambda routing: grouped_mm_experts), unavailable=_grouped_mm_missing,
+              cases=EXPERT_CASES,
               note="torch._grouped_mm for the three GEMMs on the same layout, gathers and combine in torch"),
 )
 

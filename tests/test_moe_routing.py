@@ -363,3 +363,18 @@ def test_route_on_the_gpu_matches_the_cpu():
     for a, b in zip(routing_tensors(cpu)[1:], routing_tensors(gpu)[1:]):
         assert torch.equal(a, b.cpu())
     torch.testing.assert_close(cpu.probs, gpu.probs.cpu())
+
+
+def test_reference_with_rows_found_once_gives_the_same_bits():
+    """The bench's reference finds each expert's rows at build time, so its timed call never
+    syncs; it must compute exactly what the reference computes."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden, ffn, num_experts, k = 13, 8, 6, 5, 2
+    logits = torch.randn(tokens, num_experts, generator=gen)
+    routing = moe.route(logits, k, capacity_factor=0.8)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights = (torch.randn(num_experts, hidden, ffn, generator=gen), torch.randn(num_experts, hidden, ffn, generator=gen),
+               torch.randn(num_experts, ffn, hidden, generator=gen))
+    plain = moe.experts_reference(x, routing, *weights)
+    found_once = moe.experts_reference(x, routing, *weights, rows=moe.expert_rows(routing))
+    assert torch.equal(plain, found_once)

@@ -182,18 +182,26 @@ def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
         )
 
 
-def experts_reference(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert's kept (tokens, slots), tokens ascending. Finding them reads the layout on the
+    host (a sync): for setting up a reference or a benchmark once, not for a training step."""
+    chosen = routing.expert_ids.long()
+    kept = routing.kept
+    return [torch.nonzero((chosen == e) & kept, as_tuple=True) for e in range(routing.num_experts)]
+
+
+def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> torch.Tensor:
     """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
-    weighted sum in fp32 (float64 when x is float64); autograd gives every gradient."""
+    weighted sum in fp32 (float64 when x is float64); autograd gives every gradient.
+
+    rows: `expert_rows(routing)`, found once by the caller; then the call itself never syncs
+    (a benchmark can capture it in a CUDA graph)."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
     wide = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
-    chosen = routing.expert_ids.long()
-    kept = routing.kept
-    for e in range(routing.num_experts):
+    for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
         # a token picks an expert at most once, so `tokens` has no repeats and index_add_
         # below adds each row once: the sum's order is the expert order, run to run
-        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
         v = x[tokens]
         hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
         y = hidden.to(x.dtype) @ w_down[e]
