@@ -4,7 +4,8 @@ and CUDA-graph device time, against F.rms_norm and peers.
 
     python scripts/rmsnorm_launch_probe.py            (on the GPU machine, project installed)
 
-Needs torch, triton and the project (suite.arms only: no pydantic). Writes every figure to
+Needs torch, triton and the project (its timing comes from suite.harness.timing, so pydantic
+too: scripts/device_check.sh brings it). Writes every figure to
 $OUT/rmsnorm_probe.json when OUT is set (or --json PATH), and prints a short table last.
 Sections, in order:
 
@@ -29,10 +30,7 @@ GB/s counts 4 B/elem forward and 10 B/elem forward+backward (bf16).
 from __future__ import annotations
 
 import argparse
-import gc
-import itertools
 import json
-import math
 import os
 import platform
 import statistics
@@ -56,7 +54,6 @@ BYTES_PER_ELEMENT = {"fwd": 4, "fwd+bwd": 10}  # bf16: read x, write y; + read x
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/rmsnorm_probe.json)")
-    parser.add_argument("--warmup", type=int, default=50, help="calls before each host-time measurement")
     parser.add_argument("--host-calls", type=int, default=200, help="calls per host-time batch")
     parser.add_argument("--host-batches", type=int, default=5, help="batches; the best is kept")
     parser.add_argument("--window", type=int, default=50, help="eager calls between one event pair")
@@ -76,73 +73,26 @@ def gb_per_s(case: str, rows: int, cols: int, ms: float) -> float:
     return BYTES_PER_ELEMENT[case] * rows * cols / (ms * 1e-3) / 1e9
 
 
-def input_sets_needed(set_bytes: int, l2_bytes: int) -> int:
-    """Input sets to rotate over so that together they exceed twice the L2 (each call then
-    reads inputs the L2 no longer holds); at least two."""
-    return max(2, math.ceil(2 * l2_bytes / set_bytes) + 1)
-
-
 def format_table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-# ---- timing ----------------------------------------------------------------------------------
+# ---- timing: the harness's own (suite.harness.timing) ---------------------------------------
+
+
+def timer():
+    from suite.harness.timing import CudaTimer
+
+    return CudaTimer(DEVICE)
 
 
 def host_us(fn: Callable[[], Any], args: argparse.Namespace) -> float:
-    """Best host time per call over batches of calls, after a warm-up."""
-    calls, batches = args.host_calls, args.host_batches
-    for _ in range(args.warmup):
-        fn()
-    best = math.inf
-    gc.disable()
-    try:
-        for _ in range(batches):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            elapsed = time.perf_counter() - start
-            torch.cuda.synchronize()
-            best = min(best, elapsed)
-    finally:
-        gc.enable()
-    return best / calls * 1e6
+    """Best host time per call over batches of back-to-back calls (one untimed batch first)."""
+    from suite.harness.timing import host_us_per_call
 
-
-def event_ms(fn: Callable[[], Any], n: int, window: int, flush: torch.Tensor | None) -> list[float]:
-    """Per-call ms of `n` event pairs, each around `window` back-to-back calls; the L2 is
-    flushed (by writing `flush`) before each pair when given."""
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    torch.cuda.synchronize()
-    gc.disable()
-    try:
-        for start, end in pairs:
-            if flush is not None:
-                flush.zero_()
-            start.record()
-            for _ in range(window):
-                fn()
-            end.record()
-        torch.cuda.synchronize()
-    finally:
-        gc.enable()
-    return [start.elapsed_time(end) / window for start, end in pairs]
-
-
-def captured(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """One call of fn in a CUDA graph (warmed up on a side stream first, torch's recipe)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return host_us_per_call(fn, torch.cuda.synchronize, calls=args.host_calls, batches=args.host_batches)
 
 
 # ---- contenders ------------------------------------------------------------------------------
@@ -285,18 +235,21 @@ def components_section(arm, support, args) -> dict[str, float]:
 
 
 def eager_section(arm, args) -> dict[str, Any]:
+    from suite.harness.runner import rotation_sets
+    from suite.harness.timing import Rotation
+
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     norms = {"arm": partial(arm.rms_norm, eps=EPS), "F.rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)}
+    events = timer()
     out: dict[str, Any] = {}
     for rows, cols in SHAPES:
-        n_sets = input_sets_needed(2 * rows * cols * 2, l2)  # x and dy, bf16
+        n_sets = rotation_sets(2 * rows * cols * 2, l2)  # x and dy, bf16
         sets = [make_inputs(rows, cols, seed) for seed in range(n_sets)]
         for case in CASES:
             for name, norm in norms.items():
-                calls = itertools.cycle([call(norm, case, *inputs) for inputs in sets])
-                rotating = lambda: next(calls)()
-                event_ms(rotating, 2, args.window, None)  # warm-up
-                ms = statistics.median(event_ms(rotating, args.windows, args.window, None))
+                rotating = Rotation([call(norm, case, *inputs) for inputs in sets])
+                events.time_calls(rotating, 2, flush_l2=False, window=args.window)  # warm-up
+                ms = statistics.median(events.time_calls(rotating, args.windows, flush_l2=False, window=args.window))
                 out[f"{rows}x{cols} {case} {name}"] = {"ms": ms, "GB/s": gb_per_s(case, rows, cols, ms), "input_sets": n_sets}
         del sets
         torch.cuda.empty_cache()
@@ -315,7 +268,7 @@ def two_stage(arm):
 
 
 def graph_section(arm, args) -> dict[str, Any]:
-    flush = torch.empty(2 * torch.cuda.get_device_properties(0).L2_cache_size, dtype=torch.int8, device=DEVICE)
+    events = timer()
     norms = {"arm": partial(arm.rms_norm, eps=EPS), "F.rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS)}
     out: dict[str, Any] = {}
     for rows, cols in SHAPES:
@@ -323,9 +276,9 @@ def graph_section(arm, args) -> dict[str, Any]:
         fns = {(case, name): call(norm, case, x, weight, dy) for case in CASES for name, norm in norms.items()}
         fns[("fwd+bwd", "arm two-stage dW")] = partial(two_stage(arm), x, weight, dy)
         for (case, name), fn in fns.items():
-            replay = captured(fn)
-            event_ms(replay, 3, 1, flush)  # warm-up
-            ms = statistics.median(event_ms(replay, args.replays, 1, flush))
+            replay = events.capture(fn)
+            events.time_calls(replay, 3, flush_l2=True, window=1)  # warm-up
+            ms = statistics.median(events.time_calls(replay, args.replays, flush_l2=True, window=1))
             out[f"{rows}x{cols} {case} {name}"] = {"ms": ms, "GB/s": gb_per_s(case, rows, cols, ms)}
         del x, dy, fns
         torch.cuda.empty_cache()

@@ -590,3 +590,14 @@ def test_a_peer_that_fails_its_first_call_is_reported_not_fatal():
     with pytest.raises(RuntimeError):  # the arm failing is no peer's problem: it propagates
         measure_bench(make_case(), "eager", make_contenders(), PRESET, criterion, None, POLICY,
                       FailingTimer(EXACT, {"arm"}))
+
+
+def test_rotation_sets_hold_twice_the_l2_and_stay_bounded():
+    from suite.harness.runner import MAX_ROTATION, rotation_sets
+
+    l2 = 50 << 20
+    for set_bytes in (1 << 20, 32 << 20, 33 << 20, 256 << 20):
+        n = rotation_sets(set_bytes, l2)
+        assert n >= 1 and (n * set_bytes >= 2 * l2 or n == MAX_ROTATION)
+    assert rotation_sets(256 << 20, l2) == 1  # one set already misses the L2
+    assert rotation_sets(1 << 20, l2) == MAX_ROTATION
