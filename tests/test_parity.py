@@ -156,6 +156,52 @@ def test_tolerance_zero_truth_row_must_be_reproduced_exactly():
     assert not check.passed and check.arm_rel_max == float("inf")
 
 
+def test_an_exactly_reproduced_zero_row_hides_no_other_row():
+    # the zero row's 0/0 once turned the worst-row figure into NaN, which compared as a pass
+    truth = torch.randn(64, 32, dtype=torch.float64)
+    truth[3] = 0
+    truth[5] *= 1e-4
+    ref = truth.to(torch.bfloat16)
+    arm = ref.clone()
+    arm[5] *= 1.5
+    check = _tol(arm, ref, truth)
+    assert not check.passed and "worst-row" in check.message and check.arm_rel_max > 0.4
+
+
+def _cancelling_dot_products(seed):
+    """dprobs-like [T, 2] rows of dot products, one of which cancels to ~0, computed from
+    bf16-rounded operands twice with independent rounding (arm and reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    g, y = (torch.randn(4096, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
+    y[7, :, 0] -= (g[7] * y[7]).sum(-1) / g[7, :, 0]  # row 7's two dots are exactly zero in truth
+    truth = (g * y).sum(-1)
+
+    def rounded():
+        noise = 1 + 2.0**-9 * torch.randn(y.shape, generator=gen, dtype=torch.float64)
+        return (g * y * noise).sum(-1).float()
+
+    return truth, rounded(), rounded()
+
+
+def test_row_floor_judges_a_cancelling_row_against_the_rows_scale():
+    for seed in range(4):
+        truth, arm, ref = _cancelling_dot_products(seed)
+        plain = parity.tolerance_check("dprobs", arm, ref, truth, k=2.0, floor=1e-6)
+        assert plain.arm_rel_max > 1e3 and plain.ref_rel_max > 1e3  # noise over a zero: a draw
+        floored = parity.tolerance_check("dprobs", arm, ref, truth, k=2.0, floor=1e-6, row_floor=0.1)
+        assert floored.arm_rel_max < 0.1 and floored.row_floor == 0.1
+
+
+def test_row_floor_still_catches_an_error_confined_to_small_rows():
+    truth, arm, ref = _cancelling_dot_products(0)
+    small = truth.norm(dim=1).argsort()[:4]  # the smallest rows, near the floor
+    arm = arm.clone()
+    arm[small] = 0.0
+    check = parity.tolerance_check("dprobs", arm, ref, truth, k=2.0, floor=1e-6, row_floor=0.1)
+    assert check.arm_rel_l2 <= check.limit_rel_l2  # the tensor-wide error hides it
+    assert not check.passed and "worst-row" in check.message
+
+
 # ---- poisoning and whole-arm judgement ----
 
 

@@ -47,10 +47,17 @@ class Tolerance:
     Two relative errors are judged: over the whole tensor (L2 norm of the difference over
     the truth's norm) and for the worst row (the same ratio per row of the last dimension),
     so an error confined to small-magnitude rows is not hidden by the large ones.
+
+    row_floor: a row's error is taken relative to at least row_floor x the RMS of the truth's
+    row norms. For outputs whose rows are a few dot products (MoE's probability gradient,
+    [T, k]) some rows cancel to near zero, where the arm's and the reference's relative errors
+    are two independent draws of rounding noise over a tiny number; 0 judges every row by its
+    own norm.
     """
 
     k: float = 2.0
     floor: float = 1e-6
+    row_floor: float = 0.0
     kind: Literal["tolerance"] = "tolerance"
 
 

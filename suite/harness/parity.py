@@ -146,33 +146,35 @@ def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorChec
     )
 
 
-@dataclass
-class _ErrorSums:
-    diff_sq: float = 0.0
-    truth_sq: float = 0.0
-    worst_row: float = 0.0
+def _relative_errors(
+    out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor, row_floor: float = 0.0
+) -> tuple[float, float]:
+    """(whole-tensor relative L2 error, worst row's relative L2 error) over finite positions.
 
-
-def _relative_errors(out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor) -> tuple[float, float]:
-    """(whole-tensor relative L2 error, worst row's relative L2 error) over finite positions."""
+    A row's error is relative to its truth's norm, floored at `row_floor` x the RMS of the
+    rows' norms: where a row's truth cancels to near zero its relative error is a ratio of
+    rounding noise, and the worst row's becomes a draw, not a measure."""
     cols = truth.shape[-1] if truth.dim() > 1 else max(truth.numel(), 1)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(cols, 1))
     o2, t2, f2 = (x.reshape(-1, cols) for x in (out, truth, finite))
-    sums = _ErrorSums()
+    row_diff = torch.zeros(t2.shape[0], dtype=torch.float64, device=t2.device)
+    row_truth = torch.zeros_like(row_diff)
     for start in range(0, t2.shape[0], rows_per_chunk):
         sl = slice(start, start + rows_per_chunk)
         keep = f2[sl]
         t = torch.where(keep, t2[sl].double(), 0.0)
         d = torch.where(keep, o2[sl].double(), 0.0) - t
-        row_diff = d.square().sum(dim=1)
-        row_truth = t.square().sum(dim=1)
-        sums.diff_sq += float(row_diff.sum())
-        sums.truth_sq += float(row_truth.sum())
-        # a row whose truth is all zero must be reproduced exactly
-        row_rel = torch.where(row_truth > 0, (row_diff / row_truth.clamp_min(1e-300)).sqrt(), (row_diff > 0) * math.inf)
-        sums.worst_row = max(sums.worst_row, float(row_rel.max()) if row_rel.numel() else 0.0)
-    whole = math.sqrt(sums.diff_sq / sums.truth_sq) if sums.truth_sq > 0 else (0.0 if sums.diff_sq == 0 else math.inf)
-    return whole, sums.worst_row
+        row_diff[sl] = d.square().sum(dim=1)
+        row_truth[sl] = t.square().sum(dim=1)
+    diff_sq, truth_sq = float(row_diff.sum()), float(row_truth.sum())
+    whole = math.sqrt(diff_sq / truth_sq) if truth_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
+    if row_diff.numel() == 0:
+        return whole, 0.0
+    scale = row_truth.clamp_min(row_floor**2 * truth_sq / row_truth.numel())
+    # a row whose truth (and floor) is all zero must be reproduced exactly
+    row_rel = torch.where(scale > 0, (row_diff / scale.clamp_min(1e-300)).sqrt(),
+                          torch.where(row_diff > 0, math.inf, 0.0))
+    return whole, float(row_rel.max())
 
 
 def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
@@ -181,10 +183,12 @@ def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
 
 
 def tolerance_check(
-    name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float
+    name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float,
+    row_floor: float = 0.0,
 ) -> TensorCheck:
     """Arm's error against the float64 truth must be within k x the reference's own + floor."""
-    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="tolerance", k=k, floor=floor)
+    base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="tolerance", k=k, floor=floor,
+                row_floor=row_floor)
     layout = _same_layout(name, arm, ref, "reference")
     if layout is None and truth.shape != ref.shape:
         layout = Failure(check=Check.OUTPUTS, message=(
@@ -205,8 +209,8 @@ def tolerance_check(
     elif not nonfinite_match:
         problems.append(Failure(check=Check.NONFINITE, message=f"{name}: NaN/Inf positions differ from the truth's"))
     finite = torch.isfinite(truth) & torch.isfinite(arm) & torch.isfinite(ref)
-    arm_l2, arm_row = _relative_errors(arm, truth, finite)
-    ref_l2, ref_row = _relative_errors(ref, truth, finite)
+    arm_l2, arm_row = _relative_errors(arm, truth, finite, row_floor)
+    ref_l2, ref_row = _relative_errors(ref, truth, finite, row_floor)
     limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
     if arm_l2 > limit_l2:
         problems.append(Failure(check=Check.PARITY, message=(
@@ -320,7 +324,8 @@ def _trimmed(checks: list[TensorCheck]) -> tuple[list[TensorCheck], dict[str, in
 def _check(gate: Gate, name: str, output: torch.Tensor, expected: Expected) -> TensorCheck:
     mode = gate.parity_for(name)
     if isinstance(mode, Tolerance):
-        return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor)
+        return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor,
+                               mode.row_floor)
     return bitwise_check(name, output, expected.reference[name])
 
 

@@ -182,11 +182,11 @@ def _tolerance_rows(checks: list[TensorCheck]) -> tuple[list[str], list[list[obj
     # *_rel_max hold the worst row's relative L2 error (parity.py), so an error confined to
     # small rows shows even when the whole-tensor figure hides it
     headers = ["output", "shape", "dtype", "ok", "k", "finite compared", "arm rel L2", "ref rel L2",
-               "limit", "arm worst row", "ref worst row", "limit", "NaN/Inf match", "problems"]
+               "limit", "arm worst row", "ref worst row", "limit", "row floor", "NaN/Inf match", "problems"]
     rows = [
         [t.name, list(t.shape), t.dtype, _yes(t.passed), _f(t.k, "g"), _f(t.compared, ",d"),
          _f(t.arm_rel_l2, ".3e"), _f(t.ref_rel_l2, ".3e"), _f(t.limit_rel_l2, ".3e"),
-         _f(t.arm_rel_max, ".3e"), _f(t.ref_rel_max, ".3e"), _f(t.limit_rel_max, ".3e"),
+         _f(t.arm_rel_max, ".3e"), _f(t.ref_rel_max, ".3e"), _f(t.limit_rel_max, ".3e"), _f(t.row_floor, "g"),
          _yes(t.nonfinite_match), t.message]
         for t in checks
     ]

@@ -72,6 +72,7 @@ class TensorCheck(Record):
     # tolerance mode: relative errors against the float64 truth, and the limits applied
     k: float | None = None
     floor: float | None = None
+    row_floor: float | None = None  # rows judged relative to at least this x the RMS row norm
     compared: int | None = None  # finite elements compared
     arm_rel_l2: float | None = None
     ref_rel_l2: float | None = None
