@@ -37,7 +37,9 @@ from suite.harness.timing import (
 PRESET = Preset(name="small", params={}, where="any")
 # cap 0: one warm-up batch per contender, so the draws (and so the figures) never depend on
 # how fast this machine is
-POLICY = TimingPolicy(warmup_cap_s=0.0)
+# the fakes' calls take about a millisecond: the round's shape stays fixed for them here, and
+# round_shape is tested on its own below
+POLICY = TimingPolicy(warmup_cap_s=0.0, long_call_ms=1e9, round_budget_ms=1e9)
 COLD_MS = 1000.0
 
 
@@ -364,7 +366,7 @@ def test_warm_up_runs_until_two_batch_medians_agree():
     # medians 3, 2, 1.5, 1.0, 1.01: steady at the 5th batch (within 2% of the 4th)
     timer = ScriptedTimer([3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
     case = make_case(modes=("eager",), window=4, l2="warm")
-    policy = TimingPolicy(warmup_cap_s=60.0)
+    policy = TimingPolicy(warmup_cap_s=60.0, long_call_ms=1e9, round_budget_ms=1e9)
     result = measure_bench(case, "eager", make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
     # 2 contenders x 5 batches x 10 timings x 4 calls a window
     assert result.warmup_calls == 2 * 5 * 10 * 4
@@ -378,6 +380,23 @@ def test_warm_up_stops_at_the_cap():
     result = measure_bench(make_case(), "graph", make_contenders(), PRESET, PerfCriterion(), None,
                            policy, timer)
     assert 2 * 2 * 10 <= result.warmup_calls < 2 * 200_000 * 10
+
+
+def test_round_shape_gives_slow_calls_fewer_timings_and_one_call_windows():
+    policy = TimingPolicy(calls_per_round=10, min_calls_per_round=3, round_budget_ms=60.0, long_call_ms=1.0)
+    assert timing.round_shape(policy, 0.05, 5, "eager") == (10, 5)  # fast: as configured
+    assert timing.round_shape(policy, 2.0, 5, "eager") == (10, 1)  # 1 ms and more: windows of one
+    assert timing.round_shape(policy, 12.0, 5, "eager") == (5, 1)  # 60 ms a round
+    assert timing.round_shape(policy, 500.0, 5, "eager") == (3, 1)  # never under the minimum
+    assert timing.round_shape(policy, 12.0, 1, "graph") == (5, 1)
+
+
+def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():
+    timer = FakeTimer({"reference": (40.0, 0.01), "arm": (20.0, 0.01)})
+    result = measure_bench(make_case(window=5), "eager", make_contenders(), PRESET, PerfCriterion(), None,
+                           TimingPolicy(warmup_cap_s=0.0), timer)
+    assert result.calls_per_round == 3 and result.window == 1
+    assert {entry[3] for entry in timer.log if entry[0] == "calls"} == {5, 1}  # warmed up at 5
 
 
 # ---- misuse ------------------------------------------------------------------------------

@@ -420,7 +420,8 @@ class Runner:
             timed.append(Timed(contender.name, contender.role, call, reason, host_us.get(contender.name)))
         policy = self.options.policy
         if case.calls_per_round:
-            policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round)
+            policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round,
+                                         min_calls_per_round=min(policy.min_calls_per_round, case.calls_per_round))
         timer = WallTimer(device) if mode == "wall" else CudaTimer(device)
         return measure_bench(
             case, mode, timed, preset, gate.perf, self._ceilings, policy, timer,

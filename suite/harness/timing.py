@@ -66,6 +66,12 @@ class TimingPolicy:
     min_rounds: int = 10
     max_rounds: int = 40
     round_step: int = 10  # rounds added each time a deciding comparison is ambiguous
+    # a slow contender (milliseconds a call) gets fewer timings a round, so that its share of a
+    # round stays near round_budget_ms, never under min_calls_per_round; its eager windows shrink
+    # to one call from long_call_ms, where the event pair's own cost is below the noise
+    round_budget_ms: float = 60.0
+    min_calls_per_round: int = 3
+    long_call_ms: float = 1.0
     warmup_tolerance: float = 0.02  # steady when two consecutive batch medians differ by <= this
     warmup_cap_s: float = 2.0  # wall-clock cap on one contender's warm-up
     floor_quantile: float = 0.95
@@ -76,8 +82,10 @@ class TimingPolicy:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.calls_per_round < 1:
-            raise ValueError("calls_per_round must be >= 1")
+        if not 1 <= self.min_calls_per_round <= self.calls_per_round:
+            raise ValueError("need 1 <= min_calls_per_round <= calls_per_round")
+        if self.round_budget_ms <= 0 or self.long_call_ms <= 0:
+            raise ValueError("round_budget_ms and long_call_ms must be > 0")
         # one round gives no spread: no floor, no confidence interval
         if not 2 <= self.min_rounds <= self.max_rounds:
             raise ValueError("need 2 <= min_rounds <= max_rounds")
@@ -367,8 +375,9 @@ def copy_size(free_bytes: int, default: int = 1 << 30) -> int:
 
 def _warm_up(
     timer: Timer, fn: Callable[[], Any], policy: TimingPolicy, flush_l2: bool, window: int
-) -> int:
-    """Batches of calls until two consecutive medians agree, or the cap; returns calls made."""
+) -> tuple[int, float]:
+    """Batches of calls until two consecutive medians agree, or the cap; returns the calls made
+    and the last batch's median (ms a call)."""
     t0 = time.perf_counter()
     calls = 0
     previous: float | None = None
@@ -377,10 +386,19 @@ def _warm_up(
         calls += len(batch) * window
         current = statistics.median(batch)
         if previous is not None and steady(previous, current, policy.warmup_tolerance):
-            return calls
+            return calls, current
         if time.perf_counter() - t0 >= policy.warmup_cap_s:
-            return calls
+            return calls, current
         previous = current
+
+
+def round_shape(policy: TimingPolicy, slowest_ms: float, window: int, mode: str) -> tuple[int, int]:
+    """(timings a round per contender, calls a window) for a bench whose slowest contender
+    takes `slowest_ms` a call: fewer of both for slow calls, so a round costs about the budget."""
+    if mode != "graph" and slowest_ms >= policy.long_call_ms:
+        window = 1
+    fit = int(policy.round_budget_ms // max(slowest_ms * window, 1e-9))
+    return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), window
 
 
 def _fmt_ratio(c: Comparison) -> str:
@@ -426,10 +444,11 @@ def measure_bench(
     flush_l2 = case.l2 == "cold" and mode == "graph"
     window = 1 if mode == "graph" else case.window
 
+    calls_per_round = policy.calls_per_round
+
     def timed_median(name: str) -> float:
         """The per-round statistic: the median of calls_per_round timings."""
-        n = policy.calls_per_round
-        return statistics.median(timer.time_calls(fns[name], n, flush_l2=flush_l2, window=window))
+        return statistics.median(timer.time_calls(fns[name], calls_per_round, flush_l2=flush_l2, window=window))
 
     roles = {c.name: c.role for c in contenders}
     dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
@@ -465,10 +484,12 @@ def measure_bench(
                 fns = {n: eager[n] for n in fns}
                 methods = {n: f"eager calls (capture failed for {why})" for n in fns}
                 break
-    warmup_calls = 0
+    warmup_calls, warm_ms = 0, {}
     for name in fns:
         say(f"warming up {name}")
-        warmup_calls += _warm_up(timer, fns[name], policy, flush_l2, window)
+        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, window)
+        warmup_calls += calls
+    calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode)
 
     others = [name for name in fns if name != ref_name]
     ref_first: list[float] = []
@@ -537,7 +558,7 @@ def measure_bench(
     return BenchResult(
         case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
         window=window, rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
-        rounds=len(ref_first), calls_per_round=policy.calls_per_round, noise_floor=floor_rel,
+        rounds=len(ref_first), calls_per_round=calls_per_round, noise_floor=floor_rel,
         aa_log_ratios=aa, contenders=timings, comparisons=comparisons, criteria=checks,
         passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
         host_probe=host_probe, duration_s=time.perf_counter() - started)
