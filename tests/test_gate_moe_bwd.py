@@ -84,6 +84,10 @@ def test_gpu_presets_are_the_models_layers_in_bf16():
     for p in GATE.presets:
         if p.where == "cuda":
             assert p.params["dtype"] == "bfloat16" and 0 < p.memory_bytes < 100 * 2**30, p.name
+    # `suite bench moe-bwd` runs every model; `suite run` (every gate) the small one alone
+    cuda = torch.device("cuda")
+    assert [p.name for p in GATE.default_presets(cuda)] == list(shapes)
+    assert [p.name for p in GATE.default_presets(cuda, all_gates=True)] == ["top2-small"]
 
 
 # ---- the bench's contenders compute what the reference does (on the CPU, fp32) ----

@@ -29,6 +29,8 @@ class Preset:
     params: Mapping[str, Any]
     where: Literal["any", "cuda"] = "cuda"
     standard: bool = True  # run when no --preset is given on a device that can run it
+    # also run when every gate is (`suite run`, `gate all`), within the CI budget; None: standard
+    in_all: bool | None = None
     memory_bytes: int = 0  # peak device memory the gate needs for this preset, bench included
     note: str = ""
 
@@ -182,10 +184,12 @@ class Gate:
         known = ", ".join(p.name for p in self.presets)
         raise UsageError(f"gate {self.name!r} has no preset {name!r}; its presets are: {known}")
 
-    def default_presets(self, device: torch.device) -> list[Preset]:
-        if device.type == "cuda":
-            return [p for p in self.presets if p.where == "cuda" and p.standard]
-        return [p for p in self.presets if p.where == "any" and p.standard]
+    def default_presets(self, device: torch.device, all_gates: bool = False) -> list[Preset]:
+        """The presets run without --preset: the standard ones; of those, with all_gates (every
+        gate in one run), the ones that fit the CI budget."""
+        where = "cuda" if device.type == "cuda" else "any"
+        chosen = [p for p in self.presets if p.where == where and p.standard]
+        return [p for p in chosen if p.in_all is not False] if all_gates else chosen
 
     def runnable_presets(self, device: torch.device) -> list[Preset]:
         """Every preset this device can run, smallest first (by declared memory, then order)."""

@@ -126,7 +126,7 @@ class Runner:
                 return [gate.preset(name) for name in opts.presets]  # an unknown name is a UsageError
             known = {p.name for p in gate.presets}
             return [gate.preset(name) for name in opts.presets if name in known]
-        return gate.default_presets(opts.device)
+        return gate.default_presets(opts.device, all_gates=not opts.explicit)
 
     def _free_memory(self) -> int | None:
         device = self.options.device
