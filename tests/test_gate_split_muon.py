@@ -98,7 +98,8 @@ def test_bench_cases_and_criteria():
                for case in GATE.benches)
     assert GATE.benches[2].cold_calls == 4  # the capture happens on the fourth call
     assert GATE.perf.min_speedup == {("d1024", "split-step"): 0.9, ("d2048", "split-step"): 0.9,
-                                     ("d1024", "ns-batched"): 1.5, ("d1024", "split-captured"): 1.8}
+                                     ("d1024", "ns-batched"): 1.5}
+    assert GATE.perf.max_over_reference_busy == {("d1024", "split-captured"): 1.05, ("d2048", "split-captured"): 1.05}
 
 
 def test_ns_flops_count_every_block():

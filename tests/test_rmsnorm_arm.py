@@ -434,6 +434,17 @@ def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeyp
     assert calls == ["native"]
     fused(small[0], small[1])
     assert calls == ["native"]  # impl="fused" never routes
+    bad_weight = small[1][:-1]
+    with pytest.raises(ValueError, match="weight must be 1-D of size 256"):
+        arm.rms_norm(small[0], bad_weight)  # the native op refuses it first; ours names the problem
+    calls.clear()
+    graph = torch.cuda.CUDAGraph()
+    arm.rms_norm(small[0], small[1], impl="fused")  # our kernels compiled before the capture
+    with torch.cuda.graph(graph):
+        captured = arm.rms_norm(small[0], small[1])
+    graph.replay()
+    assert calls == []  # captured: ours, whose host cost is paid once
+    torch.testing.assert_close(captured, fused(small[0], small[1]), rtol=0, atol=0)
     monkeypatch.setattr(arm, "NATIVE_BELOW_FORWARD", 64 * 256)  # now at the crossover: ours
     arm.rms_norm(small[0], small[1])
-    assert calls == ["native"]
+    assert calls == []

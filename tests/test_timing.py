@@ -399,6 +399,25 @@ def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():
     assert {entry[3] for entry in timer.log if entry[0] == "calls"} == {5, 1}  # warmed up at 5
 
 
+class BusyTimer(FakeTimer):
+    busy = {"reference": 5.0, "arm": 5.0}
+
+    def busy_ms(self, fn, window):
+        return self.busy[fn.name]
+
+
+@pytest.mark.parametrize("arm_ms, passed", [(5.2, True), (6.0, False)])
+def test_a_capture_must_come_within_the_bound_of_the_eager_steps_device_time(arm_ms, passed):
+    # the eager reference: 10 ms of wall time, 5 of them busy on the device
+    case = make_case(modes=("eager",), gpu_busy=True, l2="warm")
+    criterion = PerfCriterion(max_over_reference_busy={(PRESET.name, "fwd"): 1.05})
+    timer = BusyTimer({"reference": (10.0, 0.01), "arm": (arm_ms, 0.01)})
+    result = measure_bench(case, "eager", make_contenders(), PRESET, criterion, None, POLICY, timer)
+    check, = result.criteria
+    assert check.passed is passed and result.passed is passed
+    assert "reference busy 5 ms" in check.detail and "wall/busy: 1.99" in check.detail
+
+
 # ---- misuse ------------------------------------------------------------------------------
 
 

@@ -630,23 +630,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
 
     impl="fused": our Triton kernels. impl="auto" (the default): the same, except where an eager
     loop runs faster on torch's native kernel (`routes_to_native`: small CUDA tensors, outside
-    torch.compile), which then computes it."""
-    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    torch.compile and CUDA-graph capture), which then computes it."""
     if impl == "auto":
-        # Checked before anything else: on this path every microsecond of Python is what it saves.
-        # Inputs the native kernel would refuse go on to _validate, for its clearer errors.
-        if (routes_to_native(x.numel(), training, x.is_cuda, x.dtype is weight.dtype)
-                and x.dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
-                and weight.device == x.device and not torch.compiler.is_compiling()):
-            # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
-            return torch.rms_norm(x, (x.shape[-1],), weight if offset == 0.0 else weight + offset, float(eps))
+        # Cheapest checks first: on this path every microsecond of Python is what it saves. The
+        # size class decides alone below NATIVE_BELOW_FORWARD, so the grad state is read above it
+        # only. Inside a CUDA-graph capture the host's cost is paid once: ours, the faster kernels.
+        if x.is_cuda and x.dtype is weight.dtype and weight.dim() == 1:
+            n = x.numel()
+            training = n >= NATIVE_BELOW_FORWARD and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            if (routes_to_native(n, training, True, True) and not torch.compiler.is_compiling()
+                    and not torch.cuda.is_current_stream_capturing()):
+                try:
+                    # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
+                    return torch.rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)
+                except RuntimeError:
+                    pass  # what the native op refuses gets _validate's clearer error below
     elif impl != "fused":
         raise ValueError(f"rms_norm: impl must be one of {IMPLS}, not {impl!r}")
     _validate(x, weight)
     eps, offset = float(eps), float(offset)
     if torch.compiler.is_compiling():
         return _rms_norm_fwd_op(x, weight, eps, offset)[0]
-    if training:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps, offset)
     x2d, weight, cfg = _prepare(x, weight)
     return _y_like(_forward(x2d, weight, eps, offset, cfg, with_stats=False)[0], x)

@@ -129,12 +129,18 @@ CriterionKey = tuple[str, str] | tuple[str, str, str]
 class PerfCriterion:
     """When a bench passes: never slower than the named contenders beyond the noise floor (in
     `not_slower_modes`, or every mode), at least the given fraction of the case's measured
-    ceiling, at least the given speedup over the reference."""
+    ceiling, at least the given speedup over the reference, and at most the given multiple of
+    the reference's device-busy time (`gpu_busy` cases: a captured step must recover the host's
+    share of the eager one, whatever that share is on this machine)."""
 
     not_slower_than: tuple[str, ...] = ()
     not_slower_modes: tuple[TimingMode, ...] | None = None
     min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
     min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
+    max_over_reference_busy: Mapping[CriterionKey, float] = field(default_factory=dict)
+
+    def busy_bound(self, preset: str, case: str, mode: str) -> float | None:
+        return _lookup(self.max_over_reference_busy, preset, case, mode)
 
     def ceiling_fraction(self, preset: str, case: str, mode: str) -> float | None:
         return _lookup(self.min_ceiling_fraction, preset, case, mode)

@@ -609,6 +609,21 @@ def _check_criteria(
             detail=f"arm vs {ref_name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
             ambiguous=decision == "undecided"))
 
+    bound = criterion.busy_bound(preset.name, case.name, mode)
+    if bound is not None:
+        title = f"within {bound:g}x of {ref_name}'s device-busy time"
+        arm = next(t for t in timings if t.role == "arm")
+        ref = next(t for t in timings if t.name == ref_name)
+        if ref.gpu_busy_ms is None or arm.median_ms is None:
+            checks.append(CriterionCheck(name=title, passed=False,
+                                         detail=f"case {case.name!r} measured no device-busy time for {ref_name}"))
+        else:
+            ratio = arm.median_ms / ref.gpu_busy_ms
+            checks.append(CriterionCheck(
+                name=title, passed=ratio <= bound,
+                detail=f"arm {arm.median_ms:.4g} ms / {ref_name} busy {ref.gpu_busy_ms:.4g} ms = {ratio:.3f}; "
+                       f"needs <= {bound:g} (the eager step's own wall/busy: {ref.median_ms / ref.gpu_busy_ms:.3f})"))
+
     need = criterion.ceiling_fraction(preset.name, case.name, mode)
     if need is not None:
         title = f"{case.ceiling} ceiling fraction >= {need:g}"
