@@ -63,6 +63,15 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
     assert all(e.ratio == pytest.approx(1.0) for e in cmp.entries)
 
 
+def test_figures_timed_another_way_than_their_mode_are_not_saved(tmp_path):
+    report = rmsnorm_run()
+    bench = report.results[0].bench[0]
+    fallback = "eager calls (capture failed for reference: AcceleratorError: ...)"
+    bench.contenders = [c.model_copy(update={"method": fallback}) if c.role == "arm" else c for c in bench.contenders]
+    path, = save_baseline(report, tmp_path)
+    assert {e.contender for e in load_baseline(path).entries} == {"reference", "torch_compile"}
+
+
 def test_a_20_percent_slower_arm_with_a_1_percent_floor_regresses(tmp_path):
     save_baseline(rmsnorm_run(), tmp_path)
     slow = rmsnorm_run(arm_ms=0.25 * 1.2, noise_floor=0.01)

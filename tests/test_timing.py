@@ -389,6 +389,8 @@ def test_round_shape_gives_slow_calls_fewer_timings_and_one_call_windows():
     assert timing.round_shape(policy, 12.0, 5, "eager") == (5, 1)  # 60 ms a round
     assert timing.round_shape(policy, 500.0, 5, "eager") == (3, 1)  # never under the minimum
     assert timing.round_shape(policy, 12.0, 1, "graph") == (5, 1)
+    # a slow reference beside a fast arm: fewer timings, but the windows the fast call needs
+    assert timing.round_shape(policy, 3.0, 5, "eager", fastest_ms=0.2) == (4, 5)
 
 
 def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():

@@ -392,10 +392,15 @@ def _warm_up(
         previous = current
 
 
-def round_shape(policy: TimingPolicy, slowest_ms: float, window: int, mode: str) -> tuple[int, int]:
-    """(timings a round per contender, calls a window) for a bench whose slowest contender
-    takes `slowest_ms` a call: fewer of both for slow calls, so a round costs about the budget."""
-    if mode != "graph" and slowest_ms >= policy.long_call_ms:
+def round_shape(
+    policy: TimingPolicy, slowest_ms: float, window: int, mode: str, fastest_ms: float | None = None
+) -> tuple[int, int]:
+    """(timings a round per contender, calls a window) for a bench whose contenders take
+    fastest_ms..slowest_ms a call: fewer timings when the slowest is slow, so a round costs about
+    the budget; windows of one call when even the fastest is long (every contender shares one
+    window, and a fast call needs its window to hide the event pair's own cost)."""
+    fastest_ms = slowest_ms if fastest_ms is None else fastest_ms
+    if mode != "graph" and fastest_ms >= policy.long_call_ms:
         window = 1
     fit = int(policy.round_budget_ms // max(slowest_ms * window, 1e-9))
     return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), window
@@ -489,7 +494,7 @@ def measure_bench(
         say(f"warming up {name}")
         calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, window)
         warmup_calls += calls
-    calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode)
+    calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode, min(warm_ms.values()))
 
     others = [name for name in fns if name != ref_name]
     ref_first: list[float] = []
