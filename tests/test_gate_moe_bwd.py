@@ -90,6 +90,18 @@ def test_gpu_presets_are_the_models_layers_in_bf16():
     assert [p.name for p in GATE.default_presets(cuda, all_gates=True)] == ["top2-small"]
 
 
+# measured on the H200 (torch.cuda.max_memory_allocated over gate and bench, reports
+# 20261201T015409Z..20261201T021423Z), GiB
+H200_PEAKS = {"olmoe": 10.47, "qwen3-30b-a3b": 13.96, "mixtral": 32.13, "top2-small": 4.72, "gpu-top1": 1.05,
+              "gpu-top8": 3.31, "gpu-empty-expert": 1.05, "gpu-one-expert": 1.08, "gpu-capacity": 1.05}
+
+
+@pytest.mark.parametrize("name", sorted(H200_PEAKS))
+def test_a_presets_stated_need_covers_its_measured_peak_without_doubling_it(name):
+    need = GATE.preset(name).memory_bytes / 2**30
+    assert H200_PEAKS[name] <= need <= 1.5 * H200_PEAKS[name]
+
+
 # ---- the bench's contenders compute what the reference does (on the CPU, fp32) ----
 
 
