@@ -5,6 +5,7 @@
 # write `git rev-parse HEAD > .git-sha` here first so reports record the commit they ran.
 #   bash scripts/device_check.sh tests [pytest args]
 #   bash scripts/device_check.sh suite run            (any suite command line)
+#   bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe   (a probe script)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -19,7 +20,8 @@ mode=${1:-tests}; shift || true
 case "$mode" in
   tests) python3 -m pytest -q -m cuda "$@" 2>&1 | tee "$out/cuda-tests.log"; rc=${PIPESTATUS[0]} ;;
   suite) python3 -m cli "$@" --reports "$out/reports"; rc=$? ;;
-  *) echo "usage: device_check.sh tests|suite ..."; exit 2 ;;
+  python) python3 "$@"; rc=$? ;;
+  *) echo "usage: device_check.sh tests|suite|python ..."; exit 2 ;;
 esac
 # the device returns files at most two folders down: flatten each report directory
 for d in "$out"/reports/*/; do

@@ -337,15 +337,24 @@ def _gemm_config(rows_per_expert: int, n: int, dtype: torch.dtype, n_a: int, n_b
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
 
 
-# The combine is a streaming gather: tiles of 32 tokens x 128 columns (16 KiB fp32), 4 warps.
-COMBINE_BLOCK_T = 32
-COMBINE_BLOCK_D = 128
+@dataclass(frozen=True)
+class CombineConfig:
+    """A combine's tiles: block_t tokens x block_d columns a program, num_warps warps."""
+
+    block_t: int
+    block_d: int
+    num_warps: int
 
 
-def _combine_blocks(n_tokens: int, d: int, device) -> tuple[int, int]:
+# The combine is a streaming gather: tiles of 32 tokens x 128 columns (16 KiB fp32), 4 warps
+# (scripts/moe_tune.py sweeps the alternatives on a GPU).
+COMBINE = CombineConfig(32, 128, 4)
+
+
+def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
     if _interpreting() and device.type != "cuda":
-        return 8, 16  # several programs and masked edges at test sizes
-    return COMBINE_BLOCK_T, min(COMBINE_BLOCK_D, max(16, triton.next_power_of_2(d)))
+        return CombineConfig(8, 16, 4)  # several programs and masked edges at test sizes
+    return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, triton.next_power_of_2(d))), COMBINE.num_warps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -525,11 +534,12 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
     _check(probs is None or probs.shape[0] == n_tokens, fn, f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
     result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
     if n_tokens and d:
-        block_t, block_d = _combine_blocks(n_tokens, d, rows.device)
+        cfg = _combine_config(n_tokens, d, rows.device)
         launch(
-            _combine_kernel, (_cdiv(n_tokens, block_t), _cdiv(d, block_d)),
+            _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)),
             rows, row_id_map, rows if probs is None else probs, result, n_tokens, d,
-            TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,
+            TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
+            num_warps=cfg.num_warps,
         )
     return result
 
@@ -555,11 +565,12 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     grad_rows = _buffer(grad_rows_out, fn, "grad_rows_out", tuple(y_rows.shape), grad_out.dtype, grad_out.device)
     grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
     if n_tokens:
-        block_t, block_d = _combine_blocks(n_tokens, d, grad_out.device)
+        cfg = _combine_config(n_tokens, d, grad_out.device)
         launch(
-            _combine_bwd_kernel, (_cdiv(n_tokens, block_t),),
+            _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),),
             grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
-            TOP_K=top_k, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(top_k), num_warps=4,
+            TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=triton.next_power_of_2(top_k),
+            num_warps=cfg.num_warps,
         )
     return grad_rows, grad_probs
 

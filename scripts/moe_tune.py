@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Where the fused MoE experts' time goes on a GPU, and which tiles would take less.
+
+    python scripts/moe_tune.py --preset olmoe --preset mixtral [--sweep] [--profile rtx]
+
+On the GPU machine: `bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe`.
+For each moe-bwd preset (the gate's own buffers and routing, bf16), every kernel of one forward
+and backward is timed alone as CUDA-graph replays with the L2 flushed (device time), at the
+config the arm picks: the table says which kernels hold the step's time and at what fraction of
+the bf16 GEMM or copy ceiling (measured here). With --sweep each GEMM kernel is also timed at a
+fixed list of alternative tiles, and the combine backward at alternative tile shapes, each
+checked against the default's outputs (a different reduction step changes fp32 rounding only).
+Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
+everything to $OUT/moe_tune.json (or --json) and prints one table per preset last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+from typing import Any, Callable
+
+# (block_m, block_n, block_k, num_stages, num_warps); block_n is per B tile (two-accumulator
+# kernels hold two of them)
+GEMM_CANDIDATES = (
+    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (128, 64, 64, 4, 8),
+    (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8), (128, 128, 32, 4, 8),
+    # within the RTX card's 99 KB with two operand pairs
+    (128, 64, 32, 3, 8), (64, 128, 32, 3, 4), (64, 64, 64, 2, 4),
+)
+# (block_t, block_d, num_warps)
+COMBINE_CANDIDATES = tuple((t, bd, w) for t in (2, 4, 8, 16, 32) for bd in (128, 256, 512) for w in (4, 8))
+# the arm's GEMM kernels of one layer: name, operand tiles (n_a, n_b) a step, FLOPs per
+# (row, d, f); they add up to the layer's 18 T k d f
+KERNELS = (
+    ("expert_up", (1, 2), 4),
+    ("expert_down", (1, 1), 2),
+    ("down_backward_rows", (1, 1), 2),
+    ("dw_down", (1, 1), 2),
+    ("dx_rows", (2, 2), 4),
+    ("dw_gate_up", (1, 2), 4),
+)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
+    parser.add_argument("--sweep", action="store_true", help="also time the alternative tiles")
+    parser.add_argument("--profile", default=None, help="rtx | none (default: SUITE_PROFILE, else auto)")
+    parser.add_argument("--replays", type=int, default=20, help="graph replays per figure; the median is kept")
+    parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json)")
+    return parser.parse_args(argv)
+
+
+def gemm_candidates(n_a: int, n_b: int, itemsize: int, limit: int) -> list[Any]:
+    """The sweep's configs for a kernel with n_a A tiles and n_b B tiles a step, within `limit`
+    bytes of shared memory (their estimate, scratch included) and one 128x256 fp32 tile of
+    accumulators (more spills registers)."""
+    from suite.arms.moe_kernels import GemmConfig
+
+    configs = []
+    for block_m, block_n, block_k, stages, warps in GEMM_CANDIDATES:
+        config = GemmConfig(block_m, block_n, block_k, warps, stages, n_a, n_b, itemsize)
+        if config.smem_bytes <= limit and block_m * block_n * n_b <= 128 * 256:
+            configs.append(config)
+    return configs
+
+
+def layer_flops(kernel_flops: int, rows: int, d: int, f: int) -> int:
+    return kernel_flops * rows * d * f
+
+
+@contextlib.contextmanager
+def gemm_config(config):
+    """Every grouped GEMM launched inside takes `config`, its operand counts kept."""
+    import dataclasses
+
+    from suite.arms import moe_kernels as mk
+
+    chosen = mk._gemm_config
+    mk._gemm_config = lambda rows, n, dtype, n_a, n_b, device: dataclasses.replace(config, n_a=n_a, n_b=n_b)
+    try:
+        yield
+    finally:
+        mk._gemm_config = chosen
+
+
+@contextlib.contextmanager
+def combine_config(config):
+    from suite.arms import moe_kernels as mk
+
+    chosen = mk._combine_config
+    mk._combine_config = lambda n_tokens, d, device: config
+    try:
+        yield
+    finally:
+        mk._combine_config = chosen
+
+
+def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
+    """The configs the arm picks for fn's GEMM launches."""
+    from suite.arms import moe_kernels as mk
+
+    chosen, seen = mk._gemm_config, []
+
+    def record(*args):
+        config = chosen(*args)
+        seen.append(config)
+        return config
+
+    mk._gemm_config = record
+    try:
+        fn()
+    finally:
+        mk._gemm_config = chosen
+    return seen
+
+
+def build(preset_name: str, device):
+    """-> (params, routing, kernels, outputs): kernels maps a name to a call writing into
+    preallocated outputs (so a capture allocates nothing), the layer's tensors made once."""
+    import gates
+    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import route
+
+    gate = gates.get("moe-bwd")
+    preset = gate.preset(preset_name)
+    p = preset.params
+    buffers = gate.make_buffers(preset, 0, device)
+    routing = route(buffers["logits"], p["top_k"], capacity_factor=p["capacity_factor"])
+    x, wg, wu, wd, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
+    tor, offsets, row_map, probs = routing.token_of_row, routing.offsets, routing.row_id_map, routing.probs.detach()
+    a, g, u = mk.expert_up(x, wg, wu, tor, offsets)
+    y = mk.expert_down(a, wd, offsets)
+    grad_rows, grad_probs = mk.combine_backward(grad_out, y, probs, row_map)
+    dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, wd, offsets)
+    dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, wg, wu, tor, offsets)
+    s_e, s_f, s_d = wd.stride()
+    g_e, g_d, g_f = wg.stride()
+    u_e, u_d, u_f = wu.stride()
+    kernels = {
+        "expert_up": lambda: mk.expert_up(x, wg, wu, tor, offsets, out=a, gate_out=g, up_out=u),
+        "expert_down": lambda: mk.expert_down(a, wd, offsets, out=y),
+        "down_backward_rows": lambda: mk._grouped_rows(grad_rows, wd, (s_e, s_d, s_f), offsets, dg, c2=du,
+                                                       gate=g, up=u),
+        "dw_down": lambda: mk._weight_grad(a, None, grad_rows, offsets, dw_down),
+        "dx_rows": lambda: mk._grouped_rows(dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
+                                            w2_strides=(u_e, u_f, u_d)),
+        "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
+        "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_map, grad_rows_out=grad_rows,
+                                                        grad_probs_out=grad_probs),
+    }
+    outputs = {"expert_up": (a, g, u), "expert_down": (y,), "down_backward_rows": (dg, du), "dw_down": (dw_down,),
+               "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs)}
+    return p, routing, kernels, outputs
+
+
+def rel_diff(got, want) -> float:
+    """Largest |got - want| over the largest |want|, over the rows the layout uses."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        scale = float(w.float().abs().max()) or 1.0
+        worst = max(worst, float((g.float() - w.float()).abs().max()) / scale)
+    return worst
+
+
+def time_kernel(timer, fn: Callable[[], Any], replays: int) -> float:
+    replay = timer.capture(fn)
+    return statistics.median(timer.time_calls(replay, replays, flush_l2=True, window=1))
+
+
+def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
+    from suite.arms import moe_kernels as mk
+    from suite.device_profile import smem_limit
+
+    p, routing, kernels, outputs = build(name, device)
+    rows = routing.max_rows
+    d, f, tokens, k = p["hidden"], p["ffn"], p["tokens"], p["top_k"]
+    limit = smem_limit(device)
+    figures: dict[str, Any] = {"preset": name, "params": dict(p), "smem_limit": limit, "kernels": []}
+    for kernel, operands, per_rdf in KERNELS:
+        fn = kernels[kernel]
+        flops = layer_flops(per_rdf, rows, d, f)
+        default = recorded_gemm_configs(fn)[0]
+        reference = [t.clone() for t in outputs[kernel]]
+        entry = {"kernel": kernel, "flops": flops, "default": default.__dict__, "timings": []}
+        candidates = [default] + (gemm_candidates(*operands, default.itemsize, limit) if args.sweep else [])
+        for config in candidates:
+            try:
+                with gemm_config(config):
+                    ms = time_kernel(timer, fn, args.replays)  # the replays leave its outputs
+                diff = rel_diff(outputs[kernel], reference)
+            except Exception as exc:  # a config that fails to compile or launch is reported
+                entry["timings"].append({"config": config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            entry["timings"].append({"config": config.__dict__, "ms": ms, "tflops": flops / ms / 1e9,
+                                     "of_gemm": flops / ms / 1e9 / ceilings.gemm_bf16_tflops, "rel_diff": diff})
+        fn()  # the default's outputs again: the next kernels read them
+        figures["kernels"].append(entry)
+
+    item = outputs["combine_backward"][0].element_size()
+    nbytes = item * (tokens * d + 2 * tokens * k * d) + 12 * tokens * k
+    fn, reference = kernels["combine_backward"], [t.clone() for t in outputs["combine_backward"]]
+    default = mk._combine_config(tokens, d, device)
+    entry = {"kernel": "combine_backward", "bytes": nbytes, "default": default.__dict__, "timings": []}
+    candidates = [default] + ([mk.CombineConfig(*c) for c in COMBINE_CANDIDATES] if args.sweep else [])
+    for config in candidates:
+        try:
+            with combine_config(config):
+                ms = time_kernel(timer, fn, args.replays)
+            diff = rel_diff(outputs["combine_backward"], reference)
+        except Exception as exc:
+            entry["timings"].append({"config": config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        entry["timings"].append({"config": config.__dict__, "ms": ms, "gbps": nbytes / ms / 1e6,
+                                 "of_copy": nbytes / ms / 1e6 / ceilings.copy_gbps, "rel_diff": diff})
+    figures["kernels"].append(entry)
+    return figures
+
+
+def _config_text(c: dict[str, Any]) -> str:
+    if "block_t" in c:
+        return f"{c['block_t']}x{c['block_d']} w{c['num_warps']}"
+    return f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['num_stages']} w{c['num_warps']}"
+
+
+def print_table(figures: dict[str, Any]) -> None:
+    print(f"\n{figures['preset']} {figures['params']} (smem limit {figures['smem_limit']} B)")
+    print(f"{'kernel':20s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
+    total_default, total_best = 0.0, 0.0
+    for entry in figures["kernels"]:
+        timed = [t for t in entry["timings"] if "ms" in t]
+        if not timed:
+            print(f"{entry['kernel']:20s} every config failed: {entry['timings'][0].get('error')}")
+            continue
+        total_default += timed[0]["ms"]
+        total_best += min(t["ms"] for t in timed)
+        for i, t in enumerate(sorted(timed, key=lambda t: t["ms"])[:4] if len(timed) > 1 else timed):
+            rate = f"{t['tflops']:.0f} TFLOP/s" if "tflops" in t else f"{t['gbps']:.0f} GB/s"
+            share = t.get("of_gemm", t.get("of_copy"))
+            mark = " (default)" if t["config"] == entry["default"] else ""
+            print(f"{entry['kernel'] if i == 0 else '':20s} {_config_text(t['config']) + mark:24s} {t['ms']:9.4f} "
+                  f"{rate:>14s} {100 * share:9.1f}% {t['rel_diff']:9.1e}")
+        for t in entry["timings"]:
+            if "error" in t:
+                print(f"{'':20s} {_config_text(t['config']):24s} failed: {t['error']}")
+    print(f"{'sum of kernels':20s} {'default':24s} {total_default:9.4f}\n{'':20s} {'best of each':24s} {total_best:9.4f}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.profile:
+        os.environ["SUITE_PROFILE"] = args.profile
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moe_tune needs a CUDA GPU", file=sys.stderr)
+        return 3
+    from suite.harness.timing import CudaTimer, measure_ceilings
+
+    device = torch.device("cuda")
+    timer = CudaTimer(device)
+    ceilings = measure_ceilings(device)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "profile": os.environ.get("SUITE_PROFILE", "auto"), "ceilings": ceilings.model_dump(),
+               "presets": []}
+    for name in args.preset or ["olmoe"]:
+        results["presets"].append(tune_preset(name, args, timer, ceilings, device))
+        torch.cuda.empty_cache()
+    path = args.json or (os.path.join(os.environ["OUT"], "moe_tune.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(results, fh, indent=1)
+    print(f"{results['device']}, torch {results['torch']}, profile {results['profile']}, "
+          f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 GEMM {ceilings.gemm_bf16_tflops:.0f} TFLOP/s")
+    for figures in results["presets"]:
+        print_table(figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""scripts/moe_tune.py on the CPU: its config lists, and one run of a tiny preset with the CUDA
+timer stood in for (the kernels run under Triton's interpreter), so a typo cannot wait for the
+GPU machine to show."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from suite.device_profile import RTX_SMEM_BYTES
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "moe_tune.py"
+
+
+@pytest.fixture(scope="module")
+def tune():
+    spec = importlib.util.spec_from_file_location("moe_tune", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernels_add_up_to_the_layers_flops(tune):
+    assert sum(per_rdf for _, _, per_rdf in tune.KERNELS) == 18
+
+
+@pytest.mark.parametrize("n_a, n_b", [(1, 1), (1, 2), (2, 2)])
+def test_every_swept_gemm_config_fits_the_rtx_card(tune, n_a, n_b):
+    configs = tune.gemm_candidates(n_a, n_b, 2, RTX_SMEM_BYTES)
+    assert configs and all(c.smem_bytes <= RTX_SMEM_BYTES and c.n_a == n_a and c.n_b == n_b for c in configs)
+    assert len(configs) < len(tune.GEMM_CANDIDATES) or n_b == 1  # two B tiles rule some out
+
+
+class _InlineTimer:
+    """Runs the call instead of capturing it; every timing is 1 ms."""
+
+    def capture(self, fn):
+        fn()
+        return fn
+
+    def time_calls(self, fn, n, *, flush_l2, window):
+        fn()
+        return [1.0] * n
+
+
+def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys):
+    from suite.arms.moe_kernels import CombineConfig, GemmConfig
+
+    monkeypatch.setattr(tune, "GEMM_CANDIDATES", ((16, 16, 16, 1, 4),))
+    monkeypatch.setattr(tune, "gemm_candidates",
+                        lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item)])
+    monkeypatch.setattr(tune, "COMBINE_CANDIDATES", ((4, 16, 4),))
+    ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
+    args = tune.parse_args(["--preset", "tiny-top2", "--sweep", "--replays", "2"])
+    figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
+    assert [e["kernel"] for e in figures["kernels"]] == [k for k, _, _ in tune.KERNELS] + ["combine_backward"]
+    for entry in figures["kernels"]:
+        assert len(entry["timings"]) == 2 and all("ms" in t for t in entry["timings"]), entry
+        assert all(t["rel_diff"] < 1e-5 for t in entry["timings"])  # fp32 under the interpreter
+    assert figures["kernels"][-1]["timings"][1]["config"] == CombineConfig(4, 16, 4).__dict__
+    tune.print_table(figures)
+    assert "sum of kernels" in capsys.readouterr().out
