@@ -430,6 +430,32 @@ def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(not_slower_than=("reference", "nope")))
     with pytest.raises(ValueError, match="huge"):
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("huge", "sum"): 2.0}))
+    for table in ("max_over_reference_busy", "max_eager_over_graph"):
+        with pytest.raises(ValueError, match="fwd"):
+            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(**{table: {("tiny", "fwd"): 1.1}}))
+
+
+def _both_modes(eager_ms: float, method: str = ""):
+    from factories import make_bench
+
+    graph = make_bench("fwd", mode="graph", reference_ms=20.0, arm_ms=10.0)
+    graph.contenders = [c.model_copy(update={"method": method}) if c.role == "arm" else c for c in graph.contenders]
+    return graph, make_bench("fwd", mode="eager", reference_ms=20.0, arm_ms=eager_ms)
+
+
+@pytest.mark.parametrize("eager_ms, passed", [(10.8, True), (11.5, False)])
+def test_eager_calls_must_stay_within_the_bound_of_graph_replays(eager_ms, passed):
+    graph, eager = _both_modes(eager_ms)
+    timing.judge_eager_over_graph(graph, eager, 1.1)
+    check = eager.criteria[-1]
+    assert check.passed is passed and eager.passed is passed
+    assert f"= {eager_ms / 10:.3f}; needs <= 1.1" in check.detail
+
+
+def test_a_graph_mode_that_timed_no_replays_cannot_vouch_for_eager():
+    graph, eager = _both_modes(10.0, method="eager calls (capture failed for reference: ...)")
+    timing.judge_eager_over_graph(graph, eager, 1.1)
+    assert not eager.passed and "timed no replays" in eager.criteria[-1].detail
 
 
 def test_unavailable_arm_is_refused():

@@ -138,6 +138,12 @@ class PerfCriterion:
     min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
     min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
     max_over_reference_busy: Mapping[CriterionKey, float] = field(default_factory=dict)
+    # the arm's eager-call median at most this multiple of its graph-replay median, for a case
+    # timed both ways (host dispatch must not eat a kernel's win); keyed (preset, case)
+    max_eager_over_graph: Mapping[CriterionKey, float] = field(default_factory=dict)
+
+    def eager_bound(self, preset: str, case: str) -> float | None:
+        return self.max_eager_over_graph.get((preset, case))
 
     def busy_bound(self, preset: str, case: str, mode: str) -> float | None:
         return _lookup(self.max_over_reference_busy, preset, case, mode)
@@ -230,7 +236,9 @@ class Gate:
             if case.window < 1 or case.cold_calls < 1:
                 raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
         unknown = [n for n in self.perf.not_slower_than if n not in names]
-        for key in [*self.perf.min_ceiling_fraction, *self.perf.min_speedup]:
+        perf = self.perf
+        for key in [*perf.min_ceiling_fraction, *perf.min_speedup, *perf.max_over_reference_busy,
+                    *perf.max_eager_over_graph]:
             if key[0] not in presets or key[1] not in cases:
                 unknown.append(str(key))
         if unknown:  # a typo found at import, not after minutes of timing

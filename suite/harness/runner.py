@@ -46,6 +46,7 @@ from suite.harness.timing import (
     Timed,
     TimingPolicy,
     WallTimer,
+    judge_eager_over_graph,
     measure_bench,
     measure_ceilings,
 )
@@ -393,9 +394,14 @@ class Runner:
             modes = [m for m in case.modes if device.type == "cuda" or m == "wall"]
             contenders = gate.contenders_for(case)
             host_us = self._host_times(gate, case, contenders) if "eager" in modes else {}
+            timed = {}
             for mode in modes:
                 with self._phase(phases, unit, f"bench {case.name} {mode}"):
-                    result.bench.append(self._time_case(gate, case, mode, contenders, buffers, preset, host_us))
+                    timed[mode] = self._time_case(gate, case, mode, contenders, buffers, preset, host_us)
+                    result.bench.append(timed[mode])
+            bound = gate.perf.eager_bound(preset.name, case.name)
+            if bound is not None and {"graph", "eager"} <= timed.keys():
+                judge_eager_over_graph(timed["graph"], timed["eager"], bound)
 
     def _time_case(self, gate: Gate, case: BenchCase, mode: str, contenders: list[Contender], buffers: Buffers,
                    preset: Preset, host_us: dict[str, float | None]) -> BenchResult:

@@ -652,6 +652,24 @@ def _check_criteria(
     return checks, ambiguous
 
 
+def judge_eager_over_graph(graph: BenchResult, eager: BenchResult, bound: float) -> None:
+    """Adds to `eager` the check that the arm's eager calls take at most `bound` x its graph
+    replays (one case, timed both ways; two separate measurements, so a point comparison)."""
+    title = f"eager calls within {bound:g}x of graph replays"
+    arm_graph = next(t for t in graph.contenders if t.role == "arm")
+    arm_eager = next(t for t in eager.contenders if t.role == "arm")
+    if arm_graph.method:
+        check = CriterionCheck(name=title, passed=False,
+                               detail=f"the graph mode timed no replays: {arm_graph.method}")
+    else:
+        ratio = arm_eager.median_ms / arm_graph.median_ms
+        check = CriterionCheck(name=title, passed=ratio <= bound, detail=(
+            f"arm eager {arm_eager.median_ms:.4g} ms / graph {arm_graph.median_ms:.4g} ms = {ratio:.3f}; "
+            f"needs <= {bound:g}"))
+    eager.criteria.append(check)
+    eager.passed = eager.passed and check.passed
+
+
 # ---- ceilings ----------------------------------------------------------------------------
 
 _CEILINGS: dict[tuple[str, int], Ceilings] = {}
