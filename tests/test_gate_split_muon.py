@@ -30,6 +30,7 @@ def test_presets_and_cases_match_the_issue():
     assert GATE.preset("tiny").where == "any" and not GATE.needs_cuda
     assert [p.name for p in GATE.default_presets(CPU)] == ["tiny"]
     assert [p.name for p in GATE.default_presets(torch.device("cuda"))] == ["d1024", "d2048"]
+    assert [p.name for p in GATE.default_presets(torch.device("cuda"), all_gates=True)] == ["d1024"]
     assert all(p.params["steps"] >= 10 for p in GATE.presets)
     splits = sm._case_splits(GATE.preset("d2048"))
     assert splits == {"input-major": ((2, 6), (3, 3), 1), "qkv": ((3072, 2048), (2048, 512, 512), 0),
