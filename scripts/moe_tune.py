@@ -4,8 +4,8 @@
     python scripts/moe_tune.py --preset olmoe --preset mixtral [--sweep] [--profile rtx]
 
 On the GPU machine: `bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe`.
-For each moe-bwd preset (the gate's own buffers and routing, bf16), every kernel of one forward
-and backward is timed alone as CUDA-graph replays with the L2 flushed (device time), at the
+For each moe-bwd preset (the gate's own buffers and routing, bf16), every GEMM kernel of one
+forward and backward and the combine backward is timed alone as CUDA-graph replays with the L2 flushed (device time), at the
 config the arm picks: the table says which kernels hold the step's time and at what fraction of
 the bf16 GEMM or copy ceiling (measured here). With --sweep each GEMM kernel is also timed at a
 fixed list of alternative tiles, and the combine backward at alternative tile shapes, each
@@ -160,11 +160,15 @@ def build(preset_name: str, device):
 
 
 def rel_diff(got, want) -> float:
-    """Largest |got - want| over the largest |want|, over the rows the layout uses."""
+    """Largest |got - want| over the largest |want|; inf where either holds a NaN or an Inf (a
+    config that wrote garbage, or left rows the default wrote unwritten)."""
     worst = 0.0
     for g, w in zip(got, want):
-        scale = float(w.float().abs().max()) or 1.0
-        worst = max(worst, float((g.float() - w.float()).abs().max()) / scale)
+        g, w = g.float(), w.float()
+        if not (bool(g.isfinite().all()) and bool(w.isfinite().all())):
+            return float("inf")
+        scale = float(w.abs().max()) or 1.0
+        worst = max(worst, float((g - w).abs().max()) / scale)
     return worst
 
 

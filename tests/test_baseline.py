@@ -70,6 +70,9 @@ def test_figures_timed_another_way_than_their_mode_are_not_saved(tmp_path):
     bench.contenders = [c.model_copy(update={"method": fallback}) if c.role == "arm" else c for c in bench.contenders]
     path, = save_baseline(report, tmp_path)
     assert {e.contender for e in load_baseline(path).entries} == {"reference", "torch_compile"}
+    save_baseline(rmsnorm_run(), tmp_path / "full")
+    statuses_now = statuses(compare(report, tmp_path / "full"))
+    assert statuses_now[("fwd", "arm")] == "missing"  # never judged against a replay's figure
 
 
 def test_a_20_percent_slower_arm_with_a_1_percent_floor_regresses(tmp_path):

@@ -35,6 +35,12 @@ def test_every_swept_gemm_config_fits_the_rtx_card(tune, n_a, n_b):
     assert len(configs) < len(tune.GEMM_CANDIDATES) or n_b == 1  # two B tiles rule some out
 
 
+def test_a_config_that_writes_nan_is_not_a_match(tune):
+    want = torch.ones(4, 3)
+    assert tune.rel_diff([want + 1e-3], [want]) == pytest.approx(1e-3, rel=1e-3)
+    assert tune.rel_diff([torch.full((4, 3), float("nan"))], [want]) == float("inf")
+
+
 class _InlineTimer:
     """Runs the call instead of capturing it; every timing is 1 ms."""
 

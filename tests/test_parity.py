@@ -192,12 +192,17 @@ def test_row_floor_judges_a_cancelling_row_against_the_rows_scale():
         assert floored.arm_rel_max < 0.1 and floored.row_floor == 0.1
 
 
-def test_row_floor_still_catches_an_error_confined_to_small_rows():
+@pytest.mark.parametrize("row_floor", [0.1, 1.0])
+def test_row_floor_still_catches_an_error_confined_to_small_rows(row_floor):
+    # moe-bwd judges dprobs at 1.0: a wiped row of a twentieth of the typical norm still shows
     truth, arm, ref = _cancelling_dot_products(0)
     small = truth.norm(dim=1).argsort()[:4]  # the smallest rows, near the floor
+    if row_floor == 1.0:
+        norms = truth.norm(dim=1)
+        small = (norms - 0.05 * norms.square().mean().sqrt()).abs().argsort()[:1]
     arm = arm.clone()
     arm[small] = 0.0
-    check = parity.tolerance_check("dprobs", arm, ref, truth, k=2.0, floor=1e-6, row_floor=0.1)
+    check = parity.tolerance_check("dprobs", arm, ref, truth, k=2.0, floor=1e-6, row_floor=row_floor)
     assert check.arm_rel_l2 <= check.limit_rel_l2  # the tensor-wide error hides it
     assert not check.passed and "worst-row" in check.message
 

@@ -434,6 +434,9 @@ def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeyp
     assert calls == ["native"]
     fused(small[0], small[1])
     assert calls == ["native"]  # impl="fused" never routes
+    double = make((64, 256), torch.float64)
+    with pytest.raises(TypeError, match="bfloat16, float16 or float32"):
+        arm.rms_norm(double[0], double[1])  # refused at every size, as our kernels refuse it
     bad_weight = small[1][:-1]
     with pytest.raises(ValueError, match="weight must be 1-D of size 256"):
         arm.rms_norm(small[0], bad_weight)  # the native op refuses it first; ours names the problem

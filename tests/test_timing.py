@@ -408,6 +408,15 @@ class BusyTimer(FakeTimer):
         return self.busy[fn.name]
 
 
+def test_a_busy_bound_without_a_busy_time_fails_rather_than_divides_by_zero():
+    case = make_case(modes=("eager",), gpu_busy=True, l2="warm")
+    criterion = PerfCriterion(max_over_reference_busy={(PRESET.name, "fwd"): 1.05})
+    timer = BusyTimer({"reference": (10.0, 0.01), "arm": (5.0, 0.01)})
+    timer.busy = {"reference": 0.0, "arm": 0.0}  # a profile that saw no kernel
+    result = measure_bench(case, "eager", make_contenders(), PRESET, criterion, None, POLICY, timer)
+    assert not result.passed and "measured no device-busy time" in result.criteria[0].detail
+
+
 @pytest.mark.parametrize("arm_ms, passed", [(5.2, True), (6.0, False)])
 def test_a_capture_must_come_within_the_bound_of_the_eager_steps_device_time(arm_ms, passed):
     # the eager reference: 10 ms of wall time, 5 of them busy on the device
@@ -433,6 +442,9 @@ def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
     for table in ("max_over_reference_busy", "max_eager_over_graph"):
         with pytest.raises(ValueError, match="fwd"):
             dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(**{table: {("tiny", "fwd"): 1.1}}))
+    # the toy's one case is timed with the host's clock: no graph replays to bound eager calls by
+    with pytest.raises(ValueError, match="both the graph and the eager mode"):
+        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(max_eager_over_graph={("tiny", "sum"): 1.1}))
 
 
 def _both_modes(eager_ms: float, method: str = ""):

@@ -635,14 +635,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         # Cheapest checks first: on this path every microsecond of Python is what it saves. The
         # size class decides alone below NATIVE_BELOW_FORWARD, so the grad state is read above it
         # only. Inside a CUDA-graph capture the host's cost is paid once: ours, the faster kernels.
-        if x.is_cuda and x.dtype is weight.dtype and weight.dim() == 1:
+        if x.is_cuda and x.dtype is weight.dtype and x.dtype in _SUPPORTED_DTYPES and weight.dim() == 1:
             n = x.numel()
             training = n >= NATIVE_BELOW_FORWARD and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
             if (routes_to_native(n, training, True, True) and not torch.compiler.is_compiling()
                     and not torch.cuda.is_current_stream_capturing()):
                 try:
                     # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
-                    return torch.rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)
+                    return torch.rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, float(eps))
                 except RuntimeError:
                     pass  # what the native op refuses gets _validate's clearer error below
     elif impl != "fused":

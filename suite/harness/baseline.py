@@ -328,7 +328,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
         seen = set()
         for bench in result.bench:
             for c in bench.contenders:
-                if c.median_ms is None:
+                if c.median_ms is None or c.method:  # not timed in this mode's way: no figure of it
                     continue
                 key = (bench.case, bench.mode, c.name)
                 seen.add(key)

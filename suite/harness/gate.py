@@ -241,5 +241,10 @@ class Gate:
                     *perf.max_eager_over_graph]:
             if key[0] not in presets or key[1] not in cases:
                 unknown.append(str(key))
+        case_modes = {b.name: set(b.modes) for b in self.benches}
+        for key in perf.max_eager_over_graph:  # judged only on a case timed both ways
+            if len(key) != 2 or (key[1] in case_modes and not {"graph", "eager"} <= case_modes[key[1]]):
+                raise ValueError(f"{where}: max_eager_over_graph {key} needs a (preset, case) key whose case "
+                                 "is timed in both the graph and the eager mode")
         if unknown:  # a typo found at import, not after minutes of timing
             raise ValueError(f"{where}: the criterion names what the gate does not have: {', '.join(unknown)}")
