@@ -454,6 +454,7 @@ def _gate_listing(gate, device) -> dict:
         "needs_cuda": gate.needs_cuda,
         "presets": [
             {"name": p.name, "where": p.where, "default_here": p in gate.default_presets(device),
+             "in_run_here": p in gate.default_presets(device, all_gates=True),
              "memory_bytes": p.memory_bytes, "note": p.note}
             for p in gate.presets
         ],
@@ -479,7 +480,8 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
         sys.stdout.write(json.dumps({"device": str(settings.device), "gates": listing}, indent=2) + "\n")
         return
     presets_of = {
-        g["name"]: [f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}{' *' if p['default_here'] else ''}"
+        g["name"]: [f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}"
+                    f"{' **' if p['in_run_here'] else ' *' if p['default_here'] else ''}"
                     for p in g["presets"]]
         for g in listing
     }
@@ -495,7 +497,7 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
         table.add_row(escape(g["name"]), escape(presets), "yes" if g["needs_cuda"] else "no",
                       escape("\n".join(contenders)), escape(g["summary"]))
     console.print(table)
-    console.print("* = run by default on this device")
+    console.print("* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too")
 
 
 @app.command()

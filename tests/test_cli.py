@@ -247,6 +247,7 @@ def test_list_and_env_print_json():
     rmsnorm = next(g for g in listing["gates"] if g["name"] == "rmsnorm")
     assert {c["name"] for c in rmsnorm["contenders"]} >= {"reference", "arm", "F.rms_norm"}
     assert [p["name"] for p in rmsnorm["presets"] if p["default_here"]] == ["tiny"]
+    assert [p["name"] for p in rmsnorm["presets"] if p["in_run_here"]] == ["tiny"]
     env = json.loads(invoke("env", "--device", "cpu", "--json").output)
     assert env["fingerprint"]["device_slug"] == "cpu"
     assert {g["gate"]: g["parity"] for g in env["gates"]} == {
