@@ -128,6 +128,32 @@ def test_every_contender_matches_the_reference_in_every_case(case):
         _assert_all_close(got, want)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", ["fwd+bwd", "bwd"])
+def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
+    """The graph mode's premise: each build's call captures (the bwd case's forward ran at build
+    time, on a side stream) and its replay computes what an eager call does."""
+    from suite.harness.timing import CudaTimer
+
+    cuda = torch.device("cuda")
+    bench = next(c for c in GATE.benches if c.name == case)
+    preset = GATE.preset("tiny")
+    buffers = GATE.make_buffers(preset, 1, cuda)
+    timer = CudaTimer(cuda)
+    for contender in GATE.contenders_for(bench):
+        if contender.unavailable(cuda):
+            continue
+        call = contender.build(bench, buffers, preset)
+        want = [t.clone() for t in call()]
+        outputs = []
+        replay = timer.capture(lambda: outputs.append(call()))
+        replay()
+        torch.cuda.synchronize()
+        for got, expected in zip(outputs[-1], want):  # fp32; the eager peers' index_add_ sums by atomics
+            torch.testing.assert_close(got, expected, msg=contender.name)
+
+
 def test_grouped_mm_peer_computes_the_experts():
     from gates.moe_bwd import grouped_mm_experts
 
