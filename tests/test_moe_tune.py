@@ -4,24 +4,18 @@ GPU machine to show."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scriptload import load_script
 from suite.device_profile import RTX_SMEM_BYTES
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "moe_tune.py"
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("moe_tune", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("moe_tune")
 
 
 def test_the_kernels_add_up_to_the_layers_flops(tune):

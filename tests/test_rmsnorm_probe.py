@@ -5,26 +5,20 @@ interpreter), so a typo cannot wait for the GPU machine to show."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from scriptload import load_script
 from suite.harness.timing import CudaTimer
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "rmsnorm_launch_probe.py"
 
 
 @pytest.fixture(scope="module")
 def probe():
-    spec = importlib.util.spec_from_file_location("rmsnorm_launch_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("rmsnorm_launch_probe")
 
 
 def test_json_goes_to_out_unless_given(probe, monkeypatch, tmp_path):
