@@ -18,19 +18,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
 import sys
 from typing import Any, Callable
 
-# (block_m, block_n, block_k, num_stages, num_warps); block_n is per B tile (two-accumulator
-# kernels hold two of them)
+# (block_m, block_n, block_k, num_stages, num_warps, group_m); block_n is per B tile (two-
+# accumulator kernels hold two of them); group_m > 0 walks the tiles in groups of that many row
+# tiles (L2 reuse of the A rows). The arm's own config is also timed with group_m 8 and 16.
 GEMM_CANDIDATES = (
-    (128, 128, 64, 3, 8), (128, 128, 64, 4, 8), (128, 64, 64, 4, 4), (128, 64, 64, 4, 8),
-    (128, 256, 64, 3, 8), (64, 128, 64, 4, 4), (64, 256, 64, 3, 8), (128, 128, 32, 4, 8),
+    (128, 128, 64, 3, 8, 0), (128, 128, 64, 4, 8, 0), (128, 128, 64, 4, 8, 16), (128, 64, 64, 4, 4, 0),
+    (128, 64, 64, 4, 8, 0), (128, 64, 64, 4, 8, 8), (128, 128, 32, 4, 8, 0),
+    # vLLM's tuned fused_moe tile on the H200 for E=8,N=14336, E=128,N=768 and E=64,N=1280/640
+    # (BLOCK_SIZE_M/N/K 128/256/64, GROUP_SIZE_M 16, 8 warps, 4 stages; one accumulator)
+    (128, 256, 64, 3, 8, 0), (128, 256, 64, 4, 8, 16),
+    (64, 128, 64, 4, 4, 0), (64, 256, 64, 3, 8, 0),
     # within the RTX card's 99 KB with two operand pairs
-    (128, 64, 32, 3, 8), (64, 128, 32, 3, 4), (64, 64, 64, 2, 4),
+    (128, 64, 32, 3, 8, 0), (64, 128, 32, 3, 4, 0), (64, 128, 32, 3, 4, 16), (64, 64, 64, 2, 4, 0),
 )
 # (block_t, block_d, num_warps)
 COMBINE_CANDIDATES = tuple((t, bd, w) for t in (2, 4, 8, 16, 32) for bd in (128, 256, 512) for w in (4, 8))
@@ -63,8 +69,8 @@ def gemm_candidates(n_a: int, n_b: int, itemsize: int, limit: int) -> list[Any]:
     from suite.arms.moe_kernels import GemmConfig
 
     configs = []
-    for block_m, block_n, block_k, stages, warps in GEMM_CANDIDATES:
-        config = GemmConfig(block_m, block_n, block_k, warps, stages, n_a, n_b, itemsize)
+    for block_m, block_n, block_k, stages, warps, group_m in GEMM_CANDIDATES:
+        config = GemmConfig(block_m, block_n, block_k, warps, stages, n_a, n_b, itemsize, group_m)
         if config.smem_bytes <= limit and block_m * block_n * n_b <= 128 * 256:
             configs.append(config)
     return configs
@@ -77,8 +83,6 @@ def layer_flops(kernel_flops: int, rows: int, d: int, f: int) -> int:
 @contextlib.contextmanager
 def gemm_config(config):
     """Every grouped GEMM launched inside takes `config`, its operand counts kept."""
-    import dataclasses
-
     from suite.arms import moe_kernels as mk
 
     chosen = mk._gemm_config
@@ -192,7 +196,10 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
         default = recorded_gemm_configs(fn)[0]
         reference = [t.clone() for t in outputs[kernel]]
         entry = {"kernel": kernel, "flops": flops, "default": default.__dict__, "timings": []}
-        candidates = [default] + (gemm_candidates(*operands, default.itemsize, limit) if args.sweep else [])
+        candidates = [default]
+        if args.sweep:
+            candidates += [dataclasses.replace(default, group_m=g) for g in (8, 16)]
+            candidates += gemm_candidates(*operands, default.itemsize, limit)
         for config in candidates:
             try:
                 with gemm_config(config):
@@ -229,7 +236,8 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
 def _config_text(c: dict[str, Any]) -> str:
     if "block_t" in c:
         return f"{c['block_t']}x{c['block_d']} w{c['num_warps']}"
-    return f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['num_stages']} w{c['num_warps']}"
+    return (f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['num_stages']} w{c['num_warps']}"
+            + (f" g{c['group_m']}" if c.get("group_m") else ""))
 
 
 def print_table(figures: dict[str, Any]) -> None:

@@ -50,17 +50,19 @@ class _InlineTimer:
 def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys):
     from suite.arms.moe_kernels import CombineConfig, GemmConfig
 
-    monkeypatch.setattr(tune, "GEMM_CANDIDATES", ((16, 16, 16, 1, 4),))
     monkeypatch.setattr(tune, "gemm_candidates",
-                        lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item)])
+                        lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item, 2)])
     monkeypatch.setattr(tune, "COMBINE_CANDIDATES", ((4, 16, 4),))
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
     args = tune.parse_args(["--preset", "tiny-top2", "--sweep", "--replays", "2"])
     figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
     assert [e["kernel"] for e in figures["kernels"]] == [k for k, _, _ in tune.KERNELS] + ["combine_backward"]
-    for entry in figures["kernels"]:
-        assert len(entry["timings"]) == 2 and all("ms" in t for t in entry["timings"]), entry
-        assert all(t["rel_diff"] < 1e-5 for t in entry["timings"])  # fp32 under the interpreter
-    assert figures["kernels"][-1]["timings"][1]["config"] == CombineConfig(4, 16, 4).__dict__
+    for entry in figures["kernels"][:-1]:  # the default, then group_m 8 and 16, then the list's one
+        assert len(entry["timings"]) == 4 and all("ms" in t for t in entry["timings"]), entry
+        assert [t["config"]["group_m"] for t in entry["timings"]] == [0, 8, 16, 2]
+        assert all(t["rel_diff"] == 0.0 for t in entry["timings"])  # the same tiles in another order
+    combine = figures["kernels"][-1]["timings"]
+    assert len(combine) == 2 and combine[1]["config"] == CombineConfig(4, 16, 4).__dict__
+    assert combine[1]["rel_diff"] < 1e-6  # fp32, other column chunks for the dot
     tune.print_table(figures)
     assert "sum of kernels" in capsys.readouterr().out

@@ -64,6 +64,27 @@ def _expert_tile(OFFSETS, n_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
+def _grouped(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """Program pid of a 1-D grid walked in groups of GROUP_M row tiles, each group over every
+    column tile -> (row tile, column tile): a group's A rows and a column tile's B stay in L2
+    together while the group runs."""
+    per_group = GROUP_M * n_tiles_n
+    first_m = pid // per_group * GROUP_M
+    size_m = tl.minimum(n_tiles_m - first_m, GROUP_M)
+    return first_m + pid % per_group % size_m, pid % per_group // size_m
+
+
+@triton.jit
+def _tile_ids(n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program. GROUP_M 0: a 2-D grid, row tiles first, so
+    each column tile streams every A row again. GROUP_M > 0: a 1-D grid in groups (_grouped).
+    The order only: each tile's sum, and so its bits, are the same."""
+    if GROUP_M == 0:
+        return tl.program_id(0), tl.program_id(1)
+    return _grouped(tl.program_id(0), n_tiles_m, n_tiles_n, GROUP_M)
+
+
+@triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr):
     # UPCAST: the interpreter's bf16 tl.dot is wrong; fp32 operands are exact there
     if UPCAST:
@@ -75,19 +96,20 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def _up_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U,
-    n_experts, d, f, stride_x, sw_e, sw_k, sw_n, su_e, su_k, su_n,
+    n_experts, d, f, stride_x, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """a = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for one [BLOCK_M, BLOCK_N] tile of
     rows, gate and up in two accumulators over one pass of the gathered x rows; SAVE also
     stores the pre-activations g and u (the backward's inputs). A, G, U: [R_max, f]."""
-    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
         rows = row_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < f
         wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
         ks = tl.arange(0, BLOCK_K)
@@ -118,9 +140,9 @@ def _up_kernel(
 @triton.jit
 def _rows_gemm_kernel(
     A, A2, B, B2, OFFSETS, C, C2, G, U,
-    n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n,
+    n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr,
+    TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the two operand
     pairs, the concatenated K) for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A, A2:
@@ -130,13 +152,14 @@ def _rows_gemm_kernel(
     SWIGLU_GRAD: the product is d_a, the gradient of a = silu(g) * u; the epilogue reads g and
     u and stores dg = d_a * u * silu'(g) in C and du = d_a * silu(g) in C2 (d_a never leaves
     registers)."""
-    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
         rows = row_start + tl.arange(0, BLOCK_M)
         row_mask = rows < row_end
         wide_rows = rows.to(tl.int64)
         wide_expert = expert.to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < n_n
         wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
         ks = tl.arange(0, BLOCK_K)
@@ -171,7 +194,7 @@ def _rows_gemm_kernel(
 def _weight_grad_kernel(
     X, TOKEN_OF_ROW, GRAD, GRAD2, OFFSETS, DW, DW2, n_i, n_j, stride_x,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
-    GATHER: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """DW[e] = X_e^T @ GRAD_e (and DW2[e] = X_e^T @ GRAD2_e with TWO, X_e read once for both):
     program (tile, e) owns one [BLOCK_I, BLOCK_J] tile of expert e's [n_i, n_j] gradient and
@@ -179,9 +202,13 @@ def _weight_grad_kernel(
     empty expert gets zeros. X_e: rows of X gathered through TOKEN_OF_ROW with GATHER, else
     the sorted rows themselves; GRAD, GRAD2: [R_max, n_j]."""
     expert = tl.program_id(1)
-    tiles_j = tl.cdiv(n_j, BLOCK_J)
-    ii = tl.program_id(0) // tiles_j * BLOCK_I + tl.arange(0, BLOCK_I)
-    jj = tl.program_id(0) % tiles_j * BLOCK_J + tl.arange(0, BLOCK_J)
+    tiles_i, tiles_j = tl.cdiv(n_i, BLOCK_I), tl.cdiv(n_j, BLOCK_J)
+    if GROUP_M == 0:  # i tiles outer: a run of programs shares one slice of X, streams GRAD
+        tile_i, tile_j = tl.program_id(0) // tiles_j, tl.program_id(0) % tiles_j
+    else:
+        tile_i, tile_j = _grouped(tl.program_id(0), tiles_i, tiles_j, GROUP_M)
+    ii = tile_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    jj = tile_j * BLOCK_J + tl.arange(0, BLOCK_J)
     i_mask = ii < n_i
     j_mask = jj < n_j
     row_start = tl.load(OFFSETS + expert)
@@ -285,6 +312,7 @@ class GemmConfig:
     n_a: int  # operand tiles of [block_m, block_k] per step
     n_b: int  # operand tiles of [block_k, block_n] per step
     itemsize: int
+    group_m: int = 0  # tile order: 0 the 2-D grid, > 0 groups of that many row tiles (_tile_ids)
 
     @property
     def smem_bytes(self) -> int:
@@ -443,14 +471,14 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     if n_rows and n_experts and f:
         cfg = _gemm_config(n_rows // n_experts, f, x.dtype, 1, 2, x.device)
-        grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
+        tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
         launch(
-            _up_kernel, grid,
+            _up_kernel, _row_tile_grid(tiles, cfg),
             x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g, a if u is None else u,
-            n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(),
+            n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(n_experts), SAVE=save_preactivations, UPCAST=_upcast(x.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return a, g, u
 
@@ -473,6 +501,11 @@ def expert_down(a, w_down, offsets, *, out=None):
     return y
 
 
+def _row_tile_grid(tiles: tuple[int, int], cfg: GemmConfig) -> tuple[int, ...]:
+    """The launch grid over (row tiles, column tiles): 2-D, or 1-D when the tiles go in groups."""
+    return tiles if cfg.group_m == 0 else (tiles[0] * tiles[1],)
+
+
 def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None):
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
     w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2."""
@@ -482,15 +515,15 @@ def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None
     two = a2 is not None
     if n_rows and n_experts and n_n:
         cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 2 if two else 1, 2 if two else 1, a.device)
-        grid = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
+        tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
         launch(
-            _rows_gemm_kernel, grid,
+            _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
             a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, c if c2 is None else c2,
             c if gate is None else gate, c if up is None else up,
-            n_experts, n_k, n_n, *w_strides, *(w_strides if w2_strides is None else w2_strides),
+            n_experts, n_k, n_n, *w_strides, *(w_strides if w2_strides is None else w2_strides), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, SWIGLU_GRAD=gate is not None,
-            UPCAST=_upcast(a.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
@@ -507,7 +540,7 @@ def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
             x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,
             offsets, dw, dw if dw2 is None else dw2, n_i, n_j, x.stride(0),
             BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k,
-            GATHER=token_of_row is not None, TWO=two, UPCAST=_upcast(grad.dtype),
+            GATHER=token_of_row is not None, TWO=two, UPCAST=_upcast(grad.dtype), GROUP_M=cfg.group_m,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
