@@ -363,14 +363,15 @@ class ScriptedTimer:
 
 
 def test_warm_up_runs_until_two_batch_medians_agree():
-    # medians 3, 2, 1.5, 1.0, 1.01: steady at the 5th batch (within 2% of the 4th)
-    timer = ScriptedTimer([3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
+    # one sizing call (4.0), then medians 3, 2, 1.5, 1.0, 1.01: steady at the 5th batch (within
+    # 2% of the 4th)
+    timer = ScriptedTimer([4.0, 3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
     case = make_case(modes=("eager",), window=4, l2="warm")
     policy = TimingPolicy(warmup_cap_s=60.0, long_call_ms=1e9, round_budget_ms=1e9)
     result = measure_bench(case, "eager", make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
-    # 2 contenders x 5 batches x 10 timings x 4 calls a window
-    assert result.warmup_calls == 2 * 5 * 10 * 4
-    assert timer.windows == {4} and result.window == 4 and result.mode == "eager"
+    # 2 contenders x (1 sizing call + 5 batches x 10 timings x 4 calls a window)
+    assert result.warmup_calls == 2 * (1 + 5 * 10 * 4)
+    assert timer.windows == {1, 4} and result.window == 4 and result.mode == "eager"  # 1: the sizing call
     assert all(t.median_ms == 1.0 for t in result.contenders)  # the 9.0 batch was never used
 
 
@@ -398,7 +399,8 @@ def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():
     result = measure_bench(make_case(window=5), "eager", make_contenders(), PRESET, PerfCriterion(), None,
                            TimingPolicy(warmup_cap_s=0.0), timer)
     assert result.calls_per_round == 3 and result.window == 1
-    assert {entry[3] for entry in timer.log if entry[0] == "calls"} == {5, 1}  # warmed up at 5
+    assert {entry[3] for entry in timer.log if entry[0] == "calls"} == {1}  # sized by the first call
+    assert result.warmup_calls == 2 * (1 + 3)  # a sizing call, then one batch of 3 (no warm-up cap)
 
 
 class BusyTimer(FakeTimer):
@@ -593,7 +595,7 @@ def test_garbage_collector_is_off_inside_a_timed_window_and_restored_after(enabl
 def test_eager_mode_times_windows_of_back_to_back_calls_without_a_flush():
     _, timer = bench(EXACT, case=make_case(window=7), mode="eager")
     calls = {(entry[2], entry[3]) for entry in timer.log if entry[0] == "calls"}
-    assert calls == {(False, 7)}  # rotation, not a flush, keeps a cold case cold
+    assert calls == {(False, 1), (False, 7)}  # rotation, not a flush, keeps a cold case cold (1: sizing)
     _, timer = bench(EXACT, case=make_case(window=7), mode="graph")
     assert {(entry[2], entry[3]) for entry in timer.log if entry[0] == "calls"} == {(True, 1)}
 

@@ -374,15 +374,15 @@ def copy_size(free_bytes: int, default: int = 1 << 30) -> int:
 
 
 def _warm_up(
-    timer: Timer, fn: Callable[[], Any], policy: TimingPolicy, flush_l2: bool, window: int
+    timer: Timer, fn: Callable[[], Any], policy: TimingPolicy, flush_l2: bool, window: int, batch_size: int
 ) -> tuple[int, float]:
-    """Batches of calls until two consecutive medians agree, or the cap; returns the calls made
-    and the last batch's median (ms a call)."""
+    """Batches of `batch_size` timings until two consecutive medians agree, or the cap; returns
+    the calls made and the last batch's median (ms a call)."""
     t0 = time.perf_counter()
     calls = 0
     previous: float | None = None
     while True:
-        batch = timer.time_calls(fn, policy.calls_per_round, flush_l2=flush_l2, window=window)
+        batch = timer.time_calls(fn, batch_size, flush_l2=flush_l2, window=window)
         calls += len(batch) * window
         current = statistics.median(batch)
         if previous is not None and steady(previous, current, policy.warmup_tolerance):
@@ -489,10 +489,14 @@ def measure_bench(
                 fns = {n: eager[n] for n in fns}
                 methods = {n: f"eager calls (capture failed for {why})" for n in fns}
                 break
-    warmup_calls, warm_ms = 0, {}
+    # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
+    # eager reference spent 10 s a batch); the warm medians then size the rounds
+    first_ms = {name: timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=1)[0] for name in fns}
+    batch_size, warm_window = round_shape(policy, max(first_ms.values()), window, mode, min(first_ms.values()))
+    warmup_calls, warm_ms = len(fns), {}
     for name in fns:
         say(f"warming up {name}")
-        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, window)
+        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_window, batch_size)
         warmup_calls += calls
     calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode, min(warm_ms.values()))
 
