@@ -77,7 +77,7 @@ def _model_shapes(preset: Preset) -> dict[str, list[tuple[int, int]]]:
             "rest": [(d, q), (d, f)] * layers}
 
 
-def _preset(name: str, d: int, layers: int, where: str = "cuda", steps: int = 12, in_all: bool | None = None,
+def _preset(name: str, d: int, layers: int, where: str = "cuda", steps: int = 12, in_all: bool = True,
             note: str = "") -> Preset:
     preset = Preset(name, dict(d=d, layers=layers, steps=steps), where=where, note=note)
     gate_elements = sum(math.prod(shape) for shape, _, _ in _case_splits(preset).values())
