@@ -153,7 +153,23 @@ def test_tolerance_zero_truth_row_must_be_reproduced_exactly():
     arm = truth.float()
     arm[2, 0] = 1e-30
     check = _tol(arm, truth.float(), truth)
-    assert not check.passed and check.arm_rel_max == float("inf")
+    assert not check.passed and "truth is all zero" in check.message
+    assert check.arm_zero_rows == pytest.approx(1e-30) and check.ref_zero_rows == 0.0
+
+
+def test_a_reference_with_noise_on_zero_rows_still_bounds_the_other_rows():
+    # once, the reference's noise on an all-zero row made every limit infinite
+    truth = torch.randn(64, 32, dtype=torch.float64)
+    truth[3] = 0
+    ref = truth.to(torch.bfloat16)
+    ref[3, 0] = 1e-6  # the reference's rounding noise where the truth is zero
+    arm = ref.clone()
+    arm[5] *= 1.5  # a wrong row elsewhere
+    check = _tol(arm, ref, truth)
+    assert not check.passed and "worst-row" in check.message and check.limit_rel_max < 1
+    noisy = ref.clone()
+    noisy[3, 1] = 1e-6  # as much noise again on the zero row: within k = 2 of the reference's
+    assert _tol(noisy, ref, truth).passed
 
 
 def test_an_exactly_reproduced_zero_row_hides_no_other_row():
@@ -169,11 +185,11 @@ def test_an_exactly_reproduced_zero_row_hides_no_other_row():
 
 
 def _cancelling_dot_products(seed):
-    """dprobs-like [T, 2] rows of dot products, one of which cancels to ~0, computed from
+    """dprobs-like [T, 2] rows of dot products, one of which cancels to near 0, computed from
     bf16-rounded operands twice with independent rounding (arm and reference)."""
     gen = torch.Generator().manual_seed(seed)
     g, y = (torch.randn(4096, 2, 64, generator=gen, dtype=torch.float64) for _ in range(2))
-    y[7, :, 0] -= (g[7] * y[7]).sum(-1) / g[7, :, 0]  # row 7's two dots are exactly zero in truth
+    y[7, :, 0] -= (g[7] * y[7]).sum(-1) / g[7, :, 0] - 1e-6  # row 7's two dots cancel to ~1e-6
     truth = (g * y).sum(-1)
 
     def rounded():

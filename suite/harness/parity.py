@@ -148,12 +148,14 @@ def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorChec
 
 def _relative_errors(
     out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor, row_floor: float = 0.0
-) -> tuple[float, float]:
-    """(whole-tensor relative L2 error, worst row's relative L2 error) over finite positions.
+) -> tuple[float, float, float]:
+    """(whole-tensor relative L2 error, worst row's relative L2 error, largest error norm of a
+    row whose truth is all zero) over finite positions.
 
     A row's error is relative to its truth's norm, floored at `row_floor` x the RMS of the
     rows' norms: where a row's truth cancels to near zero its relative error is a ratio of
-    rounding noise, and the worst row's becomes a draw, not a measure."""
+    rounding noise, and the worst row's becomes a draw, not a measure. Rows with nothing to be
+    relative to (all-zero truth, no floor) are measured apart, by their error's own norm."""
     cols = truth.shape[-1] if truth.dim() > 1 else max(truth.numel(), 1)
     rows_per_chunk = max(1, CHUNK_ELEMENTS // max(cols, 1))
     o2, t2, f2 = (x.reshape(-1, cols) for x in (out, truth, finite))
@@ -169,12 +171,12 @@ def _relative_errors(
     diff_sq, truth_sq = float(row_diff.sum()), float(row_truth.sum())
     whole = math.sqrt(diff_sq / truth_sq) if truth_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
     if row_diff.numel() == 0:
-        return whole, 0.0
+        return whole, 0.0, 0.0
     scale = row_truth.clamp_min(row_floor**2 * truth_sq / row_truth.numel())
-    # a row whose truth (and floor) is all zero must be reproduced exactly
-    row_rel = torch.where(scale > 0, (row_diff / scale.clamp_min(1e-300)).sqrt(),
-                          torch.where(row_diff > 0, math.inf, 0.0))
-    return whole, float(row_rel.max())
+    measured = scale > 0
+    row_rel = torch.where(measured, (row_diff / scale.clamp_min(1e-300)).sqrt(), 0.0)
+    zero_rows = torch.where(measured, 0.0, row_diff.sqrt())
+    return whole, float(row_rel.max()), float(zero_rows.max())
 
 
 def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
@@ -209,8 +211,8 @@ def tolerance_check(
     elif not nonfinite_match:
         problems.append(Failure(check=Check.NONFINITE, message=f"{name}: NaN/Inf positions differ from the truth's"))
     finite = torch.isfinite(truth) & torch.isfinite(arm) & torch.isfinite(ref)
-    arm_l2, arm_row = _relative_errors(arm, truth, finite, row_floor)
-    ref_l2, ref_row = _relative_errors(ref, truth, finite, row_floor)
+    arm_l2, arm_row, arm_zero = _relative_errors(arm, truth, finite, row_floor)
+    ref_l2, ref_row, ref_zero = _relative_errors(ref, truth, finite, row_floor)
     limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
     if arm_l2 > limit_l2:
         problems.append(Failure(check=Check.PARITY, message=(
@@ -218,6 +220,11 @@ def tolerance_check(
     if arm_row > limit_row:
         problems.append(Failure(check=Check.PARITY, message=(
             f"{name}: worst-row relative error {arm_row:.3e} > limit {limit_row:.3e} (reference {ref_row:.3e})")))
+    # where the truth is all zero: exact zeros if the reference gives them, else its noise x k
+    if arm_zero > k * ref_zero:
+        problems.append(Failure(check=Check.PARITY, message=(
+            f"{name}: on rows whose truth is all zero, an error of norm {arm_zero:.3e} > {k:g} x the "
+            f"reference's {ref_zero:.3e}")))
     if _is_constant(arm, finite) and not _is_constant(truth, finite):
         problems.append(Failure(check=Check.DEGENERATE, message=f"{name} is constant where the truth is not"))
     return TensorCheck(
@@ -231,6 +238,8 @@ def tolerance_check(
         arm_rel_max=arm_row,
         ref_rel_max=ref_row,
         limit_rel_max=limit_row,
+        arm_zero_rows=arm_zero,
+        ref_zero_rows=ref_zero,
         nonfinite_match=nonfinite_match,
     )
 

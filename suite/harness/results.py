@@ -80,6 +80,9 @@ class TensorCheck(Record):
     arm_rel_max: float | None = None  # the worst row's relative L2 error
     ref_rel_max: float | None = None
     limit_rel_max: float | None = None
+    # the largest error norm of a row whose truth is all zero (those rows have no relative error)
+    arm_zero_rows: float | None = None
+    ref_zero_rows: float | None = None
     nonfinite_match: bool | None = None
 
     @property
