@@ -4,6 +4,8 @@
     python scripts/moe_tune.py --preset olmoe --preset mixtral [--sweep] [--profile rtx]
 
 On the GPU machine: `bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe`.
+A full --sweep compiles about 130 kernel variants a preset (minutes): one preset a call, or
+--kernel to sweep some.
 For each moe-bwd preset (the gate's own buffers and routing, bf16), every GEMM kernel of one
 forward and backward and the combine backward is timed alone as CUDA-graph replays with the L2 flushed (device time), at the
 config the arm picks: the table says which kernels hold the step's time and at what fraction of
@@ -56,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
     parser.add_argument("--sweep", action="store_true", help="also time the alternative tiles")
+    parser.add_argument("--kernel", action="append", help="only these kernels (repeatable; default all): "
+                        + ", ".join([k for k, _, _ in KERNELS] + ["combine_backward"]))
     parser.add_argument("--profile", default=None, help="rtx | none (default: SUITE_PROFILE, else auto)")
     parser.add_argument("--replays", type=int, default=20, help="graph replays per figure; the median is kept")
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json)")
@@ -190,7 +194,13 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
     d, f, tokens, k = p["hidden"], p["ffn"], p["tokens"], p["top_k"]
     limit = smem_limit(device)
     figures: dict[str, Any] = {"preset": name, "params": dict(p), "smem_limit": limit, "kernels": []}
+    chosen = set(args.kernel or [k for k, _, _ in KERNELS] + ["combine_backward"])
+    unknown = chosen - set(kernels)
+    if unknown:
+        raise SystemExit(f"moe_tune: no kernel {sorted(unknown)}; the kernels are {sorted(kernels)}")
     for kernel, operands, per_rdf in KERNELS:
+        if kernel not in chosen:
+            continue
         fn = kernels[kernel]
         flops = layer_flops(per_rdf, rows, d, f)
         default = recorded_gemm_configs(fn)[0]
@@ -213,6 +223,8 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
         fn()  # the default's outputs again: the next kernels read them
         figures["kernels"].append(entry)
 
+    if "combine_backward" not in chosen:
+        return figures
     item = outputs["combine_backward"][0].element_size()
     nbytes = item * (tokens * d + 2 * tokens * k * d) + 12 * tokens * k
     fn, reference = kernels["combine_backward"], [t.clone() for t in outputs["combine_backward"]]

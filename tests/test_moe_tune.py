@@ -29,6 +29,16 @@ def test_every_swept_gemm_config_fits_the_rtx_card(tune, n_a, n_b):
     assert len(configs) < len(tune.GEMM_CANDIDATES) or n_b == 1  # two B tiles rule some out
 
 
+def test_kernel_selects_what_runs_and_an_unknown_one_is_named(tune):
+    ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
+    args = tune.parse_args(["--kernel", "dw_down"])
+    figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
+    assert [e["kernel"] for e in figures["kernels"]] == ["dw_down"]
+    with pytest.raises(SystemExit, match="no kernel .'dw_up'.*the kernels are"):
+        tune.tune_preset("tiny-top2", tune.parse_args(["--kernel", "dw_up"]), _InlineTimer(), ceilings,
+                         torch.device("cpu"))
+
+
 def test_a_config_that_writes_nan_is_not_a_match(tune):
     want = torch.ones(4, 3)
     assert tune.rel_diff([want + 1e-3], [want]) == pytest.approx(1e-3, rel=1e-3)
