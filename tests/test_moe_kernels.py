@@ -315,19 +315,20 @@ def test_backward_buffers_are_reused_and_checked():
                               dw_up_out=torch.empty(E, F, D, device=DEVICE))
 
 
+def layer(layout, x, w_gate, w_up, w_down, grad_out):
+    """all_kernels on a hand-built layout."""
+    return all_kernels(x, w_gate, w_up, w_down, layout["token_of_row"], layout["row_id_map"], layout["offsets"],
+                       layout["probs"], grad_out)
+
+
 def test_full_backward_matches_autograd_of_the_per_expert_moe_and_repeats_bit_for_bit():
     layout = make_layout()
     x, w_gate, w_up, w_down = make_weights(torch.float32)
-    probs, row_id_map, tor, offsets = layout["probs"], layout["row_id_map"], layout["token_of_row"], layout["offsets"]
+    probs, row_id_map = layout["probs"], layout["row_id_map"]
     grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(11)).to(DEVICE)
 
     def kernels():
-        a, g, u = mk.expert_up(x, w_gate, w_up, tor, offsets)
-        y_rows = mk.expert_down(a, w_down, offsets)
-        grad_rows, grad_probs = mk.combine_backward(grad_out, y_rows, probs, row_id_map)
-        dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
-        dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
-        return mk.combine(dx_rows, row_id_map, top_k=K), grad_probs, dw_gate, dw_up, dw_down
+        return layer(layout, x, w_gate, w_up, w_down, grad_out)[1:]
 
     leaves = [t.double().cpu().requires_grad_() for t in (x, probs, w_gate, w_up, w_down)]
     x64, p64, wg, wu, wd = leaves
@@ -349,20 +350,9 @@ def test_grouped_tile_order_gives_the_same_bits(monkeypatch, group_m):
     """Tiles walked in groups of row tiles (for L2 reuse) compute every tile as before: the
     forward and backward repeat the 2-D grid's outputs bit for bit, partial last groups too."""
     layout = make_layout()
-    x, w_gate, w_up, w_down = make_weights(torch.float32)
-    probs, row_id_map, tor, offsets = layout["probs"], layout["row_id_map"], layout["token_of_row"], layout["offsets"]
+    weights = make_weights(torch.float32)
     grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-
-    def layer():
-        a, g, u = mk.expert_up(x, w_gate, w_up, tor, offsets)
-        y_rows = mk.expert_down(a, w_down, offsets)
-        out = mk.combine(y_rows, row_id_map, probs)
-        grad_rows, grad_probs = mk.combine_backward(grad_out, y_rows, probs, row_id_map)
-        dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
-        dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
-        return out, mk.combine(dx_rows, row_id_map, top_k=K), grad_probs, dw_gate, dw_up, dw_down
-
-    plain = layer()
+    plain = layer(layout, *weights, grad_out)
     chosen = mk._gemm_config
     configs = []
 
@@ -372,7 +362,7 @@ def test_grouped_tile_order_gives_the_same_bits(monkeypatch, group_m):
 
     monkeypatch.setattr(mk, "_gemm_config", grouped)
     with poisoned_allocations():  # a tile the grouped order skipped would stay NaN
-        assert all(torch.equal(a, b) for a, b in zip(plain, layer()))
+        assert all(torch.equal(a, b) for a, b in zip(plain, layer(layout, *weights, grad_out)))
     assert len(configs) == 6 and all(c.group_m == group_m for c in configs)  # every GEMM launch
 
 
