@@ -12,10 +12,10 @@ import dataclasses
 import pytest
 import torch
 
+from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
 from suite.arms import moe_kernels as mk
-from suite.arms import triton_support
-from suite.harness.parity import poisoned_allocations
 from suite.device_profile import RTX_SMEM_BYTES
+from suite.harness.parity import poisoned_allocations
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -382,15 +382,6 @@ def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype,
     assert cfg.num_stages >= 2  # every class still pipelines on the RTX card
 
 
-class _Recorder(dict):
-    def __init__(self, into):
-        super().__init__()
-        self.into = into
-
-    def __setitem__(self, name, compiled):
-        self.into.append((name, compiled))
-
-
 GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like
 ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_combine_kernel", "_combine_bwd_kernel", "_weight_grad_kernel"}
 
@@ -420,14 +411,10 @@ def run_every_kernel(tokens, d, f, experts, k):
 @needs_cuda
 @pytest.mark.parametrize("tokens, d, f, experts, k", GPU_SHAPES)
 def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    recorded = []
-    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
-    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
+    recorded = record_compiled(monkeypatch)
     run_every_kernel(tokens, d, f, experts, k)
     assert {name for name, _ in recorded} == ALL_KERNELS
-    for name, compiled in recorded:
-        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+    assert_fit_rtx(recorded)
 
 
 @pytest.mark.cuda
@@ -436,25 +423,10 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, exper
 def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
     """Compile (not launch) every kernel for the RTX 50-series' sm_120 and read the shared
     memory the compiler gave each (the outputs stay unwritten: only the builds are checked)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    driver = triton.runtime.driver.active
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
-    kernels = []
-
-    def compile_only(kernel, grid, *args, **meta):
-        kernel.device_caches.clear()  # forget the sm_90 builds: the target is part of the cache
-        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **meta)))
-        kernel.device_caches.clear()
-
-    monkeypatch.setattr(mk, "launch", compile_only)
+    kernels = compile_for_sm120(monkeypatch, mk)
     run_every_kernel(tokens, d, f, experts, k)
     assert {name for name, _ in kernels} == ALL_KERNELS
-    for name, compiled in kernels:
-        assert compiled.metadata.target.arch == 120, name
-        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+    assert_fit_rtx(kernels, arch=120)
 
 
 # ---- on the GPU: bf16 at a realistic size, and no host sync ----

@@ -9,10 +9,9 @@ import functools
 
 import pytest
 import torch
-import triton
 
+from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
 from suite.arms import rmsnorm as arm
-from suite.arms import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 from suite.errors import CouldNotRun
 
@@ -348,10 +347,7 @@ def _blocks_and_autograd(x, weight, dy):
 @needs_cuda
 @pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
 def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    recorded = []
-    monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
-    monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
+    recorded = record_compiled(monkeypatch)
     x, weight, dy = make((1024, n), torch.bfloat16)  # rows enough for the tallest tile
     _blocks_and_autograd(x, weight, dy)
     expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_reduce_dw_partials_kernel"}
@@ -359,19 +355,7 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
         expected.add("_rms_norm_bwd_row_dot_kernel")
     assert {name for name, _ in recorded} == expected
     assert len({id(c) for name, c in recorded if name == "_rms_norm_bwd_kernel"}) == 2  # folded, two-stage
-    for name, compiled in recorded:
-        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
-
-
-class _Recorder(dict):
-    """compiled_kernels that keeps every kernel recorded, variants of one kernel included."""
-
-    def __init__(self, into):
-        super().__init__()
-        self.into = into
-
-    def __setitem__(self, name, compiled):
-        self.into.append((name, compiled))
+    assert_fit_rtx(recorded)
 
 
 @pytest.mark.cuda
@@ -380,28 +364,14 @@ class _Recorder(dict):
 def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
     """Compile (not launch) every kernel for the RTX 50-series' sm_120 on this GPU and read
     the shared memory the compiler gave each: the configs the RTX will really get."""
-    from triton.backends.compiler import GPUTarget
-
-    driver = triton.runtime.driver.active
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
-    kernels = []
-
-    def compile_only(kernel, grid, *args, **meta):
-        kernel.device_caches.clear()  # forget the sm_90 builds: the target is part of the cache
-        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **meta)))
-        kernel.device_caches.clear()
-
-    monkeypatch.setattr(arm, "launch", compile_only)
+    kernels = compile_for_sm120(monkeypatch, arm)
     x, weight, dy = make((1024, n), torch.bfloat16)
     _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
     arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
     _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     arm.reduce_dw_partials(partials, weight.dtype)
     assert [name for name, _ in kernels].count("_rms_norm_bwd_kernel") == 2
-    for name, compiled in kernels:
-        assert compiled.metadata.target.arch == 120, name
-        assert compiled.metadata.shared <= RTX_SMEM_BYTES, (name, compiled.metadata.shared)
+    assert_fit_rtx(kernels, arch=120)
 
 
 def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):
