@@ -590,34 +590,34 @@ def test_muon_capture_with_capturable_false_is_refused():
             opt.step()
 
 
+def assert_captured_matches_eager(kind, **training):
+    """The same training eagerly and through the wrapper: captured, and bit for bit the same."""
+    reference, _, _ = train(eager(kind), **training)
+    captured, stepper, _ = train(wrapped(kind), **training)
+    assert stepper.captured
+    assert_same(reference, captured)
+
+
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind", ["muon", "adamw"])
 @pytest.mark.parametrize("schedule", [None, warmup_cosine], ids=["constant", "warmup_cosine"])
 def test_captured_matches_eager(kind, schedule):
-    reference, _, _ = train(eager(kind), schedule=schedule)
-    captured, stepper, _ = train(wrapped(kind), schedule=schedule)
-    assert stepper.captured
-    assert_same(reference, captured)
+    assert_captured_matches_eager(kind, schedule=schedule)
 
 
 @needs_cuda
 @pytest.mark.cuda
 def test_muon_weight_decay_changed_mid_run():
     changes = {10: set_weight_decay(0.1), 18: set_weight_decay(0.0)}
-    reference, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
-    captured, _, _ = train(wrapped("muon"), schedule=warmup_cosine, before_step=changes)
-    assert_same(reference, captured)
+    assert_captured_matches_eager("muon", schedule=warmup_cosine, before_step=changes)
 
 
 @needs_cuda
 @pytest.mark.cuda
 def test_muon_momentum_and_betas_changed_mid_run():
     changes = {10: set_momentum_and_betas(0.8, (0.8, 0.9)), 18: set_momentum_and_betas(0.95, (0.9, 0.999))}
-    reference, _, _ = train(eager("muon"), schedule=warmup_cosine, before_step=changes)
-    captured, stepper, _ = train(wrapped("muon"), schedule=warmup_cosine, before_step=changes)
-    assert stepper.captured
-    assert_same(reference, captured)
+    assert_captured_matches_eager("muon", schedule=warmup_cosine, before_step=changes)
 
 
 @needs_cuda
@@ -625,11 +625,7 @@ def test_muon_momentum_and_betas_changed_mid_run():
 @pytest.mark.parametrize("kind", ["muon", "adamw", "adamw-fused"])
 def test_onecycle_on_the_wrapper_matches_eager(kind):
     # Muon: lr and betas[0] cycled, both live; torch AdamW: lr only (its betas are host numbers)
-    schedule = onecycle(cycle_momentum=kind == "muon")
-    reference, _, _ = train(eager(kind), schedule=schedule)
-    captured, stepper, _ = train(wrapped(kind), schedule=schedule)
-    assert stepper.captured
-    assert_same(reference, captured)
+    assert_captured_matches_eager(kind, schedule=onecycle(cycle_momentum=kind == "muon"))
 
 
 @needs_cuda
