@@ -26,6 +26,7 @@ from suite.harness import atomic
 from suite.harness.fingerprint import fingerprint_class
 from suite.harness.results import (
     BenchResult,
+    ContenderTiming,
     Fingerprint,
     GateResult,
     Record,
@@ -148,10 +149,14 @@ def _entries_of(result: GateResult) -> list[BaselineEntry]:
         )
         for bench in result.bench
         for c in bench.contenders
-        # a figure timed another way than its mode says (graph capture refused: eager calls) is
-        # no baseline of that mode
-        if c.median_ms is not None and not c.method
+        if _a_figure_of_its_mode(c)
     ]
+
+
+def _a_figure_of_its_mode(c: ContenderTiming) -> bool:
+    """Timed, and the way its bench's mode says: a graph mode whose capture was refused timed
+    eager calls, which are no figure of that mode to save or compare."""
+    return c.median_ms is not None and not c.method
 
 
 def _why_not_saved(result: GateResult) -> str:
@@ -328,7 +333,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
         seen = set()
         for bench in result.bench:
             for c in bench.contenders:
-                if c.median_ms is None or c.method:  # not timed in this mode's way: no figure of it
+                if not _a_figure_of_its_mode(c):
                     continue
                 key = (bench.case, bench.mode, c.name)
                 seen.add(key)
