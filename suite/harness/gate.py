@@ -236,8 +236,8 @@ class Gate:
                     raise ValueError(f"{where}: bench case {case.name!r} needs exactly one {role} contender")
             if case.window < 1 or case.cold_calls < 1:
                 raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
-        unknown = [n for n in self.perf.not_slower_than if n not in names]
         perf = self.perf
+        unknown = [n for n in perf.not_slower_than if n not in names]
         for key in [*perf.min_ceiling_fraction, *perf.min_speedup, *perf.max_over_reference_busy,
                     *perf.max_eager_over_graph]:
             if key[0] not in presets or key[1] not in cases:
