@@ -54,14 +54,24 @@ KERNELS = (
 )
 
 
+KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"needs a whole number >= 1, not {text!r}")
+    return int(text)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
     parser.add_argument("--sweep", action="store_true", help="also time the alternative tiles")
-    parser.add_argument("--kernel", action="append", help="only these kernels (repeatable; default all): "
-                        + ", ".join([k for k, _, _ in KERNELS] + ["combine_backward"]))
-    parser.add_argument("--profile", default=None, help="rtx | none (default: SUITE_PROFILE, else auto)")
-    parser.add_argument("--replays", type=int, default=20, help="graph replays per figure; the median is kept")
+    parser.add_argument("--kernel", action="append", choices=KERNEL_NAMES,
+                        help="only these kernels (repeatable; default all)")
+    parser.add_argument("--profile", default=None, choices=("auto", "rtx", "none"),
+                        help="default: SUITE_PROFILE, else auto")
+    parser.add_argument("--replays", type=_positive, default=20, help="graph replays per figure; the median is kept")
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json)")
     return parser.parse_args(argv)
 
@@ -194,10 +204,7 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
     d, f, tokens, k = p["hidden"], p["ffn"], p["tokens"], p["top_k"]
     limit = smem_limit(device)
     figures: dict[str, Any] = {"preset": name, "params": dict(p), "smem_limit": limit, "kernels": []}
-    chosen = set(args.kernel or [k for k, _, _ in KERNELS] + ["combine_backward"])
-    unknown = chosen - set(kernels)
-    if unknown:
-        raise SystemExit(f"moe_tune: no kernel {sorted(unknown)}; the kernels are {sorted(kernels)}")
+    chosen = set(args.kernel or KERNEL_NAMES)
     for kernel, operands, per_rdf in KERNELS:
         if kernel not in chosen:
             continue
@@ -281,6 +288,15 @@ def main(argv=None) -> int:
         os.environ["SUITE_PROFILE"] = args.profile
     import torch
 
+    import gates
+    from suite.errors import UsageError
+
+    try:
+        for name in args.preset or ["olmoe"]:
+            gates.get("moe-bwd").preset(name)
+    except UsageError as exc:  # a typo is named on any machine, before a GPU is looked for
+        print(f"moe_tune: {exc}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("moe_tune needs a CUDA GPU", file=sys.stderr)
         return 3

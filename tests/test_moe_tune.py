@@ -29,14 +29,28 @@ def test_every_swept_gemm_config_fits_the_rtx_card(tune, n_a, n_b):
     assert len(configs) < len(tune.GEMM_CANDIDATES) or n_b == 1  # two B tiles rule some out
 
 
-def test_kernel_selects_what_runs_and_an_unknown_one_is_named(tune):
+def test_kernel_selects_what_runs(tune):
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
     args = tune.parse_args(["--kernel", "dw_down"])
     figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
     assert [e["kernel"] for e in figures["kernels"]] == ["dw_down"]
-    with pytest.raises(SystemExit, match="no kernel .'dw_up'.*the kernels are"):
-        tune.tune_preset("tiny-top2", tune.parse_args(["--kernel", "dw_up"]), _InlineTimer(), ceilings,
-                         torch.device("cpu"))
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--kernel", "dw_up"], "invalid choice: 'dw_up'"),
+    (["--profile", "rtx5090"], "invalid choice: 'rtx5090'"),
+    (["--replays", "0"], "needs a whole number >= 1"),
+])
+def test_bad_arguments_exit_2_with_one_line(tune, capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_:
+        tune.parse_args(argv)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_an_unknown_preset_exits_2_naming_the_presets(tune, capsys):
+    assert tune.main(["--preset", "olmo"]) == 2
+    err = capsys.readouterr().err
+    assert "no preset 'olmo'" in err and "olmoe" in err and "Traceback" not in err
 
 
 def test_a_config_that_writes_nan_is_not_a_match(tune):
