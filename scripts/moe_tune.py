@@ -195,7 +195,9 @@ def time_kernel(timer, fn: Callable[[], Any], replays: int) -> float:
     return statistics.median(timer.time_calls(replay, replays, flush_l2=True, window=1))
 
 
-def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
+def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda figures: None) -> dict[str, Any]:
+    """Every chosen kernel of preset `name` timed; kernel_done(figures so far) after each (a
+    sweep cut short by a time limit still leaves what it measured)."""
     from suite.arms import moe_kernels as mk
     from suite.device_profile import smem_limit
 
@@ -229,6 +231,7 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
                                      "of_gemm": flops / ms / 1e9 / ceilings.gemm_bf16_tflops, "rel_diff": diff})
         fn()  # the default's outputs again: the next kernels read them
         figures["kernels"].append(entry)
+        kernel_done(figures)
 
     if "combine_backward" not in chosen:
         return figures
@@ -249,6 +252,7 @@ def tune_preset(name: str, args, timer, ceilings, device) -> dict[str, Any]:
         entry["timings"].append({"config": config.__dict__, "ms": ms, "gbps": nbytes / ms / 1e6,
                                  "of_copy": nbytes / ms / 1e6 / ceilings.copy_gbps, "rel_diff": diff})
     figures["kernels"].append(entry)
+    kernel_done(figures)
     return figures
 
 
@@ -308,10 +312,21 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "profile": os.environ.get("SUITE_PROFILE", "auto"), "ceilings": ceilings.model_dump(),
                "presets": []}
-    for name in args.preset or ["olmoe"]:
-        results["presets"].append(tune_preset(name, args, timer, ceilings, device))
-        torch.cuda.empty_cache()
     path = args.json or (os.path.join(os.environ["OUT"], "moe_tune.json") if os.environ.get("OUT") else None)
+
+    def save(figures: dict[str, Any]) -> None:
+        entry = figures["kernels"][-1]
+        timed = [t["ms"] for t in entry["timings"] if "ms" in t]
+        print(f"{figures['preset']} {entry['kernel']}: {len(timed)} configs timed, "
+              f"default {timed[0] if timed else float('nan'):.4f} ms, best {min(timed, default=float('nan')):.4f} ms",
+              flush=True)
+        if path:
+            with open(path, "w") as fh:
+                json.dump({**results, "presets": results["presets"] + [figures]}, fh, indent=1)
+
+    for name in args.preset or ["olmoe"]:
+        results["presets"].append(tune_preset(name, args, timer, ceilings, device, save))
+        torch.cuda.empty_cache()
     if path:
         with open(path, "w") as fh:
             json.dump(results, fh, indent=1)

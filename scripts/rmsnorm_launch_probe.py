@@ -103,6 +103,7 @@ def contenders(arm, skip_compile: bool) -> dict[str, Callable]:
     norms: dict[str, Callable] = {
         "arm": partial(arm.rms_norm, eps=EPS),
         "arm kernel[grid]": partial(arm.rms_norm, eps=EPS),  # run with FAST_LAUNCH off
+        "fused": partial(arm.rms_norm, eps=EPS, impl="fused"),  # our kernels at every size
         "F.rms_norm": lambda x, w: F.rms_norm(x, (x.shape[-1],), w, EPS),
     }
     if skip_compile:
@@ -219,8 +220,46 @@ def components_section(arm, support, args) -> dict[str, float]:
         def backward(ctx, grad):
             return grad, None
 
+    class SavesThree(torch.autograd.Function):
+        """identity, but saving what ours saves and unpacking it in the backward"""
+
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b, stats)
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.saved_tensors
+            return grad, None
+
+    class OurBackwardOnly(torch.autograd.Function):
+        """no forward work; the backward runs ours (3 allocations, the folded launch)"""
+
+        @staticmethod
+        def forward(ctx, a, b):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            # the folded launch leaves the counters in stats at zero: reusable
+            return arm._backward(grad, x, weight, stats, 0.0, cfg, reduce_dw=True)
+
     xg = x.detach().requires_grad_()
+    wg = weight.detach().requires_grad_()
     pieces = {
+        "ours, forward + autograd.grad (impl=fused)": lambda: torch.autograd.grad(
+            arm.rms_norm(xg, wg, EPS, impl="fused"), (xg, wg), dy),
+        "torch.rms_norm forward + autograd.grad": lambda: torch.autograd.grad(
+            torch.rms_norm(xg, (cols,), wg, EPS), (xg, wg), dy),
+        "ours, forward under grad, no backward (Function.apply)": lambda: arm.rms_norm(xg, wg, EPS, impl="fused"),
+        "torch.rms_norm forward under grad, no backward": lambda: torch.rms_norm(xg, (cols,), wg, EPS),
+        "identity Function saving 3 tensors + autograd.grad": lambda: torch.autograd.grad(SavesThree.apply(xg, wg), xg, dy),
+        "identity forward, our backward + autograd.grad": lambda: torch.autograd.grad(
+            OurBackwardOnly.apply(xg, wg), (xg, wg), dy),
+        "our _backward block alone (3 allocations, launch)": lambda: arm._backward(dy, x, weight, stats, 0.0, cfg, True),
+        "3 torch.empty": lambda: (torch.empty_like(x), torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device),
+                                  torch.empty(cols, dtype=weight.dtype, device=x.device)),
         "rms_norm_forward block (config, 2 allocations, launch)": lambda: arm.rms_norm_forward(x, weight, EPS, 0.0),
         "rms_norm_backward_reduced block (3 allocations, launch)": lambda: arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0),
         "launch() of the forward kernel, cached": lambda: support.launch(kernel, cfg.row_grid, *fwd_args, **fwd_meta),
