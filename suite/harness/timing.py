@@ -695,7 +695,7 @@ def measure_ceilings(device: torch.device | str | int, timer: Timer | None = Non
 
     def median_ms(fn: Callable[[], Any]) -> float:
         fn()  # first call alone: allocator, cuBLAS handle and heuristics
-        _warm_up(timer, fn, policy, flush_l2=False, window=1)
+        _warm_up(timer, fn, policy, flush_l2=False, window=1, batch_size=policy.calls_per_round)
         return statistics.median(timer.time_calls(fn, n_calls, flush_l2=False, window=1))
 
     free, _ = torch.cuda.mem_get_info(device)
