@@ -245,7 +245,10 @@ def _timed(make_norm: Callable[[float, float], Callable]) -> Callable[[BenchCase
 def _with(norm: Callable, compiled: bool = False, **options) -> Callable[[float, float], Callable]:
     def make(eps: float, offset: float) -> Callable:
         if not compiled:
-            return partial(norm, eps=eps, offset=offset, **options)
+            if options:
+                return partial(norm, eps=eps, offset=offset, **options)
+            # called as a user writes it: positional, no partial's keyword merging on the host
+            return lambda x, w: norm(x, w, eps, offset)
         # A fresh compile for this shape: a run compiles one function for many shapes and grad
         # modes, and past dynamo's recompile limit it would silently run the eager code.
         torch._dynamo.reset()

@@ -41,7 +41,7 @@ GEMM_CANDIDATES = (
     (128, 64, 32, 3, 8, 0), (64, 128, 32, 3, 4, 0), (64, 128, 32, 3, 4, 16), (64, 64, 64, 2, 4, 0),
 )
 # (block_t, block_d, num_warps)
-COMBINE_CANDIDATES = tuple((t, bd, w) for t in (2, 4, 8, 16, 32) for bd in (128, 256, 512) for w in (4, 8))
+COMBINE_CANDIDATES = tuple((t, bd, w) for t in (1, 2, 4, 8, 16, 32) for bd in (128, 256, 512, 1024) for w in (4, 8))
 # the arm's GEMM kernels of one layer: name, operand tiles (n_a, n_b) a step, FLOPs per
 # (row, d, f); they add up to the layer's 18 T k d f
 KERNELS = (
@@ -100,7 +100,11 @@ def gemm_config(config):
     from suite.arms import moe_kernels as mk
 
     chosen = mk._gemm_config
-    mk._gemm_config = lambda rows, n, dtype, n_a, n_b, device: dataclasses.replace(config, n_a=n_a, n_b=n_b)
+    def forced(kind, *args, **kwargs):
+        (n_a, n_b), _ = mk.GEMM_KINDS[kind]
+        return dataclasses.replace(config, n_a=n_a, n_b=n_b)
+
+    mk._gemm_config = forced
     try:
         yield
     finally:
@@ -125,8 +129,8 @@ def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
 
     chosen, seen = mk._gemm_config, []
 
-    def record(*args):
-        config = chosen(*args)
+    def record(*args, **kwargs):
+        config = chosen(*args, **kwargs)
         seen.append(config)
         return config
 

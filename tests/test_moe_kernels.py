@@ -374,12 +374,25 @@ SHAPE_CLASSES = [(8, 768), (64, 1024), (512, 2048), (4096, 14336), (1024, 24), (
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows_per_expert, n", SHAPE_CLASSES)
-@pytest.mark.parametrize("n_a, n_b", [(1, 1), (1, 2), (2, 2)])
-def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype, rows_per_expert, n, n_a, n_b):
+@pytest.mark.parametrize("kind", sorted(mk.GEMM_KINDS))
+@pytest.mark.parametrize("weight_elems", [0, 1 << 26])
+def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype, rows_per_expert, n, kind, weight_elems):
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    cfg = mk._gemm_config(rows_per_expert, n, dtype, n_a, n_b, torch.device("cuda", 0))
+    cfg = mk._gemm_config(kind, rows_per_expert, n, dtype, torch.device("cuda", 0), weight_elems)
     assert cfg.smem_bytes <= RTX_SMEM_BYTES
     assert cfg.num_stages >= 2  # every class still pipelines on the RTX card
+    assert (cfg.n_a, cfg.n_b) == mk.GEMM_KINDS[kind][0]
+
+
+def test_the_h200_takes_the_measured_tiles_unshrunk(monkeypatch):
+    """Off the rtx profile, a many-rows bf16 layer gets GEMM_KINDS' tiles as measured (its
+    sweep's winners fit the H200's shared memory, so nothing may shrink them)."""
+    monkeypatch.setenv("SUITE_PROFILE", "none")
+    monkeypatch.setattr(mk, "smem_limit", lambda device: 232448)
+    for kind, (_, (block_m, block_n, block_k, stages, warps, group_m)) in mk.GEMM_KINDS.items():
+        cfg = mk._gemm_config(kind, 1024, 4096, torch.bfloat16, torch.device("cuda", 0))
+        assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps, cfg.group_m) == (
+            block_m, block_n, block_k, stages, warps, group_m), kind
 
 
 GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like

@@ -387,6 +387,47 @@ def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch)
     assert not arm.routes_to_native(small, training=True, on_cuda=True, same_dtype=True)
 
 
+class _FakeTensor:
+    """What rms_norm's routing reads of a tensor, on a machine without CUDA."""
+
+    def __init__(self, numel, dtype, requires_grad=False, dims=1):
+        self._numel, self.dtype, self.requires_grad, self._dims = numel, dtype, requires_grad, dims
+        self.is_cuda, self.shape = True, (numel,)
+
+    def numel(self):
+        return self._numel
+
+    def dim(self):
+        return self._dims
+
+
+@pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, weight_dtype):
+    """rms_norm inlines routes_to_native for speed: both decide alike for every size class,
+    grad state and dtype pair (a routed call reaches the native op; the rest go on to our
+    validation, which the fakes fail)."""
+    monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
+    monkeypatch.setattr(arm, "_capturing", lambda: False)
+    routed = []
+    monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: routed.append(args) or "native")
+    x = _FakeTensor(numel, torch.bfloat16, requires_grad=training)
+    weight = _FakeTensor(4096, weight_dtype)
+    try:
+        arm.rms_norm(x, weight)
+    except Exception:
+        pass
+    assert bool(routed) == arm.routes_to_native(numel, training, True, weight_dtype is torch.bfloat16)
+    with torch.no_grad():  # no backward to come, whatever requires_grad says
+        routed.clear()
+        try:
+            arm.rms_norm(x, weight)
+        except Exception:
+            pass
+        assert bool(routed) == arm.routes_to_native(numel, False, True, weight_dtype is torch.bfloat16)
+
+
 def test_impl_is_checked():
     x, weight, _ = make((4, 8), torch.float32)
     with pytest.raises(ValueError, match="impl must be one of"):
@@ -398,7 +439,7 @@ def test_impl_is_checked():
 def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeypatch):
     calls = []
     native = torch.rms_norm
-    monkeypatch.setattr(torch, "rms_norm", lambda *args: calls.append("native") or native(*args))
+    monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: calls.append("native") or native(*args))
     small = make((64, 256), torch.bfloat16)
     arm.rms_norm(small[0], small[1])
     assert calls == ["native"]

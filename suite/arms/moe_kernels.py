@@ -273,8 +273,12 @@ def _combine_bwd_kernel(
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < n_tokens
     wide_tokens = tokens.to(tl.int64)
-    slot0 = wide_tokens * TOP_K
     slots = tl.arange(0, BLOCK_S)
+    slot_offs = wide_tokens[:, None] * TOP_K + slots[None, :]
+    slot_mask = token_mask[:, None] & (slots < TOP_K)[None, :]
+    # each slot's row and probability, loaded once: the loop below only streams the rows
+    rows = tl.load(ROW_ID_MAP + slot_offs, mask=slot_mask, other=-1)
+    probs = tl.load(PROBS + slot_offs, mask=rows >= 0, other=0.0)
     dots = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for d0 in range(0, d, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -282,15 +286,16 @@ def _combine_bwd_kernel(
         grad = tl.load(GRAD_OUT + wide_tokens[:, None] * d + cols[None, :], mask=token_mask[:, None] & col_mask[None, :],
                        other=0.0).to(tl.float32)
         for s in tl.static_range(TOP_K):
-            row = tl.load(ROW_ID_MAP + slot0 + s, mask=token_mask, other=-1)
+            this = slots[None, :] == s
+            row = tl.sum(tl.where(this, rows, 0), axis=1)
+            p = tl.sum(tl.where(this, probs, 0.0), axis=1)
             kept = row >= 0
-            p = tl.load(PROBS + slot0 + s, mask=kept, other=0.0)
             offs = row.to(tl.int64)[:, None] * d + cols[None, :]
             mask = kept[:, None] & col_mask[None, :]
             tl.store(GRAD_ROWS + offs, (grad * p[:, None]).to(GRAD_ROWS.dtype.element_ty), mask=mask)
             y = tl.load(Y_ROWS + offs, mask=mask, other=0.0).to(tl.float32)
-            dots += tl.where(slots[None, :] == s, tl.sum(grad * y, axis=1)[:, None], 0.0)
-    tl.store(GRAD_PROBS + slot0[:, None] + slots[None, :], dots, mask=token_mask[:, None] & (slots < TOP_K)[None, :])
+            dots += tl.where(this, tl.sum(grad * y, axis=1)[:, None], 0.0)
+    tl.store(GRAD_PROBS + slot_offs, dots, mask=slot_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,35 +336,61 @@ def _interpreting() -> bool:
     return interpreting(_up_kernel)
 
 
-# Tiles by shape class (no autotuning): rows per expert few (decode-like, many experts) or many,
-# output columns narrow or wide. The reduced dim steps by 64 two-byte values (32 fp32: the same
-# bytes). Under the interpreter, 16 everywhere: tiny test shapes then still take several tiles,
-# several steps and masked edges.
-_MANY_ROWS = 128  # average rows per expert from which 128-row tiles pay off
-_MAX_STAGES = 4
+# One tile per GEMM kind (no autotuning), measured on the H200 with scripts/moe_tune.py --sweep
+# over the four model presets (olmoe, qwen3-30b-a3b, mixtral, top2-small; bf16, 2026-12-01):
+# each row was the fastest, or within 4% of it, at every preset (mixtral's down_backward
+# within 2%). block_n is per B tile: the kinds with two (up: gate and up; dx and the
+# gate/up weight gradient: two operand pairs or outputs) hold block_m x 2*block_n of
+# accumulators. group_m walks the row tiles in groups so a group's A rows stay in L2 across
+# the column tiles (_tile_ids). Against the old shape-class rule, per preset: up 1.27-1.38x,
+# down 1.50-1.69x, down_backward 1.22-1.44x, dx 1.53-1.63x, the weight gradients 1.10-1.28x;
+# one layer's GEMMs and combine backward, summed: mixtral 50.46 -> 36.51 ms, olmoe 7.58 -> 5.58.
+#   kind            (n_a, n_b)  block_m, block_n, block_k, stages, warps, group_m
+GEMM_KINDS = {
+    "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
+    "rows": ((1, 1), (128, 256, 64, 4, 8, 16)),  # expert_down: y = a @ w_down
+    "swiglu_grad": ((1, 1), (128, 64, 64, 4, 8, 8)),  # d_a = grad @ w_down^T, epilogue reads g, u
+    "dx": ((2, 2), (128, 128, 64, 3, 8, 0)),  # dg @ w_gate^T + du @ w_up^T, one accumulator
+    "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
+    "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
+}
+# A weight gradient of this many elements per expert or more (mixtral's 4096 x 14336) outgrows
+# the L2: its X slices are reused across column tiles only when walked in groups, and 8 warps
+# then pay (9.46 ms against 11.03 ms at 4 warps, ungrouped, on mixtral).
+_BIG_WEIGHT = 1 << 24
+# Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
+# 64-row tiles at 4 warps there.
+_MANY_ROWS = 128
 # Measured on the H200 (triton 3.6): the dx kernel at 64x128x64, two operand pairs, 2 stages of
 # bf16, took 102400 bytes against 98304 for its operand buffers; twice that margin is kept.
 _SMEM_SCRATCH = 8192
 
 
-def _gemm_config(rows_per_expert: int, n: int, dtype: torch.dtype, n_a: int, n_b: int, device) -> GemmConfig:
+def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weight_elems: int = 0) -> GemmConfig:
+    """The tile of GEMM `kind` (GEMM_KINDS) for `rows` average rows per expert (for a weight
+    gradient, the weight's rows) and n output columns, held to the device profile's shared
+    memory; weight_elems: a weight gradient's elements per expert."""
+    (n_a, n_b), (block_m, block_n, block_k, stages, num_warps, group_m) = GEMM_KINDS[kind]
     itemsize = torch.empty((), dtype=dtype).element_size()
     if _interpreting() and device.type != "cuda":
-        return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize)
-    block_m = 128 if rows_per_expert >= _MANY_ROWS else 64
-    # two B tiles a step (gate and up: two accumulators; dx: two operand pairs) halve the 128-row
-    # tile's width, keeping its registers and shared memory those of one
-    block_n = max(16, min(128 // n_b if block_m == 128 else 128, triton.next_power_of_2(n)))
-    block_k = 64 if itemsize < 4 else 32
-    num_warps = 8 if block_m * block_n * n_b >= 128 * 128 else 4
+        # tiny test shapes still take several tiles, steps, groups and masked edges
+        return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
+    if rows < _MANY_ROWS:
+        block_m, block_n, num_warps = 64, min(block_n, 128), 4
+    if weight_elems >= _BIG_WEIGHT:
+        num_warps, group_m = 8, 16
+    block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+    if itemsize == 4:
+        block_k //= 2  # fp32 (the parity path): the same bytes a step
     limit = smem_limit(device)
     # where the whole tile cannot double-buffer (the RTX card's 99 KB), narrow the reduced step,
     # then the columns, before giving up the pipelining
     shrinks = [(block_n, block_k), (block_n, block_k // 2), (block_n // 2, block_k // 2)]
     for min_stages in (2, 1):
         for n_cols, k_step in shrinks:
-            for stages in range(_MAX_STAGES, min_stages - 1, -1):
-                config = GemmConfig(block_m, max(16, n_cols), max(16, k_step), num_warps, stages, n_a, n_b, itemsize)
+            for n_stages in range(stages, min_stages - 1, -1):
+                config = GemmConfig(block_m, max(16, n_cols), max(16, k_step), num_warps, n_stages, n_a, n_b, itemsize,
+                                    group_m)
                 if config.smem_bytes <= limit:
                     return config
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
@@ -374,9 +405,11 @@ class CombineConfig:
     num_warps: int
 
 
-# The combine is a streaming gather: tiles of 32 tokens x 128 columns (16 KiB fp32), 4 warps
-# (scripts/moe_tune.py sweeps the alternatives on a GPU).
-COMBINE = CombineConfig(32, 128, 4)
+# The combines stream rows: 8 tokens x 128 columns a program, 8 warps. Measured on the H200 with
+# scripts/moe_tune.py --sweep (combine backward, four model presets, 2026-12-01): within 4% of the
+# best of 30 tile shapes at each preset, where the old 32 x 128 at 4 warps took 1.28-1.70x the
+# best (32 tokens a program left too few programs to keep the memory busy).
+COMBINE = CombineConfig(8, 128, 8)
 
 
 def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
@@ -470,7 +503,7 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     g = _buffer(gate_out, fn, "gate_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     if n_rows and n_experts and f:
-        cfg = _gemm_config(n_rows // n_experts, f, x.dtype, 1, 2, x.device)
+        cfg = _gemm_config("up", n_rows // n_experts, f, x.dtype, x.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
         launch(
             _up_kernel, _row_tile_grid(tiles, cfg),
@@ -514,7 +547,8 @@ def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None
     n_experts = offsets.shape[0] - 1
     two = a2 is not None
     if n_rows and n_experts and n_n:
-        cfg = _gemm_config(n_rows // n_experts, n_n, a.dtype, 2 if two else 1, 2 if two else 1, a.device)
+        kind = "dx" if two else ("rows" if gate is None else "swiglu_grad")
+        cfg = _gemm_config(kind, n_rows // n_experts, n_n, a.dtype, a.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
         launch(
             _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
@@ -534,7 +568,7 @@ def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
     if n_experts and n_i and n_j:
         two = grad2 is not None
         # the weight's rows take the place of the token rows: 128-row tiles once it has 128
-        cfg = _gemm_config(n_i, n_j, grad.dtype, 1, 2 if two else 1, grad.device)
+        cfg = _gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, grad.dtype, grad.device, n_i * n_j)
         launch(
             _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts),
             x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,

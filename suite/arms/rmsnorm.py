@@ -619,9 +619,16 @@ IMPLS = ("auto", "fused")
 def routes_to_native(numel: int, training: bool, on_cuda: bool, same_dtype: bool) -> bool:
     """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
     interpreter) of a size class where ours loses on the host, x and weight of one dtype (the
-    native kernel's own rule)."""
+    native kernel's own rule). `rms_norm` inlines this rule (a test holds the two together)."""
     below = NATIVE_BELOW_TRAINING if training else NATIVE_BELOW_FORWARD
     return on_cuda and _KERNELS_COMPILED and same_dtype and numel < below
+
+
+# Bound once: on the routed path every attribute lookup is host time the native op does not pay.
+_compiling = torch.compiler.is_compiling
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+_grad_enabled = torch.is_grad_enabled
+_native_rms_norm = torch.rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
@@ -632,19 +639,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     loop runs faster on torch's native kernel (`routes_to_native`: small CUDA tensors, outside
     torch.compile and CUDA-graph capture), which then computes it."""
     if impl == "auto":
-        # Cheapest checks first: on this path every microsecond of Python is what it saves. The
-        # size class decides alone below NATIVE_BELOW_FORWARD, so the grad state is read above it
-        # only. Inside a CUDA-graph capture the host's cost is paid once: ours, the faster kernels.
-        if x.is_cuda and x.dtype is weight.dtype and x.dtype in _SUPPORTED_DTYPES and weight.dim() == 1:
-            n = x.numel()
-            training = n >= NATIVE_BELOW_FORWARD and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            if (routes_to_native(n, training, True, True) and not torch.compiler.is_compiling()
-                    and not torch.cuda.is_current_stream_capturing()):
-                try:
-                    # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
-                    return torch.rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, float(eps))
-                except RuntimeError:
-                    pass  # what the native op refuses gets _validate's clearer error below
+        # routes_to_native inlined, cheapest checks first: on this path every fraction of a
+        # microsecond of Python is host time F.rms_norm does not pay. The grad state is read
+        # only between the two size classes. Inside a CUDA-graph capture (and torch.compile) the
+        # host's cost is paid once: ours, the faster kernels.
+        n = x.numel()
+        dtype = x.dtype
+        if (n < NATIVE_BELOW_TRAINING and x.is_cuda and dtype is weight.dtype and _KERNELS_COMPILED
+                and (n < NATIVE_BELOW_FORWARD or (_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+                and dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
+            try:
+                # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
+                return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)
+            except RuntimeError:
+                pass  # what the native op refuses gets _validate's clearer error below
     elif impl != "fused":
         raise ValueError(f"rms_norm: impl must be one of {IMPLS}, not {impl!r}")
     _validate(x, weight)
