@@ -138,7 +138,8 @@ def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
 
     cuda = torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == case)
-    preset = GATE.preset("tiny")
+    # a bench preset: torch._grouped_mm refuses the tiny ones' strides (not multiples of 16 B)
+    preset = GATE.preset("top2-small")
     buffers = GATE.make_buffers(preset, 1, cuda)
     timer = CudaTimer(cuda)
     for contender in GATE.contenders_for(bench):
@@ -150,8 +151,9 @@ def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
         replay = timer.capture(lambda: outputs.append(call()))
         replay()
         torch.cuda.synchronize()
-        for got, expected in zip(outputs[-1], want):  # fp32; the eager peers' index_add_ sums by atomics
+        for got, expected in zip(outputs[-1], want):  # the eager peers' index_add_ sums by atomics
             torch.testing.assert_close(got, expected, msg=contender.name)
+        del call, outputs, replay
 
 
 def test_grouped_mm_peer_computes_the_experts():

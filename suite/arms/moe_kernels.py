@@ -285,16 +285,21 @@ def _combine_bwd_kernel(
         col_mask = cols < d
         grad = tl.load(GRAD_OUT + wide_tokens[:, None] * d + cols[None, :], mask=token_mask[:, None] & col_mask[None, :],
                        other=0.0).to(tl.float32)
+        # every slot's load before any store: the compiler keeps a load after a store it cannot
+        # prove does not alias it, which would serialise the slots' memory round trips
+        for s in tl.static_range(TOP_K):
+            this = slots[None, :] == s
+            row = tl.sum(tl.where(this, rows, 0), axis=1)
+            offs = row.to(tl.int64)[:, None] * d + cols[None, :]
+            y = tl.load(Y_ROWS + offs, mask=(row >= 0)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+            dots += tl.where(this, tl.sum(grad * y, axis=1)[:, None], 0.0)
         for s in tl.static_range(TOP_K):
             this = slots[None, :] == s
             row = tl.sum(tl.where(this, rows, 0), axis=1)
             p = tl.sum(tl.where(this, probs, 0.0), axis=1)
-            kept = row >= 0
             offs = row.to(tl.int64)[:, None] * d + cols[None, :]
-            mask = kept[:, None] & col_mask[None, :]
-            tl.store(GRAD_ROWS + offs, (grad * p[:, None]).to(GRAD_ROWS.dtype.element_ty), mask=mask)
-            y = tl.load(Y_ROWS + offs, mask=mask, other=0.0).to(tl.float32)
-            dots += tl.where(this, tl.sum(grad * y, axis=1)[:, None], 0.0)
+            tl.store(GRAD_ROWS + offs, (grad * p[:, None]).to(GRAD_ROWS.dtype.element_ty),
+                     mask=(row >= 0)[:, None] & col_mask[None, :])
     tl.store(GRAD_PROBS + slot_offs, dots, mask=slot_mask)
 
 
@@ -354,9 +359,10 @@ GEMM_KINDS = {
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
     "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
 }
-# A weight gradient of this many elements per expert or more (mixtral's 4096 x 14336) outgrows
-# the L2: its X slices are reused across column tiles only when walked in groups, and 8 warps
-# then pay (9.46 ms against 11.03 ms at 4 warps, ungrouped, on mixtral).
+# The gate/up weight gradient of this many elements per expert or more (mixtral's 4096 x
+# 14336) outgrows the L2: its X slices are reused across column tiles only when walked in
+# groups, and 8 warps then pay (9.46 ms against 11.03 ms at 4 warps, ungrouped, on mixtral).
+# dW_down there is fastest ungrouped (3.50 ms against 4.01 grouped by 16).
 _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there.
@@ -377,7 +383,7 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
         return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
     if rows < _MANY_ROWS:
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
-    if weight_elems >= _BIG_WEIGHT:
+    if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:
         num_warps, group_m = 8, 16
     block_n = max(16, min(block_n, triton.next_power_of_2(n)))
     if itemsize == 4:
