@@ -478,11 +478,17 @@ BENCHES = (
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
 
 PERF = PerfCriterion(
-    # the issue asks it on olmoe and qwen3-30b-a3b; a criterion names contenders, not presets,
-    # so it holds on every preset (timed where grouped_mm is available)
-    not_slower_than=("reference", "grouped_mm"),
+    not_slower_than=("reference",),
     min_speedup={("olmoe", "fwd+bwd"): 8.0},
-    min_ceiling_fraction={(name, "combine-bwd"): 0.8 for name in MODEL_PRESETS},
+    # the issue's targets against torch._grouped_mm (judged where it is available): at least as
+    # fast on the presets with many experts, 0.9x on mixtral's 8 wide ones (cuBLAS-class
+    # GEMMs with no gather); the backward alone is held to the same bars
+    min_speedup_over={(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
+                      for name in MODEL_PRESETS for case in EXPERT_CASES},
+    # a device-time claim, so graph replays: called alone, eagerly, a 28 us combine is bound by
+    # its host dispatch (reported beside it); in a training loop it runs inside the experts'
+    # backward, whose eager calls max_eager_over_graph holds to their graph replays
+    min_ceiling_fraction={(name, "combine-bwd", "graph"): 0.8 for name in MODEL_PRESETS},
     # host dispatch must not eat the win
     max_eager_over_graph={(name, case): 1.1 for name in MODEL_PRESETS for case in EXPERT_CASES},
 )

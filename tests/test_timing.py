@@ -272,6 +272,25 @@ def test_min_speedup_boundary(least, passed):
     assert result.passed is passed
 
 
+@pytest.mark.parametrize("bar, passed", [(0.8, True), (0.81, False)])
+def test_min_speedup_over_a_peer_boundary(bar, passed):
+    """A target that is a fraction of a peer: the arm at exactly 0.8x of the peer passes 0.8
+    and fails 0.81; the reference's own criterion is untouched."""
+    dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
+    criterion = PerfCriterion(not_slower_than=("reference",), min_speedup_over={("small", "fwd"): {"peer": bar}})
+    result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
+    check = next(c for c in result.criteria if c.name == f"speedup over peer >= {bar:g}x")
+    assert check.passed is passed and "0.800x" in check.detail
+    assert result.passed is passed
+
+
+def test_min_speedup_over_an_unavailable_peer_is_skipped_and_named():
+    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 1.0}})
+    result, _ = bench(EXACT, criterion, contenders=make_contenders(unavailable={"peer": "no such kernel here"}))
+    check = next(c for c in result.criteria if c.name.startswith("speedup over peer"))
+    assert check.passed and "no such kernel here" in check.detail
+
+
 def test_ceiling_fraction_without_ceilings_fails():
     criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): 0.1})
     result, _ = bench(EXACT, criterion, ceilings=None)
@@ -441,6 +460,8 @@ def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(not_slower_than=("reference", "nope")))
     with pytest.raises(ValueError, match="huge"):
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("huge", "sum"): 2.0}))
+    with pytest.raises(ValueError, match="nobody"):
+        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup_over={("tiny", "sum"): {"nobody": 1.0}}))
     for table in ("max_over_reference_busy", "max_eager_over_graph"):
         with pytest.raises(ValueError, match="fwd"):
             dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(**{table: {("tiny", "fwd"): 1.1}}))

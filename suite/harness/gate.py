@@ -138,6 +138,9 @@ class PerfCriterion:
     not_slower_modes: tuple[TimingMode, ...] | None = None
     min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
     min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
+    # the arm's speedup over a named peer at least this, where a target is a fraction of a peer
+    # ("at least 0.9x of grouped_mm on mixtral"): key -> {contender: least}
+    min_speedup_over: Mapping[CriterionKey, Mapping[str, float]] = field(default_factory=dict)
     max_over_reference_busy: Mapping[CriterionKey, float] = field(default_factory=dict)
     # the arm's eager-call median at most this multiple of its graph-replay median, for a case
     # timed both ways (host dispatch must not eat a kernel's win); keyed (preset, case)
@@ -154,6 +157,9 @@ class PerfCriterion:
 
     def speedup(self, preset: str, case: str, mode: str) -> float | None:
         return _lookup(self.min_speedup, preset, case, mode)
+
+    def speedups_over(self, preset: str, case: str, mode: str) -> Mapping[str, float]:
+        return _lookup(self.min_speedup_over, preset, case, mode) or {}
 
     def not_slower(self, mode: str) -> tuple[str, ...]:
         return self.not_slower_than if self.not_slower_modes is None or mode in self.not_slower_modes else ()
@@ -239,9 +245,10 @@ class Gate:
         perf = self.perf
         unknown = [n for n in perf.not_slower_than if n not in names]
         for key in [*perf.min_ceiling_fraction, *perf.min_speedup, *perf.max_over_reference_busy,
-                    *perf.max_eager_over_graph]:
+                    *perf.max_eager_over_graph, *perf.min_speedup_over]:
             if key[0] not in presets or key[1] not in cases:
                 unknown.append(str(key))
+        unknown += [f"{key}: {n}" for key, over in perf.min_speedup_over.items() for n in over if n not in names]
         case_modes = {b.name: set(b.modes) for b in self.benches}
         for key in perf.max_eager_over_graph:  # judged only on a case timed both ways
             if len(key) != 2 or (key[1] in case_modes and not {"graph", "eager"} <= case_modes[key[1]]):

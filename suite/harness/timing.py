@@ -506,6 +506,7 @@ def measure_bench(
     per_round: dict[str, list[float]] = {name: [] for name in others}
     deciding = {ref_name} | set(criterion.not_slower(mode))
     least = criterion.speedup(preset.name, case.name, mode)
+    over = criterion.speedups_over(preset.name, case.name, mode)
 
     def run_round(index: int, target: int) -> None:
         say(f"round {index + 1}/{target}")
@@ -534,6 +535,7 @@ def measure_bench(
         undecided = [by_name[n] for n in deciding if n in by_name and not_slower(by_name[n], floor_log) == "undecided"]
         if least is not None and at_least(by_name[ref_name], least) == "undecided":
             undecided.append(by_name[ref_name])
+        undecided += [by_name[n] for n, bar in over.items() if n in by_name and at_least(by_name[n], bar) == "undecided"]
         if not undecided or target >= policy.max_rounds:
             break
         target = min(target + policy.round_step, policy.max_rounds)
@@ -616,6 +618,21 @@ def _check_criteria(
         checks.append(CriterionCheck(
             name=f"speedup over {ref_name} >= {least:g}x", passed=decision == "pass",
             detail=f"arm vs {ref_name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
+            ambiguous=decision == "undecided"))
+
+    for name, bar in criterion.speedups_over(preset.name, case.name, mode).items():
+        title = f"speedup over {name} >= {bar:g}x"
+        if name not in timed:
+            continue  # not timed in this case
+        if name in reasons:
+            checks.append(CriterionCheck(name=title, passed=True, detail=f"skipped: {name} unavailable ({reasons[name]})"))
+            continue
+        c = against[name]
+        decision = at_least(c, bar)
+        ambiguous = ambiguous or decision == "undecided"
+        checks.append(CriterionCheck(
+            name=title, passed=decision == "pass",
+            detail=f"arm vs {name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {bar:g}x",
             ambiguous=decision == "undecided"))
 
     bound = criterion.busy_bound(preset.name, case.name, mode)
