@@ -225,6 +225,18 @@ def test_save_never_merges_across_machine_classes_or_into_an_unreadable_file(tmp
     assert [r.run_id for r in load_baseline(path).runs] == ["second"]
 
 
+def test_rtx_profile_runs_keep_a_baseline_of_their_own_beside_the_devices(tmp_path):
+    """The rtx profile's tiles are another class of machine: its runs save to and compare
+    with <device>-rtx-profile/, and neither class refuses or overwrites the other."""
+    save_baseline(preset_run("small", "native"), tmp_path)
+    save_baseline(preset_run("small", "rtx", arm_ms=0.3, profile="rtx"), tmp_path)
+    native = load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json")
+    rtx = load_baseline(tmp_path / "nvidia-h200-rtx-profile" / "rmsnorm.json")
+    assert [r.run_id for r in native.runs] == ["native"] and [r.run_id for r in rtx.runs] == ["rtx"]
+    comparison = compare(preset_run("small", "later", arm_ms=0.3, profile="rtx"), tmp_path)
+    assert comparison.baselines == {"rmsnorm": str(tmp_path / "nvidia-h200-rtx-profile" / "rmsnorm.json")}
+
+
 def test_load_baseline_errors_are_clear(tmp_path):
     path = tmp_path / "rmsnorm.json"
     path.write_text(json.dumps({"schema_version": 7, "gate": "rmsnorm"}))

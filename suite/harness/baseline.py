@@ -125,8 +125,11 @@ class ComparisonReport(Record):
         return not any(e.role == "arm" and e.status == "regressed" for e in self.entries)
 
 
-def baseline_path(baselines_dir: str | Path, device_slug: str, gate: str) -> Path:
-    return Path(baselines_dir) / device_slug / f"{gate}.json"
+def baseline_path(baselines_dir: str | Path, fp: Fingerprint, gate: str) -> Path:
+    """baselines/<device slug>/<gate>.json; runs held to the rtx profile's shared memory are
+    another class of machine, kept beside them in <device slug>-rtx-profile/."""
+    folder = fp.device_slug + ("-rtx-profile" if fp.profile == "rtx" else "")
+    return Path(baselines_dir) / folder / f"{gate}.json"
 
 
 def load_baseline(path: str | Path) -> Baseline:
@@ -216,7 +219,7 @@ def save_baseline(
     fp = report.fingerprint
     new_class = fingerprint_class(fp)
     saved = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    paths = {gate: baseline_path(baselines_dir, fp.device_slug, gate) for gate in by_gate}
+    paths = {gate: baseline_path(baselines_dir, fp, gate) for gate in by_gate}
     with _locked(list(paths.values())):
         baselines = {}
         for gate, entries in by_gate.items():
@@ -306,7 +309,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
     paths: dict[str, str] = {}
     mismatches: dict[str, str] = {}
     for gate in gates:
-        path = baseline_path(baselines_dir, report.fingerprint.device_slug, gate)
+        path = baseline_path(baselines_dir, report.fingerprint, gate)
         if not path.exists():
             continue
         baselines[gate] = load_baseline(path)
