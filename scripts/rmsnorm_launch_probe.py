@@ -270,7 +270,18 @@ def components_section(arm, support, args) -> dict[str, float]:
         "identity autograd.Function apply (forward only)": lambda: Identity.apply(xg, weight),
         "identity autograd.Function forward + autograd.grad": lambda: torch.autograd.grad(Identity.apply(xg, weight), xg, dy),
     }
-    return {name: host_us(fn, args) for name, fn in pieces.items()}
+    measured = {name: host_us(fn, args) for name, fn in pieces.items()}
+    # the same pieces with Triton's launcher given the tensors (it then queries the driver for
+    # each tensor's pointer) instead of their pointers as ints (SUITE_TRITON_INT_POINTERS=0)
+    saved = support.INT_POINTERS
+    support.INT_POINTERS = False
+    try:
+        for name in ("ours, forward + autograd.grad (impl=fused)", "identity forward, our backward + autograd.grad",
+                     "our _backward block alone (3 allocations, launch)", "launch() of the forward kernel, cached"):
+            measured[f"{name}, tensors to the launcher"] = host_us(pieces[name], args)
+    finally:
+        support.INT_POINTERS = saved
+    return measured
 
 
 def eager_section(arm, args) -> dict[str, Any]:

@@ -27,6 +27,12 @@ compiled_kernels: dict[str, object] = {}
 
 # SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
 FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
+# A cached launch hands Triton's C launcher each tensor's data pointer as an int: given a tensor
+# it calls data_ptr() and then checks the pointer with a CUDA driver query (cuPointerGetAttribute),
+# per tensor and per launch. The first launch of each specialization still goes through
+# kernel[grid] and its checks; the arms check their tensors' device before any launch.
+# SUITE_TRITON_INT_POINTERS=0 passes the tensors (the probe measures both).
+INT_POINTERS = os.environ.get("SUITE_TRITON_INT_POINTERS", "1") != "0"
 # The calling convention used below was read in these releases' source (runtime/jit.py
 # JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher);
 # any other version launches through kernel[grid].
@@ -240,6 +246,8 @@ def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
     else:
         n = len(grid)
         stream = torch._C._cuda_getCurrentRawStream(device)
+        if INT_POINTERS:
+            args = [arg.data_ptr() if isinstance(arg, _Tensor) else arg for arg in args]
         entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix, *args, *entry.tail)
         compiled = entry.compiled
     if RECORD_COMPILED:
