@@ -211,39 +211,27 @@ def components_section(arm, support, args) -> dict[str, float]:
     fwd_meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, STORE_STATS=True, num_warps=cfg.num_warps)
     kernel = arm._rms_norm_fwd_kernel
 
-    class Identity(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            return a.view_as(a)
+    def probe_function(saved=lambda a, b: (), backward=lambda grad: (grad, None)):
+        """An autograd.Function whose forward is an identity view saving saved(a, b), and whose
+        backward unpacks them and returns backward(grad)."""
 
-        @staticmethod
-        def backward(ctx, grad):
-            return grad, None
+        class Probe(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a, b):
+                ctx.save_for_backward(*saved(a, b))
+                return a.view_as(a)
 
-    class SavesThree(torch.autograd.Function):
-        """identity, but saving what ours saves and unpacking it in the backward"""
+            @staticmethod
+            def backward(ctx, grad):
+                ctx.saved_tensors
+                return backward(grad)
 
-        @staticmethod
-        def forward(ctx, a, b):
-            ctx.save_for_backward(a, b, stats)
-            return a.view_as(a)
+        return Probe
 
-        @staticmethod
-        def backward(ctx, grad):
-            ctx.saved_tensors
-            return grad, None
-
-    class OurBackwardOnly(torch.autograd.Function):
-        """no forward work; the backward runs ours (3 allocations, the folded launch)"""
-
-        @staticmethod
-        def forward(ctx, a, b):
-            return a.view_as(a)
-
-        @staticmethod
-        def backward(ctx, grad):
-            # the folded launch leaves the counters in stats at zero: reusable
-            return arm._backward(grad, x, weight, stats, 0.0, cfg, reduce_dw=True)
+    Identity = probe_function()
+    SavesThree = probe_function(saved=lambda a, b: (a, b, stats))  # what ours saves
+    # the folded launch leaves the counters in stats at zero: reusable
+    OurBackwardOnly = probe_function(backward=lambda grad: arm._backward(grad, x, weight, stats, 0.0, cfg, True))
 
     xg = x.detach().requires_grad_()
     wg = weight.detach().requires_grad_()
