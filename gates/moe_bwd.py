@@ -480,9 +480,10 @@ MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
 PERF = PerfCriterion(
     not_slower_than=("reference",),
     min_speedup={("olmoe", "fwd+bwd"): 8.0},
-    # the targets against torch._grouped_mm (judged where it is available): at least as
-    # fast on the presets with many experts, 0.9x on mixtral's 8 wide ones (cuBLAS-class
-    # GEMMs with no gather); the backward alone is held to the same bars
+    # against torch._grouped_mm, judged where it is available and within the noise floor: the
+    # issue's targets for fwd+bwd, at least as fast on olmoe and qwen3-30b-a3b and 0.9x on
+    # mixtral (8 wide experts: cuBLAS-class GEMMs with no gather); this suite's own, the same
+    # bars on top2-small and on the backward alone
     min_speedup_over={(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
                       for name in MODEL_PRESETS for case in EXPERT_CASES},
     # a device-time claim, so graph replays: called alone, eagerly, a 28 us combine is bound by

@@ -223,6 +223,7 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
         if args.sweep:
             candidates += [dataclasses.replace(default, group_m=g) for g in (8, 16)]
             candidates += gemm_candidates(*operands, default.itemsize, limit)
+            candidates = list(dict.fromkeys(candidates))  # a default that is already grouped, once
         for config in candidates:
             try:
                 with gemm_config(config):
@@ -321,9 +322,10 @@ def main(argv=None) -> int:
     def save(figures: dict[str, Any]) -> None:
         entry = figures["kernels"][-1]
         timed = [t["ms"] for t in entry["timings"] if "ms" in t]
-        print(f"{figures['preset']} {entry['kernel']}: {len(timed)} configs timed, "
-              f"default {timed[0] if timed else float('nan'):.4f} ms, best {min(timed, default=float('nan')):.4f} ms",
-              flush=True)
+        default = next((t for t in entry["timings"] if t["config"] == entry["default"]), {})
+        print(f"{figures['preset']} {entry['kernel']}: {len(timed)} configs timed, default "
+              f"{default.get('ms', float('nan')):.4f} ms{' (failed)' if 'error' in default else ''}, "
+              f"best {min(timed, default=float('nan')):.4f} ms", flush=True)
         if path:
             with open(path, "w") as fh:
                 json.dump({**results, "presets": results["presets"] + [figures]}, fh, indent=1)

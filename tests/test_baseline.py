@@ -235,6 +235,14 @@ def test_rtx_profile_runs_keep_a_baseline_of_their_own_beside_the_devices(tmp_pa
     assert [r.run_id for r in native.runs] == ["native"] and [r.run_id for r in rtx.runs] == ["rtx"]
     comparison = compare(preset_run("small", "later", arm_ms=0.3, profile="rtx"), tmp_path)
     assert comparison.baselines == {"rmsnorm": str(tmp_path / "nvidia-h200-rtx-profile" / "rmsnorm.json")}
+    # the RTX card's own runs (rtx by default, or "auto" in older reports) keep its plain folder
+    rtx_card = dict(device_slug="nvidia-geforce-rtx-5090", gpu_name="NVIDIA GeForce RTX 5090",
+                    compute_capability="12.0")
+    for profile in ("rtx", "auto"):
+        save_baseline(preset_run("small", f"card-{profile}", profile=profile, **rtx_card), tmp_path, replace=True)
+        card = load_baseline(tmp_path / "nvidia-geforce-rtx-5090" / "rmsnorm.json")
+        assert [r.run_id for r in card.runs] == [f"card-{profile}"]
+    assert not (tmp_path / "nvidia-geforce-rtx-5090-rtx-profile").exists()
 
 
 def test_load_baseline_errors_are_clear(tmp_path):

@@ -5,6 +5,7 @@ Without a GPU the kernels run under Triton's interpreter (tests/conftest.py), so
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -412,20 +413,32 @@ def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, w
     monkeypatch.setattr(arm, "_capturing", lambda: False)
     routed = []
     monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: routed.append(args) or "native")
+
+    def routes(x, weight) -> bool:
+        routed.clear()
+        with contextlib.suppress(Exception):
+            arm.rms_norm(x, weight)
+        return bool(routed)
+
     x = _FakeTensor(numel, torch.bfloat16, requires_grad=training)
     weight = _FakeTensor(4096, weight_dtype)
-    try:
-        arm.rms_norm(x, weight)
-    except Exception:
-        pass
-    assert bool(routed) == arm.routes_to_native(numel, training, True, weight_dtype is torch.bfloat16)
+    assert routes(x, weight) == arm.routes_to_native(numel, training, True, weight_dtype is torch.bfloat16)
     with torch.no_grad():  # no backward to come, whatever requires_grad says
-        routed.clear()
-        try:
-            arm.rms_norm(x, weight)
-        except Exception:
-            pass
-        assert bool(routed) == arm.routes_to_native(numel, False, True, weight_dtype is torch.bfloat16)
+        assert routes(x, weight) == arm.routes_to_native(numel, False, True, weight_dtype is torch.bfloat16)
+    # the checks beside the rule: never a dtype ours refuses, a weight that is not 1-D, nor
+    # inside torch.compile or a CUDA-graph capture
+    assert not routes(_FakeTensor(numel, torch.float64, training), _FakeTensor(4096, torch.float64))
+    assert not routes(x, _FakeTensor(4096, weight_dtype, dims=2))
+    monkeypatch.setattr(arm, "_compiling", lambda: True)
+    assert not routes(x, weight)
+    monkeypatch.setattr(arm, "_compiling", lambda: False)
+    monkeypatch.setattr(arm, "_capturing", lambda: True)
+    assert not routes(x, weight)
+
+
+def test_the_forward_size_class_lies_within_the_training_one():
+    # rms_norm's inlined rule reads the grad state only between the two: it assumes this order
+    assert arm.NATIVE_BELOW_FORWARD <= arm.NATIVE_BELOW_TRAINING
 
 
 def test_impl_is_checked():

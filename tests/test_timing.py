@@ -272,16 +272,37 @@ def test_min_speedup_boundary(least, passed):
     assert result.passed is passed
 
 
-@pytest.mark.parametrize("bar, passed", [(0.8, True), (0.81, False)])
+@pytest.mark.parametrize("bar, passed", [(0.8, True), (0.803, True), (0.81, False)])
 def test_min_speedup_over_a_peer_boundary(bar, passed):
-    """A target that is a fraction of a peer: the arm at exactly 0.8x of the peer passes 0.8
-    and fails 0.81; the reference's own criterion is untouched."""
+    """A target that is a fraction of a peer, judged within the noise floor (0.5% here): the
+    arm at exactly 0.8x of the peer passes 0.8 and 0.803 and fails 0.81; the reference's own
+    criterion is untouched."""
     dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
     criterion = PerfCriterion(not_slower_than=("reference",), min_speedup_over={("small", "fwd"): {"peer": bar}})
     result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
     check = next(c for c in result.criteria if c.name == f"speedup over peer >= {bar:g}x")
     assert check.passed is passed and "0.800x" in check.detail
     assert result.passed is passed
+
+
+def test_min_speedup_over_one_is_not_slower_a_tie_passes():
+    """Bar 1.0 is "not slower than the peer": a tie within the noise passes, as not_slower_than
+    would, instead of running to the round cap for a CI that straddles 1."""
+    dists = {"reference": (1.0, 0.01), "arm": (0.5, 0.01), "peer": (0.5, 0.01)}
+    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 1.0}})
+    result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
+    assert result.passed and not result.ambiguous and result.rounds == POLICY.min_rounds
+
+
+def test_min_speedup_over_a_peer_that_failed_here_is_not_judged_so_no_pass():
+    """The target is the peer: one declared unavailable on this device skips the check, one
+    that failed its first call leaves the bar unjudged, which must not read as met."""
+    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"broken": 1.0}})
+    timer = FailingTimer(EXACT, {"broken"})
+    result = measure_bench(make_case(), "eager", make_contenders("broken"), PRESET, criterion, None, POLICY, timer)
+    check = next(c for c in result.criteria if c.name.startswith("speedup over broken"))
+    assert not check.passed and check.detail.startswith("not judged: broken unavailable (its first call failed")
+    assert not result.passed
 
 
 def test_min_speedup_over_an_unavailable_peer_is_skipped_and_named():
@@ -460,8 +481,11 @@ def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(not_slower_than=("reference", "nope")))
     with pytest.raises(ValueError, match="huge"):
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("huge", "sum"): 2.0}))
-    with pytest.raises(ValueError, match="nobody"):
-        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup_over={("tiny", "sum"): {"nobody": 1.0}}))
+    for over in ({"nobody": 1.0}, {"arm": 1.0}):  # an unknown contender, or the arm itself
+        with pytest.raises(ValueError, match=f"{next(iter(over))} \\(not a contender timed"):
+            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup_over={("tiny", "sum"): over}))
+    with pytest.raises(ValueError, match="not timed in mode 'grpah'"):
+        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("tiny", "sum", "grpah"): 2.0}))
     for table in ("max_over_reference_busy", "max_eager_over_graph"):
         with pytest.raises(ValueError, match="fwd"):
             dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(**{table: {("tiny", "fwd"): 1.1}}))

@@ -365,7 +365,7 @@ GEMM_KINDS = {
 # dW_down there is fastest ungrouped (3.50 ms against 4.01 grouped by 16).
 _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
-# 64-row tiles at 4 warps there.
+# 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
 _MANY_ROWS = 128
 # Measured on the H200 (triton 3.6): the dx kernel at 64x128x64, two operand pairs, 2 stages of
 # bf16, took 102400 bytes against 98304 for its operand buffers; twice that margin is kept.
@@ -412,9 +412,11 @@ class CombineConfig:
 
 
 # The combines stream rows: 8 tokens x 128 columns a program, 8 warps. Measured on the H200 with
-# scripts/moe_tune.py --sweep (combine backward, four model presets, 2026-12-01): within 4% of the
-# best of 30 tile shapes at each preset, where the old 32 x 128 at 4 warps took 1.28-1.70x the
-# best (32 tokens a program left too few programs to keep the memory busy).
+# scripts/moe_tune.py --sweep of the combine backward (2026-12-01): the best of 48 tile shapes at
+# olmoe and qwen3-30b-a3b, within 0.4% of it at top2-small and 6% at mixtral (1 token x 1024
+# columns there), where the old 32 x 128 at 4 warps took 1.29-1.70x the best (32 tokens a
+# program left too few programs to keep the memory busy). The forward combine and dx's gather
+# take the same tiles, unswept.
 COMBINE = CombineConfig(8, 128, 8)
 
 

@@ -23,7 +23,7 @@ from pydantic import ValidationError, computed_field, model_validator
 
 from suite.errors import UsageError
 from suite.harness import atomic
-from suite.harness.fingerprint import fingerprint_class
+from suite.harness.fingerprint import fingerprint_class, imitates_rtx
 from suite.harness.results import (
     BenchResult,
     ContenderTiming,
@@ -126,9 +126,10 @@ class ComparisonReport(Record):
 
 
 def baseline_path(baselines_dir: str | Path, fp: Fingerprint, gate: str) -> Path:
-    """baselines/<device slug>/<gate>.json; runs held to the rtx profile's shared memory are
-    another class of machine, kept beside them in <device slug>-rtx-profile/."""
-    folder = fp.device_slug + ("-rtx-profile" if fp.profile == "rtx" else "")
+    """baselines/<device slug>/<gate>.json; runs of another card held to the rtx profile's
+    shared memory are another class of machine, kept beside its own in <device slug>-rtx-profile/
+    (the RTX card's own runs, rtx by default, keep <device slug>/)."""
+    folder = fp.device_slug + ("-rtx-profile" if imitates_rtx(fp) else "")
     return Path(baselines_dir) / folder / f"{gate}.json"
 
 

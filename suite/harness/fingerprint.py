@@ -138,6 +138,12 @@ def fingerprint_class(fp: Fingerprint) -> dict[str, str | None]:
     }
 
 
+def imitates_rtx(fp: Fingerprint) -> bool:
+    """A run held to the rtx profile's shared memory on a card that is not the RTX 50-series
+    (compute capability 12.x): another class of machine than that card's own runs."""
+    return _profile_in_effect(fp) == "rtx" and not (fp.compute_capability or "").startswith("12.")
+
+
 def _profile_in_effect(fp: Fingerprint) -> str:
     # "auto" (as reports before the runner recorded the resolved profile say) means rtx on a
     # compute-capability-12 card and none elsewhere

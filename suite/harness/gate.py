@@ -243,15 +243,21 @@ class Gate:
             if case.window < 1 or case.cold_calls < 1:
                 raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
         perf = self.perf
+        by_case = {b.name: b for b in self.benches}
         unknown = [n for n in perf.not_slower_than if n not in names]
         for key in [*perf.min_ceiling_fraction, *perf.min_speedup, *perf.max_over_reference_busy,
                     *perf.max_eager_over_graph, *perf.min_speedup_over]:
             if key[0] not in presets or key[1] not in cases:
                 unknown.append(str(key))
-        unknown += [f"{key}: {n}" for key, over in perf.min_speedup_over.items() for n in over if n not in names]
-        case_modes = {b.name: set(b.modes) for b in self.benches}
+            elif len(key) == 3 and key[1] in by_case and key[2] not in by_case[key[1]].modes:
+                unknown.append(f"{key}: case {key[1]!r} is not timed in mode {key[2]!r}")
+        for key, over in perf.min_speedup_over.items():  # a peer timed in that case, not the arm
+            case = by_case.get(key[1])
+            peers = {c.name for c in self.contenders_for(case) if c.role != "arm"} if case else set()
+            unknown += [f"{key}: {n} (not a contender timed in {key[1]!r} other than the arm)"
+                        for n in over if n not in peers]
         for key in perf.max_eager_over_graph:  # judged only on a case timed both ways
-            if len(key) != 2 or (key[1] in case_modes and not {"graph", "eager"} <= case_modes[key[1]]):
+            if len(key) != 2 or (key[1] in by_case and not {"graph", "eager"} <= set(by_case[key[1]].modes)):
                 raise ValueError(f"{where}: max_eager_over_graph {key} needs a (preset, case) key whose case "
                                  "is timed in both the graph and the eager mode")
         if unknown:  # a typo found at import, not after minutes of timing

@@ -314,6 +314,14 @@ def not_slower(c: Comparison, floor_log: float) -> Decision:
     return "pass" if math.log(c.ci_low) >= -floor_log else "undecided"
 
 
+def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decision:
+    """The arm reaches `bar` x c.against's speed within the noise floor: `not_slower` against
+    the peer's time scaled by 1/bar (bar 1.0 is not_slower itself)."""
+    if math.log(c.ci_high / bar) < 0 and math.log(c.speedup / bar) < -floor_log:
+        return "fail"
+    return "pass" if math.log(c.ci_low / bar) >= -floor_log else "undecided"
+
+
 def at_least(c: Comparison, least: float) -> Decision:
     """The speedup is at least `least` when the whole CI is; below it when the whole CI is."""
     if c.ci_low >= least:
@@ -535,7 +543,8 @@ def measure_bench(
         undecided = [by_name[n] for n in deciding if n in by_name and not_slower(by_name[n], floor_log) == "undecided"]
         if least is not None and at_least(by_name[ref_name], least) == "undecided":
             undecided.append(by_name[ref_name])
-        undecided += [by_name[n] for n, bar in over.items() if n in by_name and at_least(by_name[n], bar) == "undecided"]
+        undecided += [by_name[n] for n, bar in over.items()
+                      if n in by_name and at_least_within_noise(by_name[n], bar, floor_log) == "undecided"]
         if not undecided or target >= policy.max_rounds:
             break
         target = min(target + policy.round_step, policy.max_rounds)
@@ -623,16 +632,21 @@ def _check_criteria(
     for name, bar in criterion.speedups_over(preset.name, case.name, mode).items():
         title = f"speedup over {name} >= {bar:g}x"
         if name not in timed:
-            continue  # not timed in this case
+            continue  # not timed in this case (a gate's declaration refuses that key)
         if name in reasons:
-            checks.append(CriterionCheck(name=title, passed=True, detail=f"skipped: {name} unavailable ({reasons[name]})"))
+            # the target is this peer: one that cannot run on this device skips it, one that
+            # failed here (its first call or its capture) leaves it unjudged, which is no pass
+            declared = next((c.unavailable for c in contenders if c.name == name and c.call is None), None)
+            checks.append(CriterionCheck(
+                name=title, passed=declared is not None,
+                detail=f"{'skipped' if declared is not None else 'not judged'}: {name} unavailable ({reasons[name]})"))
             continue
         c = against[name]
-        decision = at_least(c, bar)
+        decision = at_least_within_noise(c, bar, math.log1p(floor_rel))
         ambiguous = ambiguous or decision == "undecided"
         checks.append(CriterionCheck(
             name=title, passed=decision == "pass",
-            detail=f"arm vs {name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {bar:g}x",
+            detail=f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {floor_rel:.2%}; needs >= {bar:g}x within the floor",
             ambiguous=decision == "undecided"))
 
     bound = criterion.busy_bound(preset.name, case.name, mode)
