@@ -312,6 +312,29 @@ def test_min_speedup_over_an_unavailable_peer_is_skipped_and_named():
     assert check.passed and "no such kernel here" in check.detail
 
 
+class _Counted(FakeFn):
+    """A fake contender that counts the calls made outside the timer."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_a_ceilings_figure_is_the_steady_median_after_a_first_call_and_warm_up():
+    """measure_ceilings' timing, on the CPU with the fake timer (a GPU alone runs the rest):
+    one untimed first call, warm-up batches, then the median of single-call timings."""
+    from suite.harness.timing import steady_median_ms
+
+    log: list = []
+    fn = _Counted("copy")
+    assert steady_median_ms(FakeTimer({"copy": (2.0, 0.0)}, log), fn, n_calls=20) == pytest.approx(2.0)
+    assert fn.calls == 1 and len(log) >= 3  # two warm-up batches at least, then the timing
+    assert all(entry == ("calls", "copy", False, 1) for entry in log)
+
+
 def test_ceiling_fraction_without_ceilings_fails():
     criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): 0.1})
     result, _ = bench(EXACT, criterion, ceilings=None)

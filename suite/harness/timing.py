@@ -711,6 +711,15 @@ _CEILINGS: dict[tuple[str, int], Ceilings] = {}
 GEMM_N = 8192
 
 
+def steady_median_ms(timer: Timer, fn: Callable[[], Any], n_calls: int = 20) -> float:
+    """One call alone (allocator, cuBLAS handle and heuristics), warm-up to a steady median,
+    then the median of n_calls single-call timings: a ceiling's figure."""
+    policy = TimingPolicy()
+    fn()
+    _warm_up(timer, fn, policy, flush_l2=False, window=1, batch_size=policy.calls_per_round)
+    return statistics.median(timer.time_calls(fn, n_calls, flush_l2=False, window=1))
+
+
 def measure_ceilings(device: torch.device | str | int, timer: Timer | None = None) -> Ceilings:
     """Device copy bandwidth (bytes read + written) and bf16 GEMM rate, each the median of
     event-timed calls after warm-up; measured once per device per process."""
@@ -721,26 +730,19 @@ def measure_ceilings(device: torch.device | str | int, timer: Timer | None = Non
     if key in _CEILINGS:
         return _CEILINGS[key]
     timer = timer or CudaTimer(device)
-    policy = TimingPolicy()
-    n_calls = 20
-
-    def median_ms(fn: Callable[[], Any]) -> float:
-        fn()  # first call alone: allocator, cuBLAS handle and heuristics
-        _warm_up(timer, fn, policy, flush_l2=False, window=1, batch_size=policy.calls_per_round)
-        return statistics.median(timer.time_calls(fn, n_calls, flush_l2=False, window=1))
 
     free, _ = torch.cuda.mem_get_info(device)
     src_bytes = copy_size(free)
     # random bits, not zeros: nothing may short-cut the data
     src = torch.randint(-(2**31), 2**31 - 1, (src_bytes // 4,), dtype=torch.int32, device=device)
     dst = torch.empty_like(src)
-    copy_ms = median_ms(lambda: dst.copy_(src))
+    copy_ms = steady_median_ms(timer, lambda: dst.copy_(src))
     del src, dst
 
     a = torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device=device)
     b = torch.randn(GEMM_N, GEMM_N, dtype=torch.bfloat16, device=device)
     out = torch.empty(GEMM_N, GEMM_N, dtype=torch.bfloat16, device=device)
-    gemm_ms = median_ms(lambda: torch.matmul(a, b, out=out))
+    gemm_ms = steady_median_ms(timer, lambda: torch.matmul(a, b, out=out))
     del a, b, out
     torch.cuda.empty_cache()  # hand the buffers back so later free-memory checks see them
 
