@@ -27,12 +27,13 @@ compiled_kernels: dict[str, object] = {}
 
 # SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
 FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
-# A cached launch hands Triton's C launcher each tensor's data pointer as an int: given a tensor
-# it calls data_ptr() and then checks the pointer with a CUDA driver query (cuPointerGetAttribute),
-# per tensor and per launch. The first launch of each specialization still goes through
-# kernel[grid] and its checks; the arms check their tensors' device before any launch.
-# SUITE_TRITON_INT_POINTERS=0 passes the tensors (the probe measures both).
-INT_POINTERS = os.environ.get("SUITE_TRITON_INT_POINTERS", "1") != "0"
+# SUITE_TRITON_INT_POINTERS=1: a cached launch hands Triton's C launcher each tensor's data
+# pointer as an int. Given a tensor, the launcher calls data_ptr() and then checks the pointer
+# with a CUDA driver query (cuPointerGetAttribute), per tensor and per launch; given an int it
+# takes it as is. The first launch of each specialization still goes through kernel[grid] and
+# its checks, and the arms check their tensors' device before any launch. Off until
+# scripts/rmsnorm_launch_probe.py has measured it on the GPU (it times both).
+INT_POINTERS = os.environ.get("SUITE_TRITON_INT_POINTERS", "0") == "1"
 # The calling convention used below was read in these releases' source (runtime/jit.py
 # JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher);
 # any other version launches through kernel[grid].
