@@ -749,3 +749,36 @@ def test_rotation_sets_hold_twice_the_l2_and_stay_bounded():
         assert n >= 1 and (n * set_bytes >= 2 * l2 or n == MAX_ROTATION)
     assert rotation_sets(256 << 20, l2) == 1  # one set already misses the L2
     assert rotation_sets(1 << 20, l2) == MAX_ROTATION
+
+
+# ---- the runner's phases name the host probe's seconds --------------------------------------
+
+
+def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch):
+    """Host times are probed once a run, and their seconds are a phase of the preset that paid
+    them (a report accounts for every second of a gate); later presets reuse the figures."""
+    from types import SimpleNamespace
+
+    from suite.harness import runner as runner_module
+    from suite.harness.runner import RunOptions, Runner, Unit
+
+    class ProbeTimer:
+        def __init__(self, device):
+            pass
+
+        def host_us(self, fn):
+            return 12.5
+
+    monkeypatch.setattr(runner_module, "CudaTimer", ProbeTimer)
+    contenders = [SimpleNamespace(name=n, role=r, unavailable=lambda device: None, build=lambda *a: (lambda: None))
+                  for n, r in (("reference", "reference"), ("arm", "arm"))]
+    gate = SimpleNamespace(name="toy", host_probe="probe", preset=lambda name: SimpleNamespace(name=name),
+                           make_buffers=lambda preset, seed, device: {})
+    run = Runner(RunOptions(device=torch.device("cuda")))
+    case = SimpleNamespace(name="fwd")
+    first, later = {}, {}
+    unit = Unit(gate=gate, preset=SimpleNamespace(name="big"))
+    assert run._host_times(unit, case, contenders, first) == {"reference": 12.5, "arm": 12.5}
+    assert list(first) == ["host probe fwd"]
+    assert run._host_times(unit, case, contenders, later) == {"reference": 12.5, "arm": 12.5}
+    assert later == {}

@@ -388,12 +388,14 @@ class Runner:
             result.bench_skipped = "timing needs CUDA"
             return
         if device.type == "cuda" and self._ceilings is None:
-            self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
-            self._ceilings = measure_ceilings(device)
+            # once a run, in the phases of the first preset that benches (every second is named)
+            with self._phase(phases, unit, "ceilings"):
+                self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
+                self._ceilings = measure_ceilings(device)
         for case in cases:
             modes = [m for m in case.modes if device.type == "cuda" or m == "wall"]
             contenders = gate.contenders_for(case)
-            host_us = self._host_times(gate, case, contenders) if "eager" in modes else {}
+            host_us = self._host_times(unit, case, contenders, phases) if "eager" in modes else {}
             timed = {}
             for mode in modes:
                 with self._phase(phases, unit, f"bench {case.name} {mode}"):
@@ -439,27 +441,34 @@ class Runner:
         probe = gate.preset(gate.host_probe)
         return f"preset {probe.name}" + (f" ({probe.note})" if probe.note else "")
 
-    def _host_times(self, gate: Gate, case: BenchCase, contenders: list[Contender]) -> dict[str, float | None]:
-        """Host time per call of every contender on the gate's host-probe shape, once a run."""
-        device = self.options.device
+    def _host_times(self, unit: Unit, case: BenchCase, contenders: list[Contender],
+                    phases: dict[str, float]) -> dict[str, float | None]:
+        """Host time per call of every contender on the gate's host-probe shape, once a run (a
+        phase of the first preset that needs it)."""
+        device, gate = self.options.device, unit.gate
         if gate.host_probe is None or device.type != "cuda":
             return {}
         missing = [c for c in contenders if (gate.name, case.name, c.name) not in self._host_us]
         if missing:
-            self.progress.detail(f"host time per call on {gate.host_probe}")
-            probe = gate.preset(gate.host_probe)
-            buffers = gate.make_buffers(probe, self.options.seed, device)
-            timer = CudaTimer(device)
-            for contender in missing:
-                us = None
-                if contender.unavailable(device) is None:
-                    try:
-                        us = timer.host_us(contender.build(case, buffers, probe))
-                    except Exception:  # a peer that cannot run on the probe shape has no figure
-                        if contender.role != "peer":
-                            raise
-                self._host_us[(gate.name, case.name, contender.name)] = us
+            with self._phase(phases, unit, f"host probe {case.name}"):
+                self._probe_host_times(gate, case, missing)
         return {c.name: self._host_us[(gate.name, case.name, c.name)] for c in contenders}
+
+    def _probe_host_times(self, gate: Gate, case: BenchCase, missing: list[Contender]) -> None:
+        device = self.options.device
+        self.progress.detail(f"host time per call on {gate.host_probe}")
+        probe = gate.preset(gate.host_probe)
+        buffers = gate.make_buffers(probe, self.options.seed, device)
+        timer = CudaTimer(device)
+        for contender in missing:
+            us = None
+            if contender.unavailable(device) is None:
+                try:
+                    us = timer.host_us(contender.build(case, buffers, probe))
+                except Exception:  # a peer that cannot run on the probe shape has no figure
+                    if contender.role != "peer":
+                        raise
+            self._host_us[(gate.name, case.name, contender.name)] = us
 
 
 def _first_line(exc: BaseException) -> str:
