@@ -232,6 +232,23 @@ def components_section(arm, support, args) -> dict[str, float]:
     SavesThree = probe_function(saved=lambda a, b: (a, b, stats))  # what ours saves
     # the folded launch leaves the counters in stats at zero: reusable
     OurBackwardOnly = probe_function(backward=lambda grad: arm._backward(grad, x, weight, stats, 0.0, cfg, True))
+    # our backward's two halves, each on autograd's device thread: why it costs there about
+    # twice what it costs on the main thread
+    dx_kept, (_, dw_kept) = torch.empty_like(x), arm._backward(dy, x, weight, stats, 0.0, cfg, True)
+    partials_kept = torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device)
+    bwd_args = (dy, x, weight, stats, stats, dx_kept, partials_kept, dw_kept, dy.stride(0), x.stride(0), rows, cols,
+                0.0, cfg.group_size)
+    bwd_meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_FITS=not cfg.looped, REDUCE_DW=True,
+                    FOLD_BLOCK_N=cfg.fold_block_n, UNROLL=arm.FOLD_UNROLL, num_warps=cfg.num_warps)
+
+    def launch_only(grad):
+        support.launch(arm._rms_norm_bwd_kernel, cfg.bwd_grid, *bwd_args, **bwd_meta)
+        return dx_kept, dw_kept
+
+    AllocationsOnly = probe_function(backward=lambda grad: (
+        torch.empty_like(x), torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device),
+        torch.empty(cols, dtype=weight.dtype, device=x.device))[::2])
+    LaunchOnly = probe_function(backward=launch_only)
 
     xg = x.detach().requires_grad_()
     wg = weight.detach().requires_grad_()
@@ -245,6 +262,11 @@ def components_section(arm, support, args) -> dict[str, float]:
         "identity Function saving 3 tensors + autograd.grad": lambda: torch.autograd.grad(SavesThree.apply(xg, wg), xg, dy),
         "identity forward, our backward + autograd.grad": lambda: torch.autograd.grad(
             OurBackwardOnly.apply(xg, wg), (xg, wg), dy),
+        "identity forward, a backward of our 3 allocations only + autograd.grad": lambda: torch.autograd.grad(
+            AllocationsOnly.apply(xg, wg), (xg, wg), dy),
+        "identity forward, a backward of our launch only + autograd.grad": lambda: torch.autograd.grad(
+            LaunchOnly.apply(xg, wg), (xg, wg), dy),
+        "our backward launch alone, main thread": lambda: launch_only(dy),
         "our _backward block alone (3 allocations, launch)": lambda: arm._backward(dy, x, weight, stats, 0.0, cfg, True),
         "3 torch.empty": lambda: (torch.empty_like(x), torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device),
                                   torch.empty(cols, dtype=weight.dtype, device=x.device)),
