@@ -202,6 +202,8 @@ def time_kernel(timer, fn: Callable[[], Any], replays: int) -> float:
 def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda figures: None) -> dict[str, Any]:
     """Every chosen kernel of preset `name` timed; kernel_done(figures so far) after each (a
     sweep cut short by a time limit still leaves what it measured)."""
+    import torch
+
     from suite.arms import moe_kernels as mk
     from suite.device_profile import smem_limit
 
@@ -256,6 +258,13 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
             continue
         entry["timings"].append({"config": config.__dict__, "ms": ms, "gbps": nbytes / ms / 1e6,
                                  "of_copy": nbytes / ms / 1e6 / ceilings.copy_gbps, "rel_diff": diff})
+    # the same bytes moved by a plain copy, timed the same way: what a transfer of this size
+    # reaches at all (the ceiling's copy moves about 2 GB)
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = time_kernel(timer, lambda: dst.copy_(src), args.replays)
+    entry["same_bytes_copy"] = {"ms": copy_ms, "gbps": nbytes / copy_ms / 1e6,
+                                "of_copy": nbytes / copy_ms / 1e6 / ceilings.copy_gbps}
     figures["kernels"].append(entry)
     kernel_done(figures)
     return figures
@@ -288,6 +297,10 @@ def print_table(figures: dict[str, Any]) -> None:
         for t in entry["timings"]:
             if "error" in t:
                 print(f"{'':20s} {_config_text(t['config']):24s} failed: {t['error']}")
+    for entry in figures["kernels"]:
+        if "same_bytes_copy" in entry:
+            copy = entry["same_bytes_copy"]
+            print(f"{'  a copy of its bytes':44s} {copy['ms']:9.4f} {copy['gbps']:9.0f} GB/s {100 * copy['of_copy']:9.1f}%")
     print(f"{'sum of kernels':20s} {'default':24s} {total_default:9.4f}\n{'':20s} {'best of each':24s} {total_best:9.4f}")
 
 
