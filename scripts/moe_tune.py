@@ -9,7 +9,8 @@ A full --sweep compiles about 130 kernel variants a preset (minutes): one preset
 For each moe-bwd preset (the gate's own buffers and routing, bf16), every GEMM kernel of one
 forward and backward and the combine backward is timed alone as CUDA-graph replays with the L2 flushed (device time), at the
 config the arm picks: the table says which kernels hold the step's time and at what fraction of
-the bf16 GEMM or copy ceiling (measured here). With --sweep each GEMM kernel is also timed at a
+the bf16 GEMM or copy ceiling (measured here), the combine backward beside a plain copy of its
+bytes. With --sweep each GEMM kernel is also timed at a
 fixed list of alternative tiles, and the combine backward at alternative tile shapes, each
 checked against the default's outputs (a different reduction step changes fp32 rounding only).
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
