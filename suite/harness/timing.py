@@ -306,20 +306,19 @@ def judge(median: float, ci_low: float, ci_high: float, floor_log: float) -> Ver
 Decision = Literal["pass", "fail", "undecided"]
 
 
-def not_slower(c: Comparison, floor_log: float) -> Decision:
-    """One-sided: the arm is not slower than c.against when the CI's low end is within the
-    floor; it is slower when the verdict says so; otherwise more rounds may decide."""
-    if c.verdict == "slower":
-        return "fail"
-    return "pass" if math.log(c.ci_low) >= -floor_log else "undecided"
-
-
 def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decision:
-    """The arm reaches `bar` x c.against's speed within the noise floor: `not_slower` against
-    the peer's time scaled by 1/bar (bar 1.0 is not_slower itself)."""
+    """One-sided: the arm reaches `bar` x c.against's speed when the CI's low end, over bar, is
+    within the floor; it falls short when the CI's high end and the median, over bar, are below
+    1 and the floor (the "slower" verdict against the peer's time scaled by 1/bar); otherwise
+    more rounds may decide."""
     if math.log(c.ci_high / bar) < 0 and math.log(c.speedup / bar) < -floor_log:
         return "fail"
     return "pass" if math.log(c.ci_low / bar) >= -floor_log else "undecided"
+
+
+def not_slower(c: Comparison, floor_log: float) -> Decision:
+    """The arm is not slower than c.against beyond the floor: at least 1x of it."""
+    return at_least_within_noise(c, 1.0, floor_log)
 
 
 def at_least(c: Comparison, least: float) -> Decision:
@@ -602,17 +601,26 @@ def _check_criteria(
     against = {c.against: c for c in comparisons}
     reasons = {t.name: t.unavailable for t in timings if t.unavailable}
     timed = {c.name for c in contenders}
-    for name in criterion.not_slower(mode):
-        title = f"not slower than {name}"
+    # "not slower than" a peer is at least 1x of it; a bar against a peer is a fraction of it
+    demands = [(name, 1.0, f"not slower than {name}", False) for name in criterion.not_slower(mode)]
+    demands += [(name, bar, f"speedup over {name} >= {bar:g}x", True)
+                for name, bar in criterion.speedups_over(preset.name, case.name, mode).items()]
+    for name, bar, title, peer_is_target in demands:
         if name not in timed:
-            continue  # not timed in this case
+            continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
         if name in reasons:
+            # a peer that cannot run on this device is skipped; where the peer is the target, one
+            # that failed here (its first call or its capture) leaves the bar unjudged: no pass
+            declared = next((c.unavailable for c in contenders if c.name == name and c.call is None), None)
+            skipped = declared is not None or not peer_is_target
             checks.append(CriterionCheck(
-                name=title, passed=True, detail=f"skipped: {name} unavailable ({reasons[name]})"))
+                name=title, passed=skipped,
+                detail=f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reasons[name]})"))
             continue
         c = against[name]
-        decision = not_slower(c, math.log1p(floor_rel))
-        detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {floor_rel:.2%}: {c.verdict}"
+        decision = at_least_within_noise(c, bar, math.log1p(floor_rel))
+        detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {floor_rel:.2%}: " + (
+            f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
         if decision == "undecided":
             ambiguous = True
             detail += " (the CI reaches below the floor at the round cap; never a pass)"
@@ -627,26 +635,6 @@ def _check_criteria(
         checks.append(CriterionCheck(
             name=f"speedup over {ref_name} >= {least:g}x", passed=decision == "pass",
             detail=f"arm vs {ref_name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
-            ambiguous=decision == "undecided"))
-
-    for name, bar in criterion.speedups_over(preset.name, case.name, mode).items():
-        title = f"speedup over {name} >= {bar:g}x"
-        if name not in timed:
-            continue  # not timed in this case (a gate's declaration refuses that key)
-        if name in reasons:
-            # the target is this peer: one that cannot run on this device skips it, one that
-            # failed here (its first call or its capture) leaves it unjudged, which is no pass
-            declared = next((c.unavailable for c in contenders if c.name == name and c.call is None), None)
-            checks.append(CriterionCheck(
-                name=title, passed=declared is not None,
-                detail=f"{'skipped' if declared is not None else 'not judged'}: {name} unavailable ({reasons[name]})"))
-            continue
-        c = against[name]
-        decision = at_least_within_noise(c, bar, math.log1p(floor_rel))
-        ambiguous = ambiguous or decision == "undecided"
-        checks.append(CriterionCheck(
-            name=title, passed=decision == "pass",
-            detail=f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {floor_rel:.2%}; needs >= {bar:g}x within the floor",
             ambiguous=decision == "undecided"))
 
     bound = criterion.busy_bound(preset.name, case.name, mode)
