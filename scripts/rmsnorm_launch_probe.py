@@ -259,6 +259,18 @@ def components_section(arm, support, args) -> dict[str, float]:
             torch.rms_norm(xg, (cols,), wg, EPS), (xg, wg), dy),
         "ours, forward under grad, no backward (Function.apply)": lambda: arm.rms_norm(xg, wg, EPS, impl="fused"),
         "torch.rms_norm forward under grad, no backward": lambda: torch.rms_norm(xg, (cols,), wg, EPS),
+        # the routed path (impl=auto at this size) against what a user would call instead
+        "ours routed forward (impl=auto), no grad needed": lambda: arm.rms_norm(x, weight, EPS),
+        "F.rms_norm forward, no grad needed": lambda: F.rms_norm(x, (cols,), weight, EPS),
+        "torch.rms_norm forward, no grad needed": lambda: torch.rms_norm(x, (cols,), weight, EPS),
+        "torch._fused_rms_norm forward, no grad needed": lambda: torch._fused_rms_norm(x, (cols,), weight, EPS),
+        "ours routed forward (impl=auto) + autograd.grad": lambda: torch.autograd.grad(
+            arm.rms_norm(xg, wg, EPS), (xg, wg), dy),
+        "F.rms_norm forward + autograd.grad": lambda: torch.autograd.grad(
+            F.rms_norm(xg, (cols,), wg, EPS), (xg, wg), dy),
+        "torch._fused_rms_norm forward + autograd.grad": lambda: torch.autograd.grad(
+            torch._fused_rms_norm(xg, (cols,), wg, EPS)[0], (xg, wg), dy),
+        "the capture query alone (_cuda_isCurrentStreamCapturing)": arm._capturing,
         "identity Function saving 3 tensors + autograd.grad": lambda: torch.autograd.grad(SavesThree.apply(xg, wg), xg, dy),
         "identity forward, our backward + autograd.grad": lambda: torch.autograd.grad(
             OurBackwardOnly.apply(xg, wg), (xg, wg), dy),

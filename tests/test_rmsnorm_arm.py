@@ -378,22 +378,21 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
 def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
     small, between, large = 4096 * 2048, 8192 * 2880, 16384 * 4096
-    assert arm.routes_to_native(small, training=False, on_cuda=True, same_dtype=True)
-    assert not arm.routes_to_native(between, training=False, on_cuda=True, same_dtype=True)
-    assert arm.routes_to_native(between, training=True, on_cuda=True, same_dtype=True)
-    assert not arm.routes_to_native(large, training=True, on_cuda=True, same_dtype=True)
-    assert not arm.routes_to_native(small, training=True, on_cuda=False, same_dtype=True)
-    assert not arm.routes_to_native(small, training=True, on_cuda=True, same_dtype=False)
+    assert arm.routes_to_native(small, on_cuda=True, same_dtype=True)
+    assert arm.routes_to_native(between, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(large, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(small, on_cuda=False, same_dtype=True)
+    assert not arm.routes_to_native(small, on_cuda=True, same_dtype=False)
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", False)  # the interpreter runs our kernels
-    assert not arm.routes_to_native(small, training=True, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(small, on_cuda=True, same_dtype=True)
 
 
 class _FakeTensor:
     """What rms_norm's routing reads of a tensor, on a machine without CUDA."""
 
-    def __init__(self, numel, dtype, requires_grad=False, dims=1):
+    def __init__(self, numel, dtype, requires_grad=False, dims=1, is_cuda=True):
         self._numel, self.dtype, self.requires_grad, self._dims = numel, dtype, requires_grad, dims
-        self.is_cuda, self.shape = True, (numel,)
+        self.is_cuda, self.shape = is_cuda, (numel,)
 
     def numel(self):
         return self._numel
@@ -412,7 +411,7 @@ def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, w
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
     monkeypatch.setattr(arm, "_capturing", lambda: False)
     routed = []
-    monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: routed.append(args) or "native")
+    monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: routed.append(args) or ["native"])
 
     def routes(x, weight) -> bool:
         routed.clear()
@@ -422,9 +421,12 @@ def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, w
 
     x = _FakeTensor(numel, torch.bfloat16, requires_grad=training)
     weight = _FakeTensor(4096, weight_dtype)
-    assert routes(x, weight) == arm.routes_to_native(numel, training, True, weight_dtype is torch.bfloat16)
-    with torch.no_grad():  # no backward to come, whatever requires_grad says
-        assert routes(x, weight) == arm.routes_to_native(numel, False, True, weight_dtype is torch.bfloat16)
+    same_dtype = weight_dtype is torch.bfloat16
+    assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype)
+    with torch.no_grad():  # the grad state does not move the class
+        assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype)
+    cpu = _FakeTensor(numel, torch.bfloat16, training, is_cuda=False)
+    assert routes(cpu, weight) == arm.routes_to_native(numel, False, same_dtype) is False
     # the checks beside the rule: never a dtype ours refuses, a weight that is not 1-D, nor
     # inside torch.compile or a CUDA-graph capture
     assert not routes(_FakeTensor(numel, torch.float64, training), _FakeTensor(4096, torch.float64))
@@ -436,9 +438,17 @@ def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, w
     assert not routes(x, weight)
 
 
-def test_the_forward_size_class_lies_within_the_training_one():
-    # rms_norm's inlined rule reads the grad state only between the two: it assumes this order
-    assert arm.NATIVE_BELOW_FORWARD <= arm.NATIVE_BELOW_TRAINING
+def test_the_routed_op_is_the_one_torch_rms_norm_reaches():
+    """The routed path calls torch's fused op directly: the values and gradients of
+    torch.rms_norm (on the GPU, the same kernels; here its CPU composite)."""
+    x = torch.randn(6, 32, requires_grad=True)
+    weight = torch.randn(32, requires_grad=True)
+    dy = torch.randn(6, 32)
+    y = arm._native_rms_norm(x, weight.shape, weight, 1e-6)[0]
+    want = torch.rms_norm(x, (32,), weight, 1e-6)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    for got, expected in zip(torch.autograd.grad(y, (x, weight), dy), torch.autograd.grad(want, (x, weight), dy)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_impl_is_checked():
@@ -451,8 +461,11 @@ def test_impl_is_checked():
 @needs_cuda
 def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeypatch):
     calls = []
-    native = torch.rms_norm
+    native = arm._native_rms_norm
     monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: calls.append("native") or native(*args))
+    x, weight = make((64, 256), torch.bfloat16)
+    torch.testing.assert_close(arm.rms_norm(x, weight), torch.rms_norm(x, (256,), weight, 1e-6), rtol=0, atol=0)
+    calls.clear()
     small = make((64, 256), torch.bfloat16)
     arm.rms_norm(small[0], small[1])
     assert calls == ["native"]
@@ -472,6 +485,6 @@ def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeyp
     graph.replay()
     assert calls == []  # captured: ours, whose host cost is paid once
     torch.testing.assert_close(captured, fused(small[0], small[1]), rtol=0, atol=0)
-    monkeypatch.setattr(arm, "NATIVE_BELOW_FORWARD", 64 * 256)  # now at the crossover: ours
+    monkeypatch.setattr(arm, "NATIVE_BELOW", 64 * 256)  # now at the crossover: ours
     arm.rms_norm(small[0], small[1])
     assert calls == []

@@ -138,16 +138,33 @@ def _up_kernel(
 
 
 @triton.jit
+def _accumulate(A, a_offs, b_ptrs, row_mask, col_mask, n_k, sb_k, acc, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + A[rows, :n_k] @ B[:n_k, cols], BLOCK_K of the reduced dim a step; a_offs: the A
+    tile's offsets at k = 0, b_ptrs: the B tile's pointers at k = 0."""
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, n_k, BLOCK_K):
+        k_mask = ks < n_k - k0
+        a = tl.load(A + a_offs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = _dot(a, b, acc, UPCAST)
+        a_offs += BLOCK_K
+        b_ptrs += BLOCK_K * sb_k
+    return acc
+
+
+@triton.jit
 def _rows_gemm_kernel(
     A, A2, B, B2, OFFSETS, C, C2, G, U,
     n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the two operand
-    pairs, the concatenated K) for one [BLOCK_M, BLOCK_N] tile of expert e's rows. A, A2:
-    [R_max, n_k], C, C2, G, U: [R_max, n_n], all contiguous; B[e], B2[e] read through their
-    strides (a transposed weight is its strides swapped).
+    """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the concatenated K,
+    the first pair's K then the second's) for one [BLOCK_M, BLOCK_N] tile of expert e's rows.
+    A, A2: [R_max, n_k], C, C2, G, U: [R_max, n_n], all contiguous; B[e], B2[e] read through
+    their strides (a transposed weight is its strides swapped). The pairs run one after the
+    other, not interleaved in one loop: a step then buffers one pair's tiles, not both, so the
+    tile can be as wide as a one-pair GEMM's.
 
     SWIGLU_GRAD: the product is d_a, the gradient of a = silu(g) * u; the epilogue reads g and
     u and stores dg = d_a * u * silu'(g) in C and du = d_a * silu(g) in C2 (d_a never leaves
@@ -165,19 +182,11 @@ def _rows_gemm_kernel(
         ks = tl.arange(0, BLOCK_K)
         a_offs = wide_rows[:, None] * n_k + ks[None, :]
         b_ptrs = B + wide_expert * sb_e + ks[:, None].to(tl.int64) * sb_k + wide_cols[None, :] * sb_n
-        b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, n_k, BLOCK_K):
-            k_mask = ks < n_k - k0
-            a_mask = row_mask[:, None] & k_mask[None, :]
-            b_mask = k_mask[:, None] & col_mask[None, :]
-            acc = _dot(tl.load(A + a_offs, mask=a_mask, other=0.0), tl.load(b_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
-            if TWO:
-                a2 = tl.load(A2 + a_offs, mask=a_mask, other=0.0)
-                acc = _dot(a2, tl.load(b2_ptrs, mask=b_mask, other=0.0), acc, UPCAST)
-                b2_ptrs += BLOCK_K * sb2_k
-            a_offs += BLOCK_K
-            b_ptrs += BLOCK_K * sb_k
+        acc = _accumulate(A, a_offs, b_ptrs, row_mask, col_mask, n_k, sb_k, acc, BLOCK_K, UPCAST)
+        if TWO:
+            b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
+            acc = _accumulate(A2, a_offs, b2_ptrs, row_mask, col_mask, n_k, sb2_k, acc, BLOCK_K, UPCAST)
         out = wide_rows[:, None] * n_n + cols[None, :]
         mask = row_mask[:, None] & col_mask[None, :]
         if SWIGLU_GRAD:
@@ -188,6 +197,22 @@ def _rows_gemm_kernel(
             tl.store(C2 + out, (acc * g * sig).to(C2.dtype.element_ty), mask=mask)
         else:
             tl.store(C + out, acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, BLOCK: tl.constexpr):
+    """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
+    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself (each element is read before
+    the same program writes it)."""
+    n = tl.load(OFFSETS + n_experts).to(tl.int64) * f
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    d_a = tl.load(D_A + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    tl.store(DG + offs, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -355,7 +380,8 @@ GEMM_KINDS = {
     "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
     "rows": ((1, 1), (128, 256, 64, 4, 8, 16)),  # expert_down: y = a @ w_down
     "swiglu_grad": ((1, 1), (128, 64, 64, 4, 8, 8)),  # d_a = grad @ w_down^T, epilogue reads g, u
-    "dx": ((2, 2), (128, 128, 64, 3, 8, 0)),  # dg @ w_gate^T + du @ w_up^T, one accumulator
+    "swiglu_grad_split": ((1, 1), (128, 256, 64, 4, 8, 16)),  # d_a alone, the SwiGLU backward after
+    "dx": ((1, 1), (128, 256, 64, 4, 8, 16)),  # dg @ w_gate^T then du @ w_up^T, one accumulator
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
     "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
 }
@@ -400,6 +426,18 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
                 if config.smem_bytes <= limit:
                     return config
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
+
+
+# The SwiGLU backward, fused or split. Fused: d_a = grad_rows @ w_down^T stays in registers and
+# the GEMM's epilogue reads g and u and writes dg and du; its tile must hold those loads, so it is
+# narrow (128x64). Split: d_a goes to memory (in du's buffer, x's dtype, as in eager autograd)
+# from a plain GEMM tile, and one elementwise pass reads d_a, g and u and writes dg and du.
+SPLIT_SWIGLU_GRAD_FROM_FFN = 1 << 30
+SWIGLU_BLOCK = 2048  # elements a program of the split pass
+
+
+def split_swiglu_grad(ffn: int) -> bool:
+    return ffn >= SPLIT_SWIGLU_GRAD_FROM_FFN
 
 
 @dataclass(frozen=True)
@@ -547,26 +585,37 @@ def _row_tile_grid(tiles: tuple[int, int], cfg: GemmConfig) -> tuple[int, ...]:
     return tiles if cfg.group_m == 0 else (tiles[0] * tiles[1],)
 
 
-def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None):
+def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None,
+                  kind=None):
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
-    w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2."""
+    w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2. kind:
+    the GEMM_KINDS tile, by default the one its operands name."""
     n_rows, n_k = a.shape
     n_n = c.shape[1]
     n_experts = offsets.shape[0] - 1
     two = a2 is not None
     if n_rows and n_experts and n_n:
-        kind = "dx" if two else ("rows" if gate is None else "swiglu_grad")
+        kind = kind or ("dx" if two else ("rows" if gate is None else "swiglu_grad"))
         cfg = _gemm_config(kind, n_rows // n_experts, n_n, a.dtype, a.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
         launch(
             _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
             a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, c if c2 is None else c2,
             c if gate is None else gate, c if up is None else up,
-            n_experts, n_k, n_n, *w_strides, *(w_strides if w2_strides is None else w2_strides), *tiles,
+            n_experts, n_k, n_n, *w_strides, *(w2_strides or w_strides), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, SWIGLU_GRAD=gate is not None,
             UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+
+
+def _swiglu_backward(d_a, gate, up, offsets, dg, du):
+    """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place)."""
+    n_experts = offsets.shape[0] - 1
+    block = 64 if _interpreting() and d_a.device.type != "cuda" else SWIGLU_BLOCK
+    if d_a.numel():
+        launch(_swiglu_backward_kernel, (_cdiv(d_a.numel(), block),), d_a, gate, up, dg, du, offsets, n_experts,
+               d_a.shape[1], BLOCK=block, num_warps=4)
 
 
 def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
@@ -672,7 +721,11 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
-    _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, c2=du, gate=gate, up=up)
+    if split_swiglu_grad(f):
+        _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, du, kind="swiglu_grad_split")  # d_a into du
+        _swiglu_backward(du, gate, up, offsets, dg, du)
+    else:
+        _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, c2=du, gate=gate, up=up)
     _weight_grad(a, None, grad_rows, offsets, dw_down)
     return dg, du, dw_down
 

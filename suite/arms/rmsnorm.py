@@ -602,33 +602,33 @@ def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
 
 
-# Size classes where `rms_norm` (impl="auto") calls torch's native fused kernel instead of ours:
-# a CUDA tensor with fewer elements than these, outside torch.compile. There our launch path
-# costs more host time than the native op takes in all, so an eager loop runs faster on the
-# native op, although our kernels take less device time. Measured on the H200's host with
-# scripts/rmsnorm_launch_probe.py (2026-12-01, bf16, us per back-to-back eager call, ours vs
-# F.rms_norm): forward 29.1 vs 18.0 at 4096x2048 (8.4 M elements), 26.6 vs 33.8 at 8192x2880
-# (23.6 M); forward+backward 165.1 vs 118.4 at 8192x2880, 196.7 vs 298.9 at 16384x4096 (67 M).
-# A faster host moves both crossovers down; impl="fused" always takes our kernels (inside a
-# CUDA graph, where the host's cost is paid once, they are the faster ones at every size).
-NATIVE_BELOW_FORWARD = 1 << 24  # 16.8 M elements, no backward to come
-NATIVE_BELOW_TRAINING = 1 << 25  # 33.6 M elements, a backward to come
+# The size class where `rms_norm` (impl="auto") calls torch's native fused kernel instead of
+# ours: a CUDA tensor with fewer elements than this, outside torch.compile and CUDA-graph capture.
+# There an eager loop is bound by the host, whose cost per call is ours above the native op's,
+# although our kernels take less device time. Measured on the H200's hosts with
+# scripts/rmsnorm_launch_probe.py and `suite run` (2026-12-01, bf16, us per back-to-back eager
+# call, ours vs F.rms_norm): forward+backward 165.1 vs 118.4 at 8192x2880 (23.6 M elements),
+# 196.7 vs 298.9 at 16384x4096 (67 M); forward 26.6 vs 33.8 at 8192x2880 on one host and 40.8
+# vs 33.9 on a slower one, so a forward alone is routed up to the same size. impl="fused"
+# always takes our kernels (inside a CUDA graph, where the host's cost is paid once, they are
+# the faster ones at every size).
+NATIVE_BELOW = 1 << 25  # 33.6 M elements
 IMPLS = ("auto", "fused")
 
 
-def routes_to_native(numel: int, training: bool, on_cuda: bool, same_dtype: bool) -> bool:
+def routes_to_native(numel: int, on_cuda: bool, same_dtype: bool) -> bool:
     """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
-    interpreter) of a size class where ours loses on the host, x and weight of one dtype (the
+    interpreter) of the size class where ours loses on the host, x and weight of one dtype (the
     native kernel's own rule). `rms_norm` inlines this rule (a test holds the two together)."""
-    below = NATIVE_BELOW_TRAINING if training else NATIVE_BELOW_FORWARD
-    return on_cuda and _KERNELS_COMPILED and same_dtype and numel < below
+    return on_cuda and _KERNELS_COMPILED and same_dtype and numel < NATIVE_BELOW
 
 
 # Bound once: on the routed path every attribute lookup is host time the native op does not pay.
 _compiling = torch.compiler.is_compiling
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
-_grad_enabled = torch.is_grad_enabled
-_native_rms_norm = torch.rms_norm
+# The native fused op itself, which torch.rms_norm reaches through one more dispatch (its
+# composite's checks): the same kernels and autograd node, so the same bits, for less host time.
+_native_rms_norm = torch._fused_rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
@@ -640,17 +640,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     torch.compile and CUDA-graph capture), which then computes it."""
     if impl == "auto":
         # routes_to_native inlined, cheapest checks first: on this path every fraction of a
-        # microsecond of Python is host time F.rms_norm does not pay. The grad state is read
-        # only between the two size classes. Inside a CUDA-graph capture (and torch.compile) the
-        # host's cost is paid once: ours, the faster kernels.
-        n = x.numel()
+        # microsecond of Python is host time F.rms_norm does not pay. Inside a CUDA-graph
+        # capture (and torch.compile) the host's cost is paid once: ours, the faster kernels.
         dtype = x.dtype
-        if (n < NATIVE_BELOW_TRAINING and x.is_cuda and dtype is weight.dtype and _KERNELS_COMPILED
-                and (n < NATIVE_BELOW_FORWARD or (_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+        if (x.numel() < NATIVE_BELOW and dtype is weight.dtype and x.is_cuda and _KERNELS_COMPILED
                 and dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
             try:
-                # torch.rms_norm, not F.rms_norm: that wrapper's Python is host time too
-                return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)
+                return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)[0]
             except RuntimeError:
                 pass  # what the native op refuses gets _validate's clearer error below
     elif impl != "fused":
