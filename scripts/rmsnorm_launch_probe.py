@@ -271,7 +271,7 @@ def components_section(arm, support, args) -> dict[str, float]:
         "torch._fused_rms_norm forward + autograd.grad": lambda: torch.autograd.grad(
             torch._fused_rms_norm(xg, (cols,), wg, EPS)[0], (xg, wg), dy),
         # (CPU-only torch binds a stub that raises: the probe's CPU test has no stream to ask)
-        "the capture query alone (_cuda_isCurrentStreamCapturing)": arm._capturing if torch.cuda.is_available() else bool,
+        "the capture query alone (_cuda_isCurrentStreamCapturing)": arm._capturing if x.is_cuda else bool,
         "identity Function saving 3 tensors + autograd.grad": lambda: torch.autograd.grad(SavesThree.apply(xg, wg), xg, dy),
         "identity forward, our backward + autograd.grad": lambda: torch.autograd.grad(
             OurBackwardOnly.apply(xg, wg), (xg, wg), dy),
