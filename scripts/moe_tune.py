@@ -38,7 +38,7 @@ GEMM_CANDIDATES = (
     # (BLOCK_SIZE_M/N/K 128/256/64, GROUP_SIZE_M 16, 8 warps, 4 stages; one accumulator)
     (128, 256, 64, 3, 8, 0), (128, 256, 64, 4, 8, 16),
     (64, 128, 64, 4, 4, 0), (64, 256, 64, 3, 8, 0),
-    # within the RTX card's 99 KB with two operand pairs
+    # within the RTX card's 99 KB
     (128, 64, 32, 3, 8, 0), (64, 128, 32, 3, 4, 0), (64, 128, 32, 3, 4, 16), (64, 64, 64, 2, 4, 0),
 )
 # (block_t, block_d, num_warps)
@@ -48,15 +48,11 @@ COMBINE_CANDIDATES = tuple((t, bd, w) for t in (1, 2, 4, 8, 16, 32) for bd in (1
 KERNELS = (
     ("expert_up", (1, 2), 4),
     ("expert_down", (1, 1), 2),
-    ("down_backward_rows", (1, 1), 2),
+    ("swiglu_backward", (1, 1), 2),  # d_a's GEMM, then the elementwise pass
     ("dw_down", (1, 1), 2),
     ("dx_rows", (1, 1), 4),
     ("dw_gate_up", (1, 2), 4),
-    ("down_backward_split", (1, 1), 2),
 )
-# a kernel that does another's work another way: timed beside it, never added to the layer's sum
-# twice (the sum of the best takes the faster of the two)
-ALTERNATIVE_OF = {"down_backward_split": "down_backward_rows"}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -172,19 +168,17 @@ def build(preset_name: str, device):
     kernels = {
         "expert_up": lambda: mk.expert_up(x, wg, wu, tor, offsets, out=a, gate_out=g, up_out=u),
         "expert_down": lambda: mk.expert_down(a, wd, offsets, out=y),
-        "down_backward_rows": lambda: mk._grouped_rows(grad_rows, wd, (s_e, s_d, s_f), offsets, dg, c2=du,
-                                                       gate=g, up=u),
         "dw_down": lambda: mk._weight_grad(a, None, grad_rows, offsets, dw_down),
-        "down_backward_split": lambda: (
-            mk._grouped_rows(grad_rows, wd, (s_e, s_d, s_f), offsets, du, kind="swiglu_grad_split"),
+        "swiglu_backward": lambda: (
+            mk._grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, du),
             mk._swiglu_backward(du, g, u, offsets, dg, du)),
-        "dx_rows": lambda: mk._grouped_rows(dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
+        "dx_rows": lambda: mk._grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
                                             w2_strides=(u_e, u_f, u_d)),
         "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
         "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_map, grad_rows_out=grad_rows,
                                                         grad_probs_out=grad_probs),
     }
-    outputs = {"expert_up": (a, g, u), "expert_down": (y,), "down_backward_rows": (dg, du), "down_backward_split": (dg, du), "dw_down": (dw_down,),
+    outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs)}
     return p, routing, kernels, outputs
 
@@ -288,16 +282,14 @@ def _config_text(c: dict[str, Any]) -> str:
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\n{figures['preset']} {figures['params']} (smem limit {figures['smem_limit']} B)")
     print(f"{'kernel':20s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
-    defaults, bests = {}, {}
+    total_default, total_best = 0.0, 0.0
     for entry in figures["kernels"]:
         timed = [t for t in entry["timings"] if "ms" in t]
         if not timed:
             print(f"{entry['kernel']:20s} every config failed: {entry['timings'][0].get('error')}")
             continue
-        work = ALTERNATIVE_OF.get(entry["kernel"], entry["kernel"])
-        if work == entry["kernel"]:
-            defaults[work] = timed[0]["ms"]
-        bests[work] = min(bests.get(work, float("inf")), *(t["ms"] for t in timed))
+        total_default += timed[0]["ms"]
+        total_best += min(t["ms"] for t in timed)
         for i, t in enumerate(sorted(timed, key=lambda t: t["ms"])[:4] if len(timed) > 1 else timed):
             rate = f"{t['tflops']:.0f} TFLOP/s" if "tflops" in t else f"{t['gbps']:.0f} GB/s"
             share = t.get("of_gemm", t.get("of_copy"))
@@ -311,8 +303,7 @@ def print_table(figures: dict[str, Any]) -> None:
         if "same_bytes_copy" in entry:
             copy = entry["same_bytes_copy"]
             print(f"{'  a copy of its bytes':44s} {copy['ms']:9.4f} {copy['gbps']:9.0f} GB/s {100 * copy['of_copy']:9.1f}%")
-    print(f"{'sum of kernels':20s} {'default':24s} {sum(defaults.values()):9.4f}\n"
-          f"{'':20s} {'best of each':24s} {sum(bests.values()):9.4f}")
+    print(f"{'sum of kernels':20s} {'default':24s} {total_default:9.4f}\n{'':20s} {'best of each':24s} {total_best:9.4f}")
 
 
 def main(argv=None) -> int:

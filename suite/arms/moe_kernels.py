@@ -154,21 +154,17 @@ def _accumulate(A, a_offs, b_ptrs, row_mask, col_mask, n_k, sb_k, acc, BLOCK_K: 
 
 @triton.jit
 def _rows_gemm_kernel(
-    A, A2, B, B2, OFFSETS, C, C2, G, U,
+    A, A2, B, B2, OFFSETS, C,
     n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TWO: tl.constexpr, SWIGLU_GRAD: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+    TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the concatenated K,
     the first pair's K then the second's) for one [BLOCK_M, BLOCK_N] tile of expert e's rows.
-    A, A2: [R_max, n_k], C, C2, G, U: [R_max, n_n], all contiguous; B[e], B2[e] read through
-    their strides (a transposed weight is its strides swapped). The pairs run one after the
-    other, not interleaved in one loop: a step then buffers one pair's tiles, not both, so the
-    tile can be as wide as a one-pair GEMM's.
-
-    SWIGLU_GRAD: the product is d_a, the gradient of a = silu(g) * u; the epilogue reads g and
-    u and stores dg = d_a * u * silu'(g) in C and du = d_a * silu(g) in C2 (d_a never leaves
-    registers)."""
+    A, A2: [R_max, n_k], C: [R_max, n_n], all contiguous; B[e], B2[e] read through their
+    strides (a transposed weight is its strides swapped). The pairs run one after the other,
+    not interleaved in one loop: a step then buffers one pair's tiles, not both, so the tile can
+    be as wide as a one-pair GEMM's."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -188,15 +184,7 @@ def _rows_gemm_kernel(
             b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
             acc = _accumulate(A2, a_offs, b2_ptrs, row_mask, col_mask, n_k, sb2_k, acc, BLOCK_K, UPCAST)
         out = wide_rows[:, None] * n_n + cols[None, :]
-        mask = row_mask[:, None] & col_mask[None, :]
-        if SWIGLU_GRAD:
-            g = tl.load(G + out, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(U + out, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            tl.store(C + out, (acc * u * sig * (1.0 + g * (1.0 - sig))).to(C.dtype.element_ty), mask=mask)
-            tl.store(C2 + out, (acc * g * sig).to(C2.dtype.element_ty), mask=mask)
-        else:
-            tl.store(C + out, acc.to(C.dtype.element_ty), mask=mask)
+        tl.store(C + out, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -368,19 +356,21 @@ def _interpreting() -> bool:
 
 # One tile per GEMM kind (no autotuning), measured on the H200 with scripts/moe_tune.py --sweep
 # over the four model presets (olmoe, qwen3-30b-a3b, mixtral, top2-small; bf16, 2026-12-01):
-# each row was the fastest, or within 4% of it, at every preset (mixtral's down_backward
-# within 2%). block_n is per B tile: the kinds with two (up: gate and up; dx and the
-# gate/up weight gradient: two operand pairs or outputs) hold block_m x 2*block_n of
-# accumulators. group_m walks the row tiles in groups so a group's A rows stay in L2 across
-# the column tiles (_tile_ids). Against the old shape-class rule, per preset: up 1.27-1.38x,
-# down 1.50-1.69x, down_backward 1.22-1.44x, dx 1.53-1.63x, the weight gradients 1.10-1.28x;
-# one layer's GEMMs and combine backward, summed: mixtral 50.46 -> 36.51 ms, olmoe 7.58 -> 5.58.
+# each row was the fastest, or within 4% of it, at every preset (the SwiGLU backward's GEMM at
+# mixtral within 2.5%). block_n is per B tile: the kinds with two (up: gate and up; the
+# gate/up weight gradient: two outputs) hold block_m x 2*block_n of accumulators. group_m walks
+# the row tiles in groups so a group's A rows stay in L2 across the column tiles (_tile_ids).
+# Against the old shape-class rule, per preset: up 1.27-1.38x, down 1.50-1.69x, the weight
+# gradients 1.10-1.28x. dx, its two operand pairs once interleaved in one loop at 128x128 (both
+# pairs buffered a step), runs them one after the other at the one-pair tile: 1.25-1.45x
+# (mixtral 8.75 -> 6.04-6.98 ms across two leases). The SwiGLU backward, once fused into its
+# GEMM's epilogue at 128x64 (the tile had to hold the loads of g and u), is a plain GEMM and an
+# elementwise pass: 1.19-1.33x (mixtral 4.93 -> 3.60-3.87 ms, olmoe 0.817 -> 0.675).
 #   kind            (n_a, n_b)  block_m, block_n, block_k, stages, warps, group_m
 GEMM_KINDS = {
     "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
     "rows": ((1, 1), (128, 256, 64, 4, 8, 16)),  # expert_down: y = a @ w_down
-    "swiglu_grad": ((1, 1), (128, 64, 64, 4, 8, 8)),  # d_a = grad @ w_down^T, epilogue reads g, u
-    "swiglu_grad_split": ((1, 1), (128, 256, 64, 4, 8, 16)),  # d_a alone, the SwiGLU backward after
+    "swiglu_grad": ((1, 1), (128, 256, 64, 4, 8, 8)),  # d_a = grad_rows @ w_down^T
     "dx": ((1, 1), (128, 256, 64, 4, 8, 16)),  # dg @ w_gate^T then du @ w_up^T, one accumulator
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
     "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
@@ -393,8 +383,9 @@ _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
 _MANY_ROWS = 128
-# Measured on the H200 (triton 3.6): the dx kernel at 64x128x64, two operand pairs, 2 stages of
-# bf16, took 102400 bytes against 98304 for its operand buffers; twice that margin is kept.
+# Measured on the H200 (triton 3.6): the dx kernel at 64x128x64 (then with both operand pairs
+# buffered a step), 2 stages of bf16, took 102400 bytes against 98304 for its operand buffers;
+# twice that margin is kept.
 _SMEM_SCRATCH = 8192
 
 
@@ -428,16 +419,8 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
 
 
-# The SwiGLU backward, fused or split. Fused: d_a = grad_rows @ w_down^T stays in registers and
-# the GEMM's epilogue reads g and u and writes dg and du; its tile must hold those loads, so it is
-# narrow (128x64). Split: d_a goes to memory (in du's buffer, x's dtype, as in eager autograd)
-# from a plain GEMM tile, and one elementwise pass reads d_a, g and u and writes dg and du.
-SPLIT_SWIGLU_GRAD_FROM_FFN = 1 << 30
-SWIGLU_BLOCK = 2048  # elements a program of the split pass
-
-
-def split_swiglu_grad(ffn: int) -> bool:
-    return ffn >= SPLIT_SWIGLU_GRAD_FROM_FFN
+# The SwiGLU backward's elementwise pass: elements a program (bf16: 16 a thread at 4 warps).
+SWIGLU_BLOCK = 2048
 
 
 @dataclass(frozen=True)
@@ -576,7 +559,7 @@ def expert_down(a, w_down, offsets, *, out=None):
     _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     n_rows = a.shape[0]
     y = _buffer(out, fn, "out", (n_rows, d), a.dtype, a.device)
-    _grouped_rows(a, w_down, w_down.stride(), offsets, y)
+    _grouped_rows("rows", a, w_down, w_down.stride(), offsets, y)
     return y
 
 
@@ -585,27 +568,22 @@ def _row_tile_grid(tiles: tuple[int, int], cfg: GemmConfig) -> tuple[int, ...]:
     return tiles if cfg.group_m == 0 else (tiles[0] * tiles[1],)
 
 
-def _grouped_rows(a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, c2=None, gate=None, up=None,
-                  kind=None):
+def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None):
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
-    w_strides (e, k, n); with gate and up, the SwiGLU gradient epilogue into c and c2. kind:
-    the GEMM_KINDS tile, by default the one its operands name."""
+    w_strides (e, k, n), at GEMM kind `kind`'s tile."""
     n_rows, n_k = a.shape
     n_n = c.shape[1]
     n_experts = offsets.shape[0] - 1
     two = a2 is not None
     if n_rows and n_experts and n_n:
-        kind = kind or ("dx" if two else ("rows" if gate is None else "swiglu_grad"))
         cfg = _gemm_config(kind, n_rows // n_experts, n_n, a.dtype, a.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
         launch(
             _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
-            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, c if c2 is None else c2,
-            c if gate is None else gate, c if up is None else up,
+            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c,
             n_experts, n_k, n_n, *w_strides, *(w2_strides or w_strides), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, SWIGLU_GRAD=gate is not None,
-            UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
@@ -700,8 +678,9 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
 
 
 def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
-    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T, kept in
-    registers, gives dg = d_a * u * silu'(g) and du = d_a * silu(g) (gate, up: the forward's
+    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T (written in
+    du's buffer, in a's dtype as eager autograd keeps it), then one elementwise pass gives
+    dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32 (gate, up: the forward's
     pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
     dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
     dw_down_out: caller-owned, reused."""
@@ -721,11 +700,8 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
-    if split_swiglu_grad(f):
-        _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, du, kind="swiglu_grad_split")  # d_a into du
-        _swiglu_backward(du, gate, up, offsets, dg, du)
-    else:
-        _grouped_rows(grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, c2=du, gate=gate, up=up)
+    _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer
+    _swiglu_backward(du, gate, up, offsets, dg, du)
     _weight_grad(a, None, grad_rows, offsets, dw_down)
     return dg, du, dw_down
 
@@ -756,6 +732,6 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
     g_e, g_d, g_f = w_gate.stride()
     u_e, u_d, u_f = w_up.stride()
-    _grouped_rows(dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
+    _grouped_rows("dx", dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
     _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
     return dx_rows, dw_gate, dw_up
