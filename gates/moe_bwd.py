@@ -399,6 +399,15 @@ def _build_combine_backward(kernel: bool) -> Callable[[BenchCase, Buffers, Prese
     return build
 
 
+def _build_same_bytes_copy(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+    """A device copy moving the combine backward's bytes (read + written): the bandwidth a
+    transfer of this size reaches, timed in the same rounds as the arm. The ceiling's copy moves
+    about 2 GB; one of 84 MB (top2-small) reaches about 80% of it (scripts/moe_tune.py)."""
+    src = torch.empty(_combine_bwd_bytes(preset) // 2, dtype=torch.uint8, device=buffers["x"].device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 def _per_case(experts_build, combine_build):
     def build(case, buffers, preset):
         return (combine_build if case.name == "combine-bwd" else experts_build)(case, buffers, preset)
@@ -432,6 +441,8 @@ CONTENDERS = (
     Contender("grouped_mm", "peer", _build(lambda routing: grouped_mm_experts), unavailable=_grouped_mm_missing,
               cases=EXPERT_CASES,
               note="torch._grouped_mm for the three GEMMs on the same layout, gathers and combine in torch"),
+    Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
+              note="a device copy of the combine backward's bytes: what a transfer of this size reaches"),
 )
 
 
@@ -480,16 +491,20 @@ MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
 PERF = PerfCriterion(
     not_slower_than=("reference",),
     min_speedup={("olmoe", "fwd+bwd"): 8.0},
-    # against torch._grouped_mm, judged where it is available and within the noise floor: the
-    # issue's targets for fwd+bwd, at least as fast on olmoe and qwen3-30b-a3b and 0.9x on
-    # mixtral (8 wide experts: cuBLAS-class GEMMs with no gather); this suite's own, the same
-    # bars on top2-small and on the backward alone
-    min_speedup_over={(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
-                      for name in MODEL_PRESETS for case in EXPERT_CASES},
-    # a device-time claim, so graph replays: called alone, eagerly, a 28 us combine is bound by
-    # its host dispatch (reported beside it); in a training loop it runs inside the experts'
-    # backward, whose eager calls max_eager_over_graph holds to their graph replays
-    min_ceiling_fraction={(name, "combine-bwd", "graph"): 0.8 for name in MODEL_PRESETS},
+    min_speedup_over={
+        # against torch._grouped_mm, judged where it is available and within the noise floor:
+        # the issue's targets for fwd+bwd, at least as fast on olmoe and qwen3-30b-a3b and 0.9x
+        # on mixtral (8 wide experts: cuBLAS-class GEMMs with no gather); this suite's own, the
+        # same bars on top2-small and on the backward alone
+        **{(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
+           for name in MODEL_PRESETS for case in EXPERT_CASES},
+        # the combine backward at 80% of copy bandwidth: of a copy of its own bytes timed beside
+        # it (the copy ceiling is measured on 2 GB, and at top2-small's 84 MB a copy itself
+        # reaches 79.7% of that; the ceiling's fraction is still reported). A device-time claim,
+        # so graph replays: called alone, eagerly, a 28 us combine is bound by its dispatch; in
+        # a training loop it runs inside the experts' backward, which max_eager_over_graph holds
+        **{(name, "combine-bwd", "graph"): {"copy": 0.8} for name in MODEL_PRESETS},
+    },
     # host dispatch must not eat the win
     max_eager_over_graph={(name, case): 1.1 for name in MODEL_PRESETS for case in EXPERT_CASES},
 )

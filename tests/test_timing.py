@@ -285,6 +285,20 @@ def test_min_speedup_over_a_peer_boundary(bar, passed):
     assert result.passed is passed
 
 
+def test_a_bar_against_a_peer_replaces_not_slower_for_it_where_declared():
+    """not_slower_than names the peer for every case; a bar keyed to one (preset, case) is that
+    case's claim against it instead: judged alone, the arm at 0.8x passes a 0.75 bar there."""
+    dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
+    criterion = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("small", "fwd"): {"peer": 0.75}})
+    result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
+    assert [c.name for c in result.criteria if "peer" in c.name] == ["speedup over peer >= 0.75x"]
+    assert result.passed
+    elsewhere = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("other", "fwd"): {"peer": 0.75}})
+    result, _ = bench(dists, elsewhere, contenders=make_contenders("peer"))
+    assert [c.name for c in result.criteria if "peer" in c.name] == ["not slower than peer"]
+    assert not result.passed
+
+
 def test_min_speedup_over_one_is_not_slower_a_tie_passes():
     """Bar 1.0 is "not slower than the peer": a tie within the noise passes, as not_slower_than
     would, instead of running to the round cap for a CI that straddles 1."""
