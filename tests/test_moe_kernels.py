@@ -396,7 +396,8 @@ def test_the_h200_takes_the_measured_tiles_unshrunk(monkeypatch):
 
 
 GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like
-ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_combine_kernel", "_combine_bwd_kernel", "_weight_grad_kernel"}
+ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_swiglu_backward_kernel", "_combine_kernel", "_combine_bwd_kernel",
+               "_weight_grad_kernel"}
 
 
 def run_every_kernel(tokens, d, f, experts, k):

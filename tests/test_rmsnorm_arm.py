@@ -463,7 +463,7 @@ def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeyp
     calls = []
     native = arm._native_rms_norm
     monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: calls.append("native") or native(*args))
-    x, weight = make((64, 256), torch.bfloat16)
+    x, weight, _ = make((64, 256), torch.bfloat16)
     torch.testing.assert_close(arm.rms_norm(x, weight), torch.rms_norm(x, (256,), weight, 1e-6), rtol=0, atol=0)
     calls.clear()
     small = make((64, 256), torch.bfloat16)
