@@ -38,6 +38,8 @@ GEMM_CANDIDATES = (
     # (BLOCK_SIZE_M/N/K 128/256/64, GROUP_SIZE_M 16, 8 warps, 4 stages; one accumulator)
     (128, 256, 64, 3, 8, 0), (128, 256, 64, 4, 8, 16),
     (64, 128, 64, 4, 4, 0), (64, 256, 64, 3, 8, 0),
+    # taller tiles and finer row steps, for the weight gradients (a short K loop of token rows)
+    (256, 64, 64, 3, 8, 16), (256, 64, 32, 4, 8, 16), (128, 64, 32, 6, 8, 16), (128, 128, 32, 4, 8, 16),
     # within the RTX card's 99 KB
     (128, 64, 32, 3, 8, 0), (64, 128, 32, 3, 4, 0), (64, 128, 32, 3, 4, 16), (64, 64, 64, 2, 4, 0),
 )

@@ -9,7 +9,8 @@ around 20 calls, no sync inside, so the host never waits on the device), the cac
 device allocations during 50 calls (cudaMalloc calls: each one can stall the host), and the
 per-call time of back-to-back eager calls in windows of 5 and of 50 between a CUDA event pair,
 with and without an L2 flush before each window, beside one call's device time (a replayed CUDA
-graph). Prints one table; writes $OUT/rmsnorm_eager_probe.json when OUT is set.
+graph); the forward and the backward's enqueue times alone, and the CUDA runtime calls the host
+made (torch.profiler), to find one that blocks. Prints one table; writes $OUT/rmsnorm_eager_probe.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     norms = {"arm (impl=auto)": lambda: rms_norm(x, weight, 1e-6),
              "F.rms_norm": lambda: F.rms_norm(x, (cols,), weight, 1e-6)}
     timer = CudaTimer("cuda")
-    figures = {}
+    figures, entry_calls = {}, {}
     for name, norm in norms.items():
         def step():
             return torch.autograd.grad(norm(), (x, weight), dy)
@@ -68,13 +69,39 @@ def main(argv=None) -> int:
             for flush in (False, True):
                 ms = statistics.median(timer.time_calls(step, 11, flush_l2=flush, window=window))
                 entry[f"eager_us_window{window}{'_flushed' if flush else ''}"] = ms * 1e3
+        for part, fn in (("forward only", norm), ("backward only", None)):
+            if fn is None:  # autograd.grad over one forward kept alive
+                out = norm()
+                fn = lambda: torch.autograd.grad(out, (x, weight), dy, retain_graph=True)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            entry[f"host_enqueue_us_{part.replace(' ', '_')}"] = (time.perf_counter() - t0) / 20 * 1e6
+            torch.cuda.synchronize()
+        # the CUDA runtime and driver calls the host made in 20 calls: a synchronising one
+        # (cudaStreamSynchronize, cudaEventSynchronize, cudaMalloc, ...) shows what blocks it
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize()
+        calls = {}
+        for event in prof.key_averages():
+            if event.key.startswith(("cuda", "cu")) and not event.key.startswith("cutlass"):
+                calls[event.key] = [event.count, round(event.cpu_time_total / 20, 1)]
+        entry_calls[name] = calls
         replay = timer.capture(step)
         entry["graph_us_flushed"] = statistics.median(timer.time_calls(replay, 21, flush_l2=True, window=1)) * 1e3
         figures[name] = entry
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "rmsnorm_eager_probe.json"), "w") as fh:
-            json.dump({"shape": [rows, cols], "figures": figures}, fh, indent=1)
+            json.dump({"shape": [rows, cols], "figures": figures, "runtime_calls": entry_calls}, fh, indent=1)
     keys = list(next(iter(figures.values())))
+    for name, calls in entry_calls.items():
+        print(f"{name}: runtime calls in 20 fwd+bwd [count, host us per fwd+bwd]: {calls}")
     print(f"{rows}x{cols} bf16 forward + autograd.grad, us per call")
     print(f"{'':36s}" + "".join(f"{name:>18s}" for name in figures))
     for key in keys:
