@@ -69,6 +69,9 @@ def main(argv=None) -> int:
             for flush in (False, True):
                 ms = statistics.median(timer.time_calls(step, 11, flush_l2=flush, window=window))
                 entry[f"eager_us_window{window}{'_flushed' if flush else ''}"] = ms * 1e3
+        replay = timer.capture(step)
+        entry["graph_us_flushed"] = statistics.median(timer.time_calls(replay, 21, flush_l2=True, window=1)) * 1e3
+        del replay
         for part, fn in (("forward only", norm), ("backward only", None)):
             if fn is None:  # autograd.grad over one forward kept alive
                 out = norm()
@@ -93,8 +96,7 @@ def main(argv=None) -> int:
             if event.key.startswith(("cuda", "cu")) and not event.key.startswith("cutlass"):
                 calls[event.key] = [event.count, round(event.cpu_time_total / 20, 1)]
         entry_calls[name] = calls
-        replay = timer.capture(step)
-        entry["graph_us_flushed"] = statistics.median(timer.time_calls(replay, 21, flush_l2=True, window=1)) * 1e3
+        print(name, json.dumps(entry), json.dumps(calls), flush=True)
         figures[name] = entry
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "rmsnorm_eager_probe.json"), "w") as fh:
