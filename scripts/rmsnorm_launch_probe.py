@@ -294,16 +294,6 @@ def components_section(arm, support, args) -> dict[str, float]:
         "identity autograd.Function forward + autograd.grad": lambda: torch.autograd.grad(Identity.apply(xg, weight), xg, dy),
     }
     measured = {name: host_us(fn, args) for name, fn in pieces.items()}
-    # the launch-bound pieces again with the cached launch's other way of passing tensors:
-    # their pointers as ints, or the tensors (the launcher then queries the driver for each)
-    other = not support.INT_POINTERS
-    saved, support.INT_POINTERS = support.INT_POINTERS, other
-    try:
-        for name in ("ours, forward + autograd.grad (impl=fused)", "identity forward, our backward + autograd.grad",
-                     "our _backward block alone (3 allocations, launch)", "launch() of the forward kernel, cached"):
-            measured[f"{name}, {'int pointers' if other else 'tensors'} to the launcher"] = host_us(pieces[name], args)
-    finally:
-        support.INT_POINTERS = saved
     return measured
 
 

@@ -27,13 +27,6 @@ compiled_kernels: dict[str, object] = {}
 
 # SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
 FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
-# SUITE_TRITON_INT_POINTERS=1: a cached launch hands Triton's C launcher each tensor's data
-# pointer as an int. Given a tensor, the launcher calls data_ptr() and then checks the pointer
-# with a CUDA driver query (cuPointerGetAttribute), per tensor and per launch; given an int it
-# takes it as is. The first launch of each specialization still goes through kernel[grid] and
-# its checks, and the arms check their tensors' device before any launch. Off until
-# scripts/rmsnorm_launch_probe.py has measured it on the GPU (it times both).
-INT_POINTERS = os.environ.get("SUITE_TRITON_INT_POINTERS", "0") == "1"
 # The calling convention used below was read in these releases' source (runtime/jit.py
 # JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher);
 # any other version launches through kernel[grid].
@@ -247,8 +240,6 @@ def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
     else:
         n = len(grid)
         stream = torch._C._cuda_getCurrentRawStream(device)
-        if INT_POINTERS:
-            args = [arg.data_ptr() if isinstance(arg, _Tensor) else arg for arg in args]
         entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix, *args, *entry.tail)
         compiled = entry.compiled
     if RECORD_COMPILED:
