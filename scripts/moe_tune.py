@@ -54,7 +54,11 @@ KERNELS = (
     ("dw_down", (1, 1), 2),
     ("dx_rows", (1, 1), 4),
     ("dw_gate_up", (1, 2), 4),
+    ("dw_gate_up_separate", (1, 1), 4),
 )
+# a kernel that does another's work another way: timed beside it, never added to the layer's sum
+# twice (the sum of the best takes the faster of the two)
+ALTERNATIVE_OF = {"dw_gate_up_separate": "dw_gate_up"}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -177,11 +181,14 @@ def build(preset_name: str, device):
         "dx_rows": lambda: mk._grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
                                             w2_strides=(u_e, u_f, u_d)),
         "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
+        # the gate and up weight gradients as two one-output launches at the dW_down kind's tile
+        "dw_gate_up_separate": lambda: (mk._weight_grad(x, tor, dg, offsets, dw_gate),
+                                        mk._weight_grad(x, tor, du, offsets, dw_up)),
         "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_map, grad_rows_out=grad_rows,
                                                         grad_probs_out=grad_probs),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
-               "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs)}
+               "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs)}
     return p, routing, kernels, outputs
 
 
@@ -284,14 +291,16 @@ def _config_text(c: dict[str, Any]) -> str:
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\n{figures['preset']} {figures['params']} (smem limit {figures['smem_limit']} B)")
     print(f"{'kernel':20s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
-    total_default, total_best = 0.0, 0.0
+    defaults, bests = {}, {}
     for entry in figures["kernels"]:
         timed = [t for t in entry["timings"] if "ms" in t]
         if not timed:
             print(f"{entry['kernel']:20s} every config failed: {entry['timings'][0].get('error')}")
             continue
-        total_default += timed[0]["ms"]
-        total_best += min(t["ms"] for t in timed)
+        work = ALTERNATIVE_OF.get(entry["kernel"], entry["kernel"])
+        if work == entry["kernel"]:
+            defaults[work] = timed[0]["ms"]
+        bests[work] = min(bests.get(work, float("inf")), *(t["ms"] for t in timed))
         for i, t in enumerate(sorted(timed, key=lambda t: t["ms"])[:4] if len(timed) > 1 else timed):
             rate = f"{t['tflops']:.0f} TFLOP/s" if "tflops" in t else f"{t['gbps']:.0f} GB/s"
             share = t.get("of_gemm", t.get("of_copy"))
@@ -305,7 +314,8 @@ def print_table(figures: dict[str, Any]) -> None:
         if "same_bytes_copy" in entry:
             copy = entry["same_bytes_copy"]
             print(f"{'  a copy of its bytes':44s} {copy['ms']:9.4f} {copy['gbps']:9.0f} GB/s {100 * copy['of_copy']:9.1f}%")
-    print(f"{'sum of kernels':20s} {'default':24s} {total_default:9.4f}\n{'':20s} {'best of each':24s} {total_best:9.4f}")
+    print(f"{'sum of kernels':20s} {'default':24s} {sum(defaults.values()):9.4f}\n"
+          f"{'':20s} {'best of each':24s} {sum(bests.values()):9.4f}")
 
 
 def main(argv=None) -> int:
