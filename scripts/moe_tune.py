@@ -13,6 +13,8 @@ the bf16 GEMM or copy ceiling (measured here), the combine backward beside a pla
 bytes. With --sweep each GEMM kernel is also timed at a
 fixed list of alternative tiles, and the combine backward at alternative tile shapes, each
 checked against the default's outputs (a different reduction step changes fp32 rounding only).
+Two entries time the gate/up weight gradient other ways (ALTERNATIVE_OF): as two one-output
+launches, and on x rows already in sorted order (what the gather in its loop costs).
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
 everything to $OUT/moe_tune.json (or --json) and prints one table per preset last.
 """
