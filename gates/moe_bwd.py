@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from suite.arms import moe_kernels
 from suite.arms.moe import expert_rows, experts, experts_reference, route
+from suite.device_profile import active_profile
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -423,6 +424,9 @@ def _grouped_mm_missing(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) not in ((9, 0), (10, 0)):
         return f"torch._grouped_mm runs on SM90 / SM100 only; this device is sm_{major}{minor}"
+    if active_profile(device) == "rtx":
+        # the profile stands in for the RTX card: its peers are the ones that card can run
+        return "the rtx profile stands in for the RTX card (sm_120), where torch._grouped_mm does not run"
     return None
 
 

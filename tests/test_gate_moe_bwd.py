@@ -171,6 +171,18 @@ def test_grouped_mm_peer_computes_the_experts():
     assert "CUDA" in GATE.contenders[3].unavailable(CPU)
 
 
+@pytest.mark.parametrize("profile, unavailable", [("none", False), ("rtx", True)])
+def test_grouped_mm_is_no_peer_under_the_rtx_profile(monkeypatch, profile, unavailable):
+    """On an SM90 device grouped_mm runs, except where the rtx profile stands in for the RTX
+    card, which cannot run it: the peers there are the card's."""
+    monkeypatch.setattr(torch, "_grouped_mm", getattr(torch, "_grouped_mm", None), raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv("SUITE_PROFILE", profile)
+    why = GATE.contenders[3].unavailable(torch.device("cuda", 0))
+    assert (why is not None) is unavailable
+    assert not unavailable or "rtx profile" in why
+
+
 def test_bench_counts():
     olmoe = GATE.preset("olmoe")
     fwd_bwd, bwd, _ = GATE.benches
