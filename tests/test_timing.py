@@ -299,6 +299,19 @@ def test_a_bar_against_a_peer_replaces_not_slower_for_it_where_declared():
     assert not result.passed
 
 
+def test_rounds_extend_only_for_the_demands_judged():
+    """A peer tied with the arm within noise keeps not-slower undecided; where a 0.75 bar
+    replaces not-slower for it, that bar is decided at once and no round is added for the
+    claim that is no longer made."""
+    dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.05)}
+    tied = PerfCriterion(not_slower_than=("reference", "peer"))
+    result, _ = bench(dists, tied, contenders=make_contenders("peer"))
+    assert result.rounds > POLICY.min_rounds
+    barred = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("small", "fwd"): {"peer": 0.75}})
+    result, _ = bench(dists, barred, contenders=make_contenders("peer"))
+    assert result.rounds == POLICY.min_rounds and result.passed
+
+
 def test_min_speedup_over_one_is_not_slower_a_tie_passes():
     """Bar 1.0 is "not slower than the peer": a tie within the noise passes, as not_slower_than
     would, instead of running to the round cap for a CI that straddles 1."""
@@ -642,10 +655,11 @@ def _cmp(speedup, low, high, floor_log):
 
 
 def test_not_slower_is_one_sided():
+    """Not slower is at least 1x within the floor: one-sided, where the verdict is two-sided."""
     floor = math.log1p(0.02)
-    assert timing.not_slower(_cmp(1.03, 0.999, 1.10, floor), floor) == "pass"  # ambiguous two-sided
-    assert timing.not_slower(_cmp(1.0, 0.97, 1.03, floor), floor) == "undecided"
-    assert timing.not_slower(_cmp(0.90, 0.88, 0.92, floor), floor) == "fail"
+    assert timing.at_least_within_noise(_cmp(1.03, 0.999, 1.10, floor), 1.0, floor) == "pass"  # ambiguous two-sided
+    assert timing.at_least_within_noise(_cmp(1.0, 0.97, 1.03, floor), 1.0, floor) == "undecided"
+    assert timing.at_least_within_noise(_cmp(0.90, 0.88, 0.92, floor), 1.0, floor) == "fail"
 
 
 def test_at_least_needs_the_whole_ci():

@@ -316,11 +316,6 @@ def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decisi
     return "pass" if math.log(c.ci_low / bar) >= -floor_log else "undecided"
 
 
-def not_slower(c: Comparison, floor_log: float) -> Decision:
-    """The arm is not slower than c.against beyond the floor: at least 1x of it."""
-    return at_least_within_noise(c, 1.0, floor_log)
-
-
 def at_least(c: Comparison, least: float) -> Decision:
     """The speedup is at least `least` when the whole CI is; below it when the whole CI is."""
     if c.ci_low >= least:
@@ -511,9 +506,8 @@ def measure_bench(
     ref_first: list[float] = []
     ref_second: list[float] = []
     per_round: dict[str, list[float]] = {name: [] for name in others}
-    deciding = {ref_name} | set(criterion.not_slower(mode))
+    demands = _peer_demands(criterion, preset, case, mode)
     least = criterion.speedup(preset.name, case.name, mode)
-    over = criterion.speedups_over(preset.name, case.name, mode)
 
     def run_round(index: int, target: int) -> None:
         say(f"round {index + 1}/{target}")
@@ -539,11 +533,11 @@ def measure_bench(
             for name in [ref_name, *(n for n in others if n != arm_name)]
         ]
         by_name = {c.against: c for c in comparisons}
-        undecided = [by_name[n] for n in deciding if n in by_name and not_slower(by_name[n], floor_log) == "undecided"]
+        # more rounds only for what will be judged: each demand against a peer, the speedup floor
+        undecided = [by_name[name] for name, bar, _, _ in demands
+                     if name in by_name and at_least_within_noise(by_name[name], bar, floor_log) == "undecided"]
         if least is not None and at_least(by_name[ref_name], least) == "undecided":
             undecided.append(by_name[ref_name])
-        undecided += [by_name[n] for n, bar in over.items()
-                      if n in by_name and at_least_within_noise(by_name[n], bar, floor_log) == "undecided"]
         if not undecided or target >= policy.max_rounds:
             break
         target = min(target + policy.round_step, policy.max_rounds)
@@ -583,6 +577,18 @@ def measure_bench(
         host_probe=host_probe, duration_s=time.perf_counter() - started)
 
 
+def _peer_demands(
+    criterion: PerfCriterion, preset: Preset, case: BenchCase, mode: TimingMode
+) -> list[tuple[str, float, str, bool]]:
+    """(peer, bar, title, the bar is a target against that peer) for each claim against another
+    contender. "Not slower than" a peer is at least 1x of it; a bar against a peer is a fraction
+    of it, and where a case declares one it replaces not-slower for that peer (the narrower
+    claim). The rounds loop extends for these and _check_criteria judges them: one list."""
+    bars = criterion.speedups_over(preset.name, case.name, mode)
+    demands = [(name, 1.0, f"not slower than {name}", False) for name in criterion.not_slower(mode) if name not in bars]
+    return demands + [(name, bar, f"speedup over {name} >= {bar:g}x", True) for name, bar in bars.items()]
+
+
 def _check_criteria(
     case: BenchCase,
     mode: TimingMode,
@@ -601,12 +607,7 @@ def _check_criteria(
     against = {c.against: c for c in comparisons}
     reasons = {t.name: t.unavailable for t in timings if t.unavailable}
     timed = {c.name for c in contenders}
-    # "not slower than" a peer is at least 1x of it; a bar against a peer is a fraction of it,
-    # and where a case declares one it replaces not-slower for that peer (the narrower claim)
-    bars = criterion.speedups_over(preset.name, case.name, mode)
-    demands = [(name, 1.0, f"not slower than {name}", False) for name in criterion.not_slower(mode) if name not in bars]
-    demands += [(name, bar, f"speedup over {name} >= {bar:g}x", True) for name, bar in bars.items()]
-    for name, bar, title, peer_is_target in demands:
+    for name, bar, title, peer_is_target in _peer_demands(criterion, preset, case, mode):
         if name not in timed:
             continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
         if name in reasons:
