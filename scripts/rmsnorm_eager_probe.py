@@ -3,14 +3,17 @@
 
     python scripts/rmsnorm_eager_probe.py [--shape 16384x4096]   (on the GPU machine)
 
-For the arm (impl="auto", which takes our kernels at this size) and F.rms_norm, bf16, the forward
-and autograd.grad backward for x and the weight: the host's enqueue time per call (perf_counter
-around 20 calls, no sync inside, so the host never waits on the device), the caching allocator's
-device allocations during 50 calls (cudaMalloc calls: each one can stall the host), and the
+For the arm (impl="auto": our kernels from 2^25 elements, the default shape's class; below it
+its eager calls are torch's fused op while its graph figure is still ours, captures taking our
+kernels) and F.rms_norm, bf16, the forward and autograd.grad backward for x and the weight: the
+host's enqueue time per call (perf_counter around 20 calls with no sync inside, so it grows past
+the host's own cost only if something in the call waits on the device), the caching
+allocator's device allocations during 50 calls (each cudaMalloc can stall the host), the
 per-call time of back-to-back eager calls in windows of 5 and of 50 between a CUDA event pair,
-with and without an L2 flush before each window, beside one call's device time (a replayed CUDA
-graph); the forward and the backward's enqueue times alone, and the CUDA runtime calls the host
-made (torch.profiler), to find one that blocks. Prints one table; writes $OUT/rmsnorm_eager_probe.json when OUT is set.
+with and without an L2 flush before each window, one call's device time (a replayed CUDA
+graph), the forward's and the backward's enqueue times alone, and the CUDA runtime calls the
+host made (torch.profiler). Prints one table; writes $OUT/rmsnorm_eager_probe.json when OUT is
+set.
 """
 
 from __future__ import annotations

@@ -297,6 +297,21 @@ def test_expert_up_backward_and_the_gather_back_match_torch(dtype):
     assert_close(dx.cpu(), combine_reference(layout, dx_rows[:R]), dtype)
 
 
+def test_the_swiglu_backward_refuses_outputs_that_alias_its_inputs():
+    """d_a is written into du's buffer before gate and up are read: du_out=up would read its own
+    d_a as u. Such buffers are refused with the fix."""
+    layout = make_layout()
+    _, _, _, w_down = make_weights(torch.float32)
+    a, gate, up, grad_rows = (randn_rows(F, torch.float32, 4), randn_rows(F, torch.float32, 5),
+                              randn_rows(F, torch.float32, 6), randn_rows(D, torch.float32, 7))
+    for aliased in ({"du_out": up}, {"dg_out": gate}, {"dg_out": up}):
+        with pytest.raises(ValueError, match="buffers of their own"):
+            mk.expert_down_backward(grad_rows, a, gate, up, w_down, layout["offsets"], **aliased)
+    shared = torch.empty_like(up)
+    with pytest.raises(ValueError, match="buffers of their own"):
+        mk.expert_down_backward(grad_rows, a, gate, up, w_down, layout["offsets"], dg_out=shared, du_out=shared)
+
+
 def test_backward_buffers_are_reused_and_checked():
     layout = make_layout()
     x, w_gate, w_up, w_down = make_weights(torch.float32)

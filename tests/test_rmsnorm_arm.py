@@ -459,6 +459,34 @@ def test_impl_is_checked():
 
 @pytest.mark.cuda
 @needs_cuda
+def test_the_routed_call_gives_torch_rms_norms_bits_and_gradients_on_cuda():
+    """The routed path calls torch's fused op directly: on CUDA, the values and gradients of
+    torch.rms_norm (and F.rms_norm), bit for bit, in every supported dtype."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, weight, dy = make((64, 256), dtype)
+        x.requires_grad_()
+        weight.requires_grad_()
+        y = arm.rms_norm(x, weight)
+        want = torch.rms_norm(x, (256,), weight, 1e-6)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        for got, expected in zip(torch.autograd.grad(y, (x, weight), dy), torch.autograd.grad(want, (x, weight), dy)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_under_autocast_y_keeps_xs_dtype_on_every_path():
+    """y is in x's dtype on each path, inside autocast too: our kernels ignore autocast, and the
+    routed call (torch's fused op itself) has no autocast rule, where torch.rms_norm's fp32
+    policy would return fp32 for bf16 inputs."""
+    x, weight, _ = make((64, 256), torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert arm.rms_norm(x, weight).dtype == torch.bfloat16  # routed
+        assert fused(x, weight).dtype == torch.bfloat16  # ours
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_auto_takes_the_native_kernel_below_the_crossover_and_ours_above(monkeypatch):
     calls = []
     native = arm._native_rms_norm

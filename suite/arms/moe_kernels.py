@@ -365,7 +365,7 @@ def _interpreting() -> bool:
 # pairs buffered a step), runs them one after the other at the one-pair tile: 1.25-1.45x
 # (mixtral 8.75 -> 6.04-6.98 ms across two leases). The SwiGLU backward, once fused into its
 # GEMM's epilogue at 128x64 (the tile had to hold the loads of g and u), is a plain GEMM and an
-# elementwise pass: 1.19-1.33x (mixtral 4.93 -> 3.60-3.87 ms, olmoe 0.817 -> 0.675).
+# elementwise pass: 1.20-1.37x (mixtral 4.93 -> 3.60-3.87 ms, olmoe 0.817 -> 0.675).
 #   kind            (n_a, n_b)  block_m, block_n, block_k, stages, warps, group_m
 GEMM_KINDS = {
     "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
@@ -698,6 +698,9 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
+    # d_a goes into du before gate and up are read, and dg is written before du in each element
+    _check(len({dg.data_ptr(), du.data_ptr(), gate.data_ptr(), up.data_ptr()}) == 4, fn,
+           "dg_out and du_out must be buffers of their own, not gate, up or each other; pass other tensors")
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
     _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer

@@ -139,7 +139,8 @@ class PerfCriterion:
     min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
     min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
     # the arm's speedup over a named peer at least this, where a target is a fraction of a peer
-    # ("at least 0.9x of grouped_mm on mixtral"): key -> {contender: least}
+    # ("at least 0.9x of grouped_mm on mixtral"): key -> {contender: least}; in that (preset,
+    # case, mode) it replaces not_slower_than for that peer
     min_speedup_over: Mapping[CriterionKey, Mapping[str, float]] = field(default_factory=dict)
     max_over_reference_busy: Mapping[CriterionKey, float] = field(default_factory=dict)
     # the arm's eager-call median at most this multiple of its graph-replay median, for a case
