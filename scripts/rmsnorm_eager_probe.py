@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("rmsnorm_eager_probe needs a CUDA GPU", file=sys.stderr)
         return 3
+    from torch.profiler import ProfilerActivity, profile
+
     from suite.arms.rmsnorm import rms_norm
     from suite.harness.timing import CudaTimer
 
@@ -96,8 +98,6 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         # the CUDA runtime and driver calls the host made in 20 calls: a synchronising one
         # (cudaStreamSynchronize, cudaEventSynchronize, cudaMalloc, ...) shows what blocks it
-        from torch.profiler import ProfilerActivity, profile
-
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(20):
                 step()
