@@ -12,8 +12,11 @@ allocator's device allocations during 50 calls (each cudaMalloc can stall the ho
 per-call time of back-to-back eager calls in windows of 5 and of 50 between a CUDA event pair,
 with and without an L2 flush before each window, one call's device time (a replayed CUDA
 graph), the forward's and the backward's enqueue times alone, and the CUDA runtime calls the
-host made (torch.profiler). Prints one table; writes $OUT/rmsnorm_eager_probe.json when OUT is
-set.
+host made (torch.profiler). Then a timeline of our kernels' call (impl="fused") at this shape
+and at 8x4096, where the GPU idles: timestamps at the call, inside the autograd.Function's
+forward and backward (the backward on autograd's device thread) and around each launch, the
+median us of each interval over 200 calls. Prints the tables; writes
+$OUT/rmsnorm_eager_probe.json when OUT is set.
 """
 
 from __future__ import annotations
@@ -27,6 +30,165 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+
+TIMELINE = (  # (interval, from mark, to mark) in one call's order of marks
+    ("rms_norm() to forward body (wrapper, Function.apply)", "call", "forward in"),
+    ("forward body to its launch (config, allocations)", "forward in", "launch in"),
+    ("forward launch", "launch in", "launch out"),
+    ("forward launch to body end (save, dW buffer)", "launch out", "forward out"),
+    ("forward body end to y returned (apply's exit)", "forward out", "y returned"),
+    ("y returned to backward body (autograd.grad, to the device thread)", "y returned", "backward in"),
+    ("backward body to its launch (saved tensors, dx, workspace)", "backward in", "launch in#2"),
+    ("backward launch", "launch in#2", "launch out#2"),
+    ("backward launch to body end", "launch out#2", "backward out"),
+    ("backward body end to autograd.grad returned (back to the caller)", "backward out", "grad returned"),
+    ("forward: call to y returned", "call", "y returned"),
+    ("backward: y returned to autograd.grad returned", "y returned", "grad returned"),
+    ("whole call", "call", "grad returned"),
+)
+
+
+class _Marks(list):
+    stamp = staticmethod(time.perf_counter_ns)
+
+    def __call__(self, name: str) -> None:
+        self.append((name, self.stamp()))
+
+
+def _instrumented(function, marks: _Marks) -> None:
+    """function's forward and backward wrapped with marks (undo with _restored)."""
+    forward, backward = function.forward, function.backward
+
+    def timed_forward(ctx, *args):
+        marks("forward in")
+        out = forward(ctx, *args)
+        marks("forward out")
+        return out
+
+    def timed_backward(ctx, *grads):
+        marks("backward in")
+        out = backward(ctx, *grads)
+        marks("backward out")
+        return out
+
+    function.forward, function.backward = staticmethod(timed_forward), staticmethod(timed_backward)
+    function.untimed = (forward, backward)
+
+
+def _restored(function) -> None:
+    forward, backward = function.untimed
+    function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+    del function.untimed
+
+
+def timeline(norm, x, weight, dy, marks: _Marks, calls: int = 200) -> dict[str, float | None]:
+    """Median us of each TIMELINE interval of norm's eager forward + autograd.grad (intervals
+    whose marks the variant does not make are None)."""
+    import gc
+
+    per_call: list[dict[str, int]] = []
+    gc.disable()
+    try:
+        for i in range(calls + 20):
+            marks.clear()
+            marks("call")
+            y = norm(x, weight)
+            marks("y returned")
+            torch.autograd.grad(y, (x, weight), dy, allow_unused=True)  # the identity leaves weight out
+            marks("grad returned")
+            if i >= 20:  # warm
+                seen: dict[str, int] = {}
+                for name, at in marks:
+                    n = sum(1 for k in seen if k.split("#")[0] == name)
+                    seen[name if n == 0 else f"{name}#{n + 1}"] = at
+                per_call.append(seen)
+        torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    return {
+        label: statistics.median((c[end] - c[start]) / 1e3 for c in per_call) if start in per_call[0] and end in per_call[0] else None
+        for label, start, end in TIMELINE
+    }
+
+
+def timeline_variants(x, weight, dy) -> dict[str, dict[str, float | None]]:
+    """The timeline of: our kernels as the arm calls them; a floor, a Function that does
+    only the unavoidable (the allocations, each launch straight to the C launcher with its
+    arguments prepared once); an identity Function (autograd and the thread handoffs alone);
+    F.rms_norm (its outer marks only)."""
+    from suite.arms import rmsnorm as arm
+    from suite.arms import triton_support
+
+    marks = _Marks()
+    launcher, launch = triton_support.Launcher, triton_support.Launcher.__call__
+
+    def timed_launch(self, grid, *args):
+        marks("launch in")
+        launch(self, grid, *args)
+        marks("launch out")
+
+    rows, cols = x.shape
+    cfg = arm._launch_config(rows, cols, x.device)
+    fused = lambda a, w: arm.rms_norm(a, w, 1e-6, impl="fused")  # noqa: E731
+    torch.autograd.grad(fused(x, weight), (x, weight), dy)  # compiles and caches both launches
+    fwd_entry = next(e for e in cfg.forward.entries.values() if e is not None)
+    bwd_entry = next(e for e in cfg.backward.entries.values() if e is not None)
+    partials = torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device)
+    stream = torch._C._cuda_getCurrentRawStream(x.device.index)
+    fwd_grid, bwd_grid = (*cfg.row_grid, 1, 1)[:3], (*cfg.bwd_grid, 1, 1)[:3]
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            y = torch.empty_like(a)
+            stats = torch.empty(rows + cfg.n_counters, dtype=torch.float32, device=a.device)
+            marks("launch in")
+            fwd_entry.call(*fwd_grid, stream, *fwd_entry.prefix, a.data_ptr(), w.data_ptr(), y.data_ptr(),
+                           stats.data_ptr(), cols, rows, cols, cfg.n_counters, 1e-6, 0.0, *fwd_entry.tail)
+            marks("launch out")
+            ctx.save_for_backward(a, w, stats)
+            ctx.dw = torch.empty(cols, dtype=w.dtype, device=w.device)
+            return y
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, w, stats = ctx.saved_tensors
+            dx = torch.empty_like(a)
+            marks("launch in")
+            bwd_entry.call(*bwd_grid, stream, *bwd_entry.prefix, grad.data_ptr(), a.data_ptr(), w.data_ptr(),
+                           stats.data_ptr(), stats.data_ptr(), dx.data_ptr(), partials.data_ptr(), ctx.dw.data_ptr(),
+                           cols, cols, rows, cols, 0.0, cfg.group_size, *bwd_entry.tail)
+            marks("launch out")
+            return dx, ctx.dw
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            return a.view_as(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, None
+
+    out: dict[str, dict[str, float | None]] = {}
+    for name, norm, function, launch_with in (
+        ("ours", fused, arm._RMSNormFunction, timed_launch),
+        ("floor", Floor.apply, Floor, None),
+        ("identity Function", Identity.apply, Identity, None),
+        ("F.rms_norm", lambda a, w: F.rms_norm(a, (cols,), w, 1e-6), None, None),
+    ):
+        if function is not None:
+            _instrumented(function, marks)
+        if launch_with is not None:
+            launcher.__call__ = launch_with
+        try:
+            out[name] = timeline(norm, x, weight, dy, marks)
+        finally:
+            launcher.__call__ = launch
+            if function is not None:
+                _restored(function)
+    return out
 
 
 def main(argv=None) -> int:
@@ -108,16 +270,29 @@ def main(argv=None) -> int:
                 calls[event.key] = [event.count, round(event.cpu_time_total / 20, 1)]
         entry_calls[name] = calls
         print(name, json.dumps(entry), json.dumps(calls), flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "rmsnorm_eager_probe.json"), "w") as fh:
-            json.dump({"shape": [rows, cols], "figures": figures, "runtime_calls": entry_calls}, fh, indent=1)
     keys = list(next(iter(figures.values())))
     for name, calls in entry_calls.items():
         print(f"{name}: runtime calls in 20 fwd+bwd [count, host us per fwd+bwd]: {calls}")
+    small = [torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    timelines = {
+        f"{rows}x{cols}": timeline_variants(x, weight, dy),
+        "8x4096": timeline_variants(small[0].requires_grad_(), torch.ones(4096, device="cuda", dtype=torch.bfloat16,
+                                                                          requires_grad=True), small[1]),
+    }
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "rmsnorm_eager_probe.json"), "w") as fh:
+            json.dump({"shape": [rows, cols], "figures": figures, "runtime_calls": entry_calls,
+                       "timeline_us": timelines}, fh, indent=1)
     print(f"{rows}x{cols} bf16 forward + autograd.grad, us per call")
     print(f"{'':36s}" + "".join(f"{name:>18s}" for name in figures))
     for key in keys:
         print(f"{key:36s}" + "".join(f"{figures[name][key]:18.1f}" for name in figures))
+    for shape, variants in timelines.items():
+        print(f"{shape}, one eager forward + autograd.grad: median us per interval")
+        print(f"{'':68s}" + "".join(f"{name[:22]:>24s}" for name in variants))
+        for label, _, _ in TIMELINE:
+            cells = (variants[name][label] for name in variants)
+            print(f"{label:68s}" + "".join(f"{'-' if c is None else f'{c:.1f}':>24s}" for c in cells))
     return 0
 
 

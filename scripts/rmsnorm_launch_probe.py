@@ -250,6 +250,47 @@ def components_section(arm, support, args) -> dict[str, float]:
         torch.empty(cols, dtype=weight.dtype, device=x.device))[::2])
     LaunchOnly = probe_function(backward=launch_only)
 
+    # The backward's launch with every Python step of launch() done once, here: what is left is
+    # the C launcher itself (the stream read included). Compiled kernels only (the interpreter
+    # has no C launcher).
+    cfg.backward(cfg.bwd_grid, *bwd_args)
+    entry = next((e for e in cfg.backward.entries.values() if e is not None), None)
+    direct_pieces = {}
+    if entry is not None:
+        grid3 = (*cfg.bwd_grid, 1, 1)[:3]
+        after_stream = (*entry.prefix, *bwd_args, *entry.tail)
+
+        def direct_launch(grad=None):
+            entry.call(*grid3, torch._C._cuda_getCurrentRawStream(x.device.index), *after_stream)
+            return dx_kept, dw_kept
+
+        def two_allocations_and_direct_launch(grad):
+            torch.empty_like(x), torch.empty(cols, dtype=weight.dtype, device=x.device)
+            return direct_launch()
+
+        DirectLaunchOnly = probe_function(backward=direct_launch)
+        TwoAllocationsDirect = probe_function(backward=two_allocations_and_direct_launch)
+        xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        direct_pieces = {
+            "our backward launch, direct C launcher call, main thread": direct_launch,
+            "identity forward, a backward of a direct launcher call + autograd.grad": lambda: torch.autograd.grad(
+                DirectLaunchOnly.apply(xd, wd), (xd, wd), dy),
+            "identity forward, a backward of 2 allocations + a direct launcher call + autograd.grad":
+                lambda: torch.autograd.grad(TwoAllocationsDirect.apply(xd, wd), (xd, wd), dy),
+            "launch() guards: torch.cuda.current_device()": torch.cuda.current_device,
+            "launch() guards: the current raw stream": lambda: torch._C._cuda_getCurrentRawStream(x.device.index),
+        }
+    OneAllocation = probe_function(backward=lambda grad: (torch.empty_like(x), None))
+
+    def one_thread(fn):
+        """fn with autograd's multithreading off: every node on the calling thread."""
+
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                return fn()
+
+        return run
+
     xg = x.detach().requires_grad_()
     wg = weight.detach().requires_grad_()
     pieces = {
@@ -286,12 +327,25 @@ def components_section(arm, support, args) -> dict[str, float]:
         "rms_norm_forward block (config, 2 allocations, launch)": lambda: arm.rms_norm_forward(x, weight, EPS, 0.0),
         "rms_norm_backward_reduced block (3 allocations, launch)": lambda: arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0),
         "launch() of the forward kernel, cached": lambda: support.launch(kernel, cfg.row_grid, *fwd_args, **fwd_meta),
+        "the config's bound Launcher of the forward kernel": lambda: cfg.forward(cfg.row_grid, *fwd_args),
         "kernel[grid] of the forward kernel": lambda: kernel[cfg.row_grid](*fwd_args, **fwd_meta),
         "specialization key of the forward's arguments": lambda: support.specialization_key(fwd_args),
         "launch config lookup (reads SUITE_PROFILE)": lambda: arm._launch_config(rows, cols, x.device),
         "torch.empty": lambda: torch.empty((rows, cols), dtype=x.dtype, device=x.device),
         "identity autograd.Function apply (forward only)": lambda: Identity.apply(xg, weight),
         "identity autograd.Function forward + autograd.grad": lambda: torch.autograd.grad(Identity.apply(xg, weight), xg, dy),
+        # the backward's pieces on autograd's device thread, with less Python around the launch
+        **direct_pieces,
+        "identity forward, a backward of 1 allocation + autograd.grad": lambda: torch.autograd.grad(
+            OneAllocation.apply(xg, wg), xg, dy),
+        "launch() guards: the hooks check": lambda: support._hooks_idle(kernel),
+        # is the device thread the cost? the same calls with every node on the calling thread
+        "ours, forward + autograd.grad (impl=fused), multithreading off": one_thread(lambda: torch.autograd.grad(
+            arm.rms_norm(xg, wg, EPS, impl="fused"), (xg, wg), dy)),
+        "torch.rms_norm forward + autograd.grad, multithreading off": one_thread(lambda: torch.autograd.grad(
+            torch.rms_norm(xg, (cols,), wg, EPS), (xg, wg), dy)),
+        "identity forward, our backward + autograd.grad, multithreading off": one_thread(lambda: torch.autograd.grad(
+            OurBackwardOnly.apply(xg, wg), (xg, wg), dy)),
     }
     measured = {name: host_us(fn, args) for name, fn in pieces.items()}
     return measured
@@ -352,14 +406,13 @@ def kernel_resources(support, arm) -> dict[str, Any]:
     """Registers and spills of every cached compile of the backward kernel (the folded
     reduction must not cost the main loop its occupancy)."""
     out = {}
-    launches = support._launches.get(id(arm._rms_norm_bwd_kernel))
-    for key, entry in (launches.entries.items() if launches else []):
-        if entry is None:
-            continue
-        meta = dict(key[2])
+    for bound in support.launchers_of(arm._rms_norm_bwd_kernel):
+        meta = bound.meta
         name = f"bwd BLOCK_M={meta.get('BLOCK_M')} BLOCK_N={meta.get('BLOCK_N')} warps={meta.get('num_warps')} REDUCE_DW={meta.get('REDUCE_DW')}"
-        compiled = entry.compiled
-        out[name] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills, "shared": compiled.metadata.shared}
+        for entry in bound.entries.values():
+            if entry is not None:
+                compiled = entry.compiled
+                out[name] = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills, "shared": compiled.metadata.shared}
     return out
 
 

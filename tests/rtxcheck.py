@@ -30,9 +30,9 @@ def record_compiled(monkeypatch) -> list[tuple[str, Any]]:
     return recorded
 
 
-def compile_for_sm120(monkeypatch, arm_module) -> list[tuple[str, Any]]:
-    """Under the rtx profile, `arm_module`'s launches compile for sm_120 instead of running
-    (their outputs stay unwritten); returns the (name, compiled kernel) list they fill."""
+def compile_for_sm120(monkeypatch) -> list[tuple[str, Any]]:
+    """Under the rtx profile, every Triton launch compiles for sm_120 instead of running (the
+    outputs stay unwritten); returns the (name, compiled kernel) list they fill."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -41,12 +41,13 @@ def compile_for_sm120(monkeypatch, arm_module) -> list[tuple[str, Any]]:
     monkeypatch.setattr(driver, "get_current_target", lambda: GPUTarget("cuda", 120, 32))
     kernels: list[tuple[str, Any]] = []
 
-    def compile_only(kernel, grid, *args, **meta):
+    def compile_only(bound: triton_support.Launcher, grid, *args):
+        kernel = bound.kernel
         kernel.device_caches.clear()  # forget this GPU's builds: the target is part of the cache
-        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **meta)))
+        kernels.append((kernel.fn.__name__, kernel.warmup(*args, grid=grid, **bound.meta)))
         kernel.device_caches.clear()
 
-    monkeypatch.setattr(arm_module, "launch", compile_only)
+    monkeypatch.setattr(triton_support.Launcher, "__call__", compile_only)
     return kernels
 
 

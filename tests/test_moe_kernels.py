@@ -452,7 +452,7 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, tokens, d, f, exper
 def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, tokens, d, f, experts, k):
     """Compile (not launch) every kernel for the RTX 50-series' sm_120 and read the shared
     memory the compiler gave each (the outputs stay unwritten: only the builds are checked)."""
-    kernels = compile_for_sm120(monkeypatch, mk)
+    kernels = compile_for_sm120(monkeypatch)
     run_every_kernel(tokens, d, f, experts, k)
     assert {name for name, _ in kernels} == ALL_KERNELS
     assert_fit_rtx(kernels, arch=120)

@@ -13,6 +13,7 @@ import torch
 
 from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
 from suite.arms import rmsnorm as arm
+from suite.arms import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 from suite.errors import CouldNotRun
 
@@ -126,11 +127,26 @@ def test_no_rows_launches_nothing(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("launched a kernel for an empty input")
 
-    monkeypatch.setattr(arm, "launch", no_launch)
+    monkeypatch.setattr(triton_support.Launcher, "__call__", no_launch)
     x, weight, _ = make((0, 96), torch.bfloat16)
     y, dx, dw = run(fused, x, weight, torch.empty_like(x))
     assert y.shape == dx.shape == (0, 96)
     assert dw.shape == (96,) and not dw.any()
+
+
+def test_a_second_backward_of_one_graph_returns_a_dw_of_its_own():
+    """The forward allocates dW for the backward; a second backward (retain_graph) must not
+    write into the tensor the first returned."""
+    x, weight, dy = make((40, 96), torch.bfloat16)
+    x, weight = x.requires_grad_(), weight.requires_grad_()
+    y = fused(x, weight)
+    first = torch.autograd.grad(y, (x, weight), dy, retain_graph=True)
+    kept = [t.clone() for t in first]
+    second = torch.autograd.grad(y, (x, weight), 2 * dy)
+    assert second[1].data_ptr() != first[1].data_ptr()
+    for got, was in zip(first, kept):
+        assert torch.equal(got, was)  # untouched by the second backward
+    torch.testing.assert_close(second[1].float(), 2 * first[1].float(), rtol=1e-2, atol=1e-2)
 
 
 def test_deterministic():
@@ -336,6 +352,38 @@ def test_folded_dw_is_stable_over_repeated_launches(shape):
     assert not stats[shape[0]:].view(torch.int32).any()
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_folded_backward_keeps_one_partials_buffer_per_stream_and_none_in_a_capture():
+    x, weight, dy = make((4096, 2048), torch.bfloat16)
+    cfg = arm._launch_config(4096, 2048, x.device)
+    arm._workspaces.clear()
+    expected = run(fused, x, weight, dy)
+    key = (x.device.index, torch.cuda.current_stream().cuda_stream, cfg.n_parts, 2048)
+    buffer = arm._workspaces[key].data_ptr()
+    again = run(fused, x, weight, dy)
+    assert arm._workspaces[key].data_ptr() == buffer and len(arm._workspaces) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = run(fused, x, weight, dy)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(arm._workspaces) == 2  # the side stream's own
+    for got in (again, other):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected))
+    xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        torch.autograd.grad(fused(xg, wg), (xg, wg), dy)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            captured = torch.autograd.grad(fused(xg, wg), (xg, wg), dy)
+    torch.cuda.current_stream().wait_stream(side)
+    assert len(arm._workspaces) == 2  # the capture allocated its own
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(captured, expected[1:]))
+
+
 def _blocks_and_autograd(x, weight, dy):
     """Every kernel, every variant: the autograd path (folded dW) and the two-stage blocks."""
     run(fused, x, weight, dy)
@@ -365,7 +413,7 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
 def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
     """Compile (not launch) every kernel for the RTX 50-series' sm_120 on this GPU and read
     the shared memory the compiler gave each: the configs the RTX will really get."""
-    kernels = compile_for_sm120(monkeypatch, arm)
+    kernels = compile_for_sm120(monkeypatch)
     x, weight, dy = make((1024, n), torch.bfloat16)
     _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
     arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)

@@ -93,6 +93,24 @@ def test_tail_params_fill_constexprs_from_meta_and_defaults():
     assert triton_support._tail_params(JITFunction(_kernel_with_late_runtime_arg), 1, {"BLOCK": 8}) is None
 
 
+def test_pointers_replace_cuda_tensors_only():
+    cpu = torch.zeros(4)
+    assert triton_support._pointers((cpu, 3, 0.5, None)) == [cpu, 3, 0.5, None]  # the launcher names a CPU tensor
+    if torch.cuda.is_available():
+        gpu = torch.zeros(4, device="cuda")
+        assert triton_support._pointers((gpu, torch.nn.Parameter(gpu), 7)) == [gpu.data_ptr(), gpu.data_ptr(), 7]
+
+
+def test_one_launcher_per_kernel_and_meta():
+    first = triton_support.launcher(_to_bf16, BLOCK=64)
+    assert triton_support.launcher(_to_bf16, BLOCK=64) is first
+    assert triton_support.launcher(_to_bf16, BLOCK=32) is not first
+    assert triton_support.launcher(_to_bf16, BLOCK=64, num_warps=8) is not first
+    assert first in triton_support.launchers_of(_to_bf16)
+    # an unhashable meta value gets a launcher of its own instead of an error
+    assert triton_support.launcher(_to_bf16, BLOCK=[64]).meta == {"BLOCK": [64]}
+
+
 def test_hooks_idle_until_a_profiler_registers_one(monkeypatch):
     kernel = JITFunction(_plain_kernel)
     assert triton_support._hooks_idle(kernel)
@@ -123,7 +141,7 @@ def _scale_rows(X, Y, n_cols, x_row_stride, alpha, BLOCK: tl.constexpr):
 
 
 def _fast_entries():
-    return triton_support._launches[id(_scale_rows)].entries
+    return {key: entry for found in triton_support.launchers_of(_scale_rows) for key, entry in found.entries.items()}
 
 
 def _run(launcher, x, n_cols, alpha=1.5):
@@ -182,6 +200,8 @@ def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypat
         got = _run(triton_support.launch, x, 32)
     stream.synchronize()
     assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="cpu tensor"):  # the cached path still names a CPU tensor
+        triton_support.launch(_scale_rows, (4,), x.cpu(), got, 32, x.stride(0), 1.5, BLOCK=32)
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", False)  # SUITE_TRITON_FAST_LAUNCH=0
     with pytest.raises(AssertionError, match="JITFunction.run"):
         _run(triton_support.launch, x, 32)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 from torch import nn
 
-from suite.arms.triton_support import interpreting, launch
+from suite.arms.triton_support import Launcher, interpreting, launch, launcher
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -281,6 +281,13 @@ class LaunchConfig:
     counters_used: int  # arrival counters the folded backward needs
     n_counters: int  # counter slots after rstd that the forward zeroes (a function of N only)
     fold_block_n: int  # columns per step of the folded reduction
+    # Each kernel's launch with this config's meta bound (see triton_support.Launcher): the
+    # eager path pays only the specialization key and the C launcher per call.
+    forward: Launcher = field(compare=False, repr=False)  # stores rstd and zeroes the counters
+    forward_no_stats: Launcher = field(compare=False, repr=False)
+    backward: Launcher = field(compare=False, repr=False)  # dW reduced in the same launch
+    backward_partials: Launcher = field(compare=False, repr=False)
+    row_dot: Launcher = field(compare=False, repr=False)
 
 
 def _prev_pow2(n: int) -> int:
@@ -359,9 +366,21 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
     # ceil(sqrt(max_parts)) groups, so the forward can zero enough slots knowing N alone.
     n_counters = n_stripes * (_ceil_sqrt(max_parts) + 1)
     counters_used = n_stripes * (_cdiv(n_parts, group_size) + 1)
+    fold_block_n = min(block_n, FOLD_COLS_PER_WARP * num_warps)
+    tile = dict(BLOCK_M=block_m, BLOCK_N=block_n)
+
+    def forward(store_stats: bool) -> Launcher:
+        return launcher(_rms_norm_fwd_kernel, **tile, LOOPED=looped, STORE_STATS=store_stats, num_warps=num_warps)
+
+    def backward(reduce_dw: bool) -> Launcher:
+        return launcher(_rms_norm_bwd_kernel, **tile, ROW_FITS=not looped, REDUCE_DW=reduce_dw,
+                        FOLD_BLOCK_N=fold_block_n, UNROLL=FOLD_UNROLL, num_warps=num_warps)
+
     return LaunchConfig(
         block_m, block_n, num_warps, looped, (row_blocks,), n_parts, (n_stripes, n_parts), group_size,
-        counters_used, n_counters, fold_block_n=min(block_n, FOLD_COLS_PER_WARP * num_warps),
+        counters_used, n_counters, fold_block_n,
+        forward=forward(True), forward_no_stats=forward(False), backward=backward(True),
+        backward_partials=backward(False), row_dot=launcher(_rms_norm_bwd_row_dot_kernel, **tile, num_warps=num_warps),
     )
 
 
@@ -384,45 +403,64 @@ def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_sta
     n_rows, n_cols = x2d.shape
     device = x2d.device
     y = torch.empty_like(x2d)
-    stats = torch.empty(n_rows + cfg.n_counters, dtype=torch.float32, device=device) if with_stats else None
+    if not with_stats:
+        if n_rows:
+            cfg.forward_no_stats(cfg.row_grid, x2d, weight, y, y, x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset)
+        return y, None
+    stats = torch.empty(n_rows + cfg.n_counters, dtype=torch.float32, device=device)
     if n_rows:
-        launch(
-            _rms_norm_fwd_kernel, cfg.row_grid,
-            x2d, weight, y, y if stats is None else stats, x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, LOOPED=cfg.looped, STORE_STATS=with_stats,
-            num_warps=cfg.num_warps,
-        )
+        cfg.forward(cfg.row_grid, x2d, weight, y, stats, x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset)
     return y, stats
 
 
-def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool):
-    """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0."""
+def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool, dw=None):
+    """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0. `dw`:
+    where the reduced dW goes (the eager path allocates it in the forward), else a new tensor."""
     n_rows, n_cols = x2d.shape
     device = x2d.device
     dx = torch.empty_like(x2d)
     if n_rows == 0:
         if reduce_dw:
-            return dx, torch.zeros(n_cols, dtype=weight.dtype, device=device)
+            return dx, (torch.zeros(n_cols, dtype=weight.dtype, device=device) if dw is None else dw.zero_())
         return dx, torch.empty((0, n_cols), dtype=torch.float32, device=device)
-    partials = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
-    dw = torch.empty(n_cols, dtype=weight.dtype, device=device) if reduce_dw else partials
+    if reduce_dw:
+        partials = _partials_workspace(cfg.n_parts, n_cols, device)
+        if dw is None:
+            dw = torch.empty(n_cols, dtype=weight.dtype, device=device)
+    else:
+        partials = dw = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
     if cfg.looped:
         gx_sum = torch.empty(n_rows, dtype=torch.float32, device=device)
-        launch(
-            _rms_norm_bwd_row_dot_kernel, cfg.row_grid,
-            dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-        )
+        cfg.row_dot(cfg.row_grid, dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset)
     else:
         gx_sum = stats  # unread when a stripe holds the whole row
-    launch(
-        _rms_norm_bwd_kernel, cfg.bwd_grid,
-        dy2d, x2d, weight, stats, gx_sum, dx, partials, dw,
+    (cfg.backward if reduce_dw else cfg.backward_partials)(
+        cfg.bwd_grid, dy2d, x2d, weight, stats, gx_sum, dx, partials, dw,
         dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset, cfg.group_size,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ROW_FITS=not cfg.looped, REDUCE_DW=reduce_dw,
-        FOLD_BLOCK_N=cfg.fold_block_n, UNROLL=FOLD_UNROLL, num_warps=cfg.num_warps,
     )
-    return dx, (dw if reduce_dw else partials)
+    return dx, dw
+
+
+# The folded backward's dW partials are read back within its own launch, so on CUDA one buffer
+# per (device, stream, shape) serves every such backward on that stream, which runs them one
+# after another: an allocation less per call, on autograd's device thread, where host time
+# costs about three times what it costs on the main thread (scripts/rmsnorm_launch_probe.py).
+# A CUDA-graph capture allocates its own (its replays may run beside eager calls on another
+# stream). At most MAX_WORKSPACES are kept (each is G x N fp32, G <= 2 x the SM count).
+MAX_WORKSPACES = 64
+_workspaces: dict[tuple, torch.Tensor] = {}
+
+
+def _partials_workspace(n_parts: int, n_cols: int, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda" or _capturing():
+        return torch.empty((n_parts, n_cols), dtype=torch.float32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), n_parts, n_cols)
+    workspace = _workspaces.get(key)
+    if workspace is None:
+        if len(_workspaces) >= MAX_WORKSPACES:
+            _workspaces.clear()
+        workspace = _workspaces[key] = torch.empty((n_parts, n_cols), dtype=torch.float32, device=device)
+    return workspace
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,7 +561,12 @@ def _y_like(y2d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """The eager path: an autograd.Function costs ~6 us a call where a custom op costs ~20."""
+    """The eager path: an autograd.Function costs ~6 us a call where a custom op costs ~20.
+
+    Its backward runs on autograd's device thread, where the same Python costs about three
+    times what it costs on the main thread (scripts/rmsnorm_launch_probe.py), so the forward
+    does what it can for it: dW's buffer is allocated here (N values), and the backward is left
+    one allocation (dx) and one launch."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
@@ -531,12 +574,16 @@ class _RMSNormFunction(torch.autograd.Function):
         y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
         ctx.save_for_backward(x2d, weight, stats)
         ctx.offset, ctx.cfg = offset, cfg
+        ctx.dw = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
         return _y_like(y, x)
 
     @staticmethod
     def backward(ctx, dy):
         x2d, weight, stats = ctx.saved_tensors
-        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True)
+        # a second backward of the same graph (retain_graph) must not write into the dW the
+        # first one returned
+        dw, ctx.dw = ctx.dw, None
+        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True, dw=dw)
         return _y_like(dx, dy), dw, None, None
 
 

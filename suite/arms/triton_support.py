@@ -4,9 +4,10 @@ and a cached launch that skips Triton's per-call Python.
 
 `kernel[grid](...)` binds the arguments, builds a cache-key string, runs hooks and builds launch
 metadata on every call: about 12 us of host time on the H200's host, more than a small kernel
-takes on the GPU. `launch` does that once per specialization: it keeps the `CompiledKernel`
-that `kernel[grid]` returned under a key of everything Triton specialises on, and later calls
-hand the arguments straight to the kernel's C launcher.
+takes on the GPU. A `Launcher` (one per kernel and meta; `launch` finds it, a launch config
+keeps it) does that once per specialization: it keeps the `CompiledKernel` that `kernel[grid]`
+returned under a key of everything Triton specialises on, and later calls hand the arguments
+straight to the kernel's C launcher.
 """
 
 from __future__ import annotations
@@ -133,16 +134,6 @@ def specialization_key(args, constexpr_positions=frozenset()) -> tuple:
 # --------------------------------------------------------------------------------------------
 
 
-class _KernelLaunches:
-    """One kernel's cached launches, keyed by (device, argument key, meta)."""
-
-    def __init__(self, kernel: JITFunction):
-        self.kernel = kernel  # held, so that its id keys _launches for good
-        self.constexpr_positions = frozenset(p.num for p in kernel.params if p.is_constexpr)
-        self.first_constexpr = min(self.constexpr_positions, default=len(kernel.params))
-        self.entries: dict[tuple, _CachedLaunch | None] = {}
-
-
 class _CachedLaunch:
     __slots__ = ("compiled", "call", "prefix", "tail")
 
@@ -153,8 +144,6 @@ class _CachedLaunch:
         self.tail = tail  # parameters after the positional ones (constexprs from meta)
 
 
-# Keyed by id(kernel): JITFunction.__hash__ hashes the source's sha under a lock, ~1 us a call.
-_launches: dict[int, _KernelLaunches] = {}
 _MISSING = object()
 
 
@@ -212,49 +201,100 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
     return _CachedLaunch(compiled, launcher, (compiled.function, compiled.packed_metadata, None, None, None), tail)
 
 
-def _fast_launch(kernel: JITFunction, grid, args, meta) -> bool:
-    """Launch from the cache; False when this call must go through kernel[grid].
+def _pointers(args) -> list:
+    """args with each CUDA tensor replaced by its data pointer. Triton's C launcher takes an int
+    as the address itself, where for a tensor it calls data_ptr() and then asks the driver about
+    the address (cuPointerGetAttribute): 1.5-2.5 us a pointer inside an eager forward+backward on
+    the H200's host (scripts/rmsnorm_eager_probe.py), 12-20 us a launch. A tensor elsewhere is
+    passed as is, so the launcher's own check names it."""
+    return [(arg.data_ptr() if arg.is_cuda else arg) if isinstance(arg, _Tensor) else arg for arg in args]
+
+
+class Launcher:
+    """kernel[grid](*args, **meta) with the kernel and its meta bound once: a launch config
+    holds one per kernel it launches, so a call costs the specialization key of its arguments
+    and one dict lookup before Triton's C launcher. Every call of one kernel with one meta
+    goes through the same Launcher (`launcher`), so each specialization compiles once.
 
     What the cached path skips besides the binding: Triton's check that the globals a kernel
-    reads have not changed since it compiled (ours read none but constexprs), and its options
-    from the environment (debug, instrumentation mode), which 3.6 reads once at import.
+    reads have not changed since it compiled (ours read none but constexprs), its options from
+    the environment (debug, instrumentation mode), which 3.6 reads once at import, and the
+    driver's check of each CUDA tensor's address (see `_pointers`). It
+    is taken only for a compiled kernel, a Triton version whose calling convention was read
+    (see FAST_LAUNCH_TRITON_VERSIONS), a tuple grid and idle hooks; anything else goes
+    through kernel[grid].
     """
-    if type(grid) is not tuple or not _hooks_idle(kernel):
-        return False
-    launches = _launches.get(id(kernel))
-    if launches is None:
-        launches = _launches[id(kernel)] = _KernelLaunches(kernel)
-    # Triton compiles for, and launches on, the current device and its current stream.
-    device = torch.cuda.current_device()
+
+    __slots__ = ("kernel", "meta", "compiled", "constexpr_positions", "first_constexpr", "entries")
+
+    def __init__(self, kernel, meta: dict):
+        self.kernel = kernel
+        self.meta = meta
+        self.compiled = isinstance(kernel, JITFunction)
+        if self.compiled:
+            self.constexpr_positions = frozenset(p.num for p in kernel.params if p.is_constexpr)
+            self.first_constexpr = min(self.constexpr_positions, default=len(kernel.params))
+        # (device, specialization key) -> its cached launch, or None: launch through Triton
+        self.entries: dict[tuple, _CachedLaunch | None] = {}
+
+    def __call__(self, grid, *args) -> None:
+        if not self.compiled:
+            with _interpreter_rounds_bf16_like_gpu():
+                self.kernel[grid](*args, **self.meta)
+            return
+        if not (FAST_LAUNCH and _fast_launch_verified and type(grid) is tuple and _hooks_idle(self.kernel)):
+            self._record(self.kernel[grid](*args, **self.meta))
+            return
+        # Triton compiles for, and launches on, the current device and its current stream.
+        device = torch.cuda.current_device()
+        try:
+            positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
+            key = (device, specialization_key(args, positional_constexprs))
+            entry = self.entries.get(key, _MISSING)
+        except (UnsupportedArgument, TypeError):  # TypeError: an unhashable constexpr value
+            self._record(self.kernel[grid](*args, **self.meta))
+            return
+        if entry is _MISSING:
+            compiled = self.kernel[grid](*args, **self.meta)  # compiles if need be, and launches
+            self.entries[key] = _cached_launch(self.kernel, compiled, len(args), self.meta)
+        elif entry is None:
+            compiled = self.kernel[grid](*args, **self.meta)
+        else:
+            n = len(grid)
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix,
+                       *_pointers(args), *entry.tail)
+            compiled = entry.compiled
+        self._record(compiled)
+
+    def _record(self, compiled) -> None:
+        if RECORD_COMPILED:
+            compiled_kernels[self.kernel.fn.__name__] = compiled
+
+
+# (id(kernel), meta items) -> its Launcher. Keyed by id: JITFunction.__hash__ hashes the
+# source's sha under a lock, ~1 us a call; the Launcher holds the kernel, so the id stays its.
+_launchers: dict[tuple, Launcher] = {}
+
+
+def launcher(kernel, **meta) -> Launcher:
+    """The Launcher of `kernel` with this meta (constexprs and launch options), made once."""
+    key = (id(kernel), tuple(meta.items()))
     try:
-        positional_constexprs = launches.constexpr_positions if len(args) > launches.first_constexpr else ()
-        key = (device, specialization_key(args, positional_constexprs), tuple(meta.items()))
-        entry = launches.entries.get(key, _MISSING)
-    except (UnsupportedArgument, TypeError):  # TypeError: an unhashable meta value
-        return False
-    if entry is _MISSING:
-        compiled = kernel[grid](*args, **meta)  # compiles if need be, and launches
-        launches.entries[key] = _cached_launch(kernel, compiled, len(args), meta)
-    elif entry is None:
-        return False
-    else:
-        n = len(grid)
-        stream = torch._C._cuda_getCurrentRawStream(device)
-        entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix, *args, *entry.tail)
-        compiled = entry.compiled
-    if RECORD_COMPILED:
-        compiled_kernels[kernel.fn.__name__] = compiled
-    return True
+        found = _launchers.get(key)
+    except TypeError:  # an unhashable meta value: a Launcher of its own, never shared
+        return Launcher(kernel, meta)
+    if found is None:
+        found = _launchers[key] = Launcher(kernel, meta)
+    return found
+
+
+def launchers_of(kernel) -> list[Launcher]:
+    """Every Launcher made for `kernel` (the probes read their compiled entries)."""
+    return [found for found in _launchers.values() if found.kernel is kernel]
 
 
 def launch(kernel, grid, *args, **meta) -> None:
-    """kernel[grid](*args, **meta), compiled or interpreted."""
-    if isinstance(kernel, JITFunction):
-        if FAST_LAUNCH and _fast_launch_verified and _fast_launch(kernel, grid, args, meta):
-            return
-        compiled = kernel[grid](*args, **meta)
-        if RECORD_COMPILED:
-            compiled_kernels[kernel.fn.__name__] = compiled
-    else:
-        with _interpreter_rounds_bf16_like_gpu():
-            kernel[grid](*args, **meta)
+    """kernel[grid](*args, **meta), compiled or interpreted. A caller that launches one
+    kernel with one meta often keeps `launcher(kernel, **meta)` and calls that instead."""
+    launcher(kernel, **meta)(grid, *args)
