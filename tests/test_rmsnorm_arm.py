@@ -10,6 +10,7 @@ import functools
 
 import pytest
 import torch
+from triton import knobs
 
 from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
 from suite.arms import rmsnorm as arm
@@ -382,6 +383,40 @@ def test_folded_backward_keeps_one_partials_buffer_per_stream_and_none_in_a_capt
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(captured, expected[1:]))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment_and_hooks(monkeypatch):
+    x, weight, dy = make((256, 1024), torch.bfloat16)
+    cfg = arm._launch_config(256, 1024, x.device)
+    cfg.direct.clear()
+    first = run(fused, x, weight, dy)  # through the launchers, keeping the specializations
+    assert sum(direct is not None for direct in cfg.direct.values()) == 2  # forward and backward
+    again = run(fused, x, weight, dy)  # the kept DirectLaunches
+    monkeypatch.setattr(triton_support, "FAST_LAUNCH", False)
+    through_triton = run(fused, x, weight, dy)  # kernel[grid]
+    monkeypatch.undo()
+    for got in (again, through_triton):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, first))
+    # a misaligned x (2 bytes past alignment) takes the launcher: a kernel of its own
+    shifted = torch.empty(256 * 1024 + 1, dtype=x.dtype, device=x.device)[1:].view(256, 1024).copy_(x)
+    assert shifted.data_ptr() % 16
+    kept = len(cfg.direct)
+    misaligned = run(fused, shifted, weight, dy)
+    assert len(cfg.direct) == kept
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(misaligned, first))
+    # a launch hook (a profiler's) sees every launch again
+    seen = []
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):
+        chain.add(seen.append)
+        try:
+            hooked = run(fused, x, weight, dy)
+        finally:
+            chain.remove(seen.append)
+        assert len(seen) == 2
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(hooked, first))
 
 
 def _blocks_and_autograd(x, weight, dy):

@@ -271,6 +271,46 @@ class Launcher:
         if RECORD_COMPILED:
             compiled_kernels[self.kernel.fn.__name__] = compiled
 
+    def direct(self, grid, *args) -> DirectLaunch | None:
+        """Launch args, then return their specialization as a DirectLaunch on this grid; None
+        where a call would not take the cached path (the interpreter, another Triton,
+        SUITE_TRITON_FAST_LAUNCH=0, a launch hook, an argument the key does not model)."""
+        self(grid, *args)
+        if not (self.compiled and FAST_LAUNCH and _fast_launch_verified and type(grid) is tuple
+                and _hooks_idle(self.kernel)):
+            return None
+        try:
+            positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
+            entry = self.entries.get((torch.cuda.current_device(), specialization_key(args, positional_constexprs)))
+        except (UnsupportedArgument, TypeError):
+            return None
+        if entry is None:
+            return None
+        return DirectLaunch(self.kernel, (*grid, 1, 1)[:3], entry)
+
+
+class DirectLaunch:
+    """One specialization of a kernel on one grid, called with the stream and the argument
+    values alone (CUDA tensors as addresses, see `_pointers`): no key, no lookup. It checks
+    nothing, so its caller keeps it under a key of its own that fixes everything Triton
+    specializes on (the dtypes, every pointer 16-byte aligned, the integers) and builds that key
+    on every call. An arm's hottest launch saves about half its host time this way (the
+    RMSNorm backward inside an eager forward+backward: scripts/rmsnorm_eager_probe.py)."""
+
+    __slots__ = ("kernel", "head", "prefix", "tail", "call", "compiled")
+
+    def __init__(self, kernel, grid: tuple, entry: _CachedLaunch):
+        self.kernel, self.head, self.compiled = kernel, grid, entry.compiled
+        self.call, self.prefix, self.tail = entry.call, entry.prefix, entry.tail
+
+    def __call__(self, stream: int, *values) -> bool:
+        """Launch; False (nothing launched) once a launch hook is registered or FAST_LAUNCH is
+        off: the caller then goes through its Launcher, which honours both."""
+        if not (FAST_LAUNCH and _hooks_idle(self.kernel)):
+            return False
+        self.call(*self.head, stream, *self.prefix, *values, *self.tail)
+        return True
+
 
 # (id(kernel), meta items) -> its Launcher. Keyed by id: JITFunction.__hash__ hashes the
 # source's sha under a lock, ~1 us a call; the Launcher holds the kernel, so the id stays its.
