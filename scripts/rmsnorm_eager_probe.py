@@ -82,7 +82,7 @@ def _restored(function) -> None:
     del function.untimed
 
 
-def timeline(norm, x, weight, dy, marks: _Marks, calls: int = 200) -> dict[str, float | None]:
+def timeline(norm, x, weight, dy, marks: _Marks, calls: int = 200, warm: int = 20) -> dict[str, float | None]:
     """Median us of each TIMELINE interval of norm's eager forward + autograd.grad (intervals
     whose marks the variant does not make are None)."""
     import gc
@@ -90,14 +90,14 @@ def timeline(norm, x, weight, dy, marks: _Marks, calls: int = 200) -> dict[str, 
     per_call: list[dict[str, int]] = []
     gc.disable()
     try:
-        for i in range(calls + 20):
+        for i in range(calls + warm):
             marks.clear()
             marks("call")
             y = norm(x, weight)
             marks("y returned")
             torch.autograd.grad(y, (x, weight), dy, allow_unused=True)  # the identity leaves weight out
             marks("grad returned")
-            if i >= 20:  # warm
+            if i >= warm:
                 seen: dict[str, int] = {}
                 for name, at in marks:
                     n = sum(1 for k in seen if k.split("#")[0] == name)
@@ -112,31 +112,34 @@ def timeline(norm, x, weight, dy, marks: _Marks, calls: int = 200) -> dict[str, 
     }
 
 
-def timeline_variants(x, weight, dy) -> dict[str, dict[str, float | None]]:
-    """The timeline of: our kernels as the arm calls them; a floor, a Function that does
-    only the unavoidable (the allocations, each launch straight to the C launcher with its
-    arguments prepared once); an identity Function (autograd and the thread handoffs alone);
-    F.rms_norm (its outer marks only)."""
+def timeline_variants(x, weight, dy, calls: int = 200, warm: int = 20) -> dict[str, dict[str, float | None]]:
+    """The timeline of: our kernels as the arm calls them (its launches timed around
+    rmsnorm._launch); a floor, a Function that does only the unavoidable (the allocations, and
+    each launch a DirectLaunch with its scalars prepared once; left out where the fast path is
+    off); an identity Function (autograd and the thread handoffs alone); F.rms_norm (its outer
+    marks only)."""
     from suite.arms import rmsnorm as arm
-    from suite.arms import triton_support
 
     marks = _Marks()
-    launcher, launch = triton_support.Launcher, triton_support.Launcher.__call__
+    launch = arm._launch
 
-    def timed_launch(self, grid, *args):
+    def timed_launch(*args):
         marks("launch in")
-        launch(self, grid, *args)
+        launch(*args)
         marks("launch out")
 
     rows, cols = x.shape
     cfg = arm._launch_config(rows, cols, x.device)
     fused = lambda a, w: arm.rms_norm(a, w, 1e-6, impl="fused")  # noqa: E731
-    torch.autograd.grad(fused(x, weight), (x, weight), dy)  # compiles and caches both launches
-    fwd_entry = next(e for e in cfg.forward.entries.values() if e is not None)
-    bwd_entry = next(e for e in cfg.backward.entries.values() if e is not None)
-    partials = torch.empty((cfg.n_parts, cols), dtype=torch.float32, device=x.device)
-    stream = torch._C._cuda_getCurrentRawStream(x.device.index)
-    fwd_grid, bwd_grid = (*cfg.row_grid, 1, 1)[:3], (*cfg.bwd_grid, 1, 1)[:3]
+    # the arm's own DirectLaunches for these arguments (None where the fast path is off)
+    y, stats = torch.empty_like(x), torch.zeros(rows + cfg.n_counters, dtype=torch.float32, device=x.device)
+    dx, dw = torch.empty_like(x), torch.empty(cols, dtype=weight.dtype, device=x.device)
+    partials = torch.empty((cfg.max_parts, cols), dtype=torch.float32, device=x.device)
+    fwd_scalars = (cols, rows, cols, cfg.n_counters, 1e-6, 0.0)
+    bwd_scalars = (cols, cols, rows, cols, 0.0, cfg.group_size)
+    fwd = cfg.forward.direct(cfg.row_grid, x, weight, y, stats, *fwd_scalars)
+    bwd = cfg.backward.direct(cfg.bwd_grid, dy, x, weight, stats, stats, dx, partials, dw, *bwd_scalars)
+    stream = torch._C._cuda_getCurrentRawStream(x.device.index) if x.is_cuda else 0
 
     class Floor(torch.autograd.Function):
         @staticmethod
@@ -144,8 +147,7 @@ def timeline_variants(x, weight, dy) -> dict[str, dict[str, float | None]]:
             y = torch.empty_like(a)
             stats = torch.empty(rows + cfg.n_counters, dtype=torch.float32, device=a.device)
             marks("launch in")
-            fwd_entry.call(*fwd_grid, stream, *fwd_entry.prefix, a.data_ptr(), w.data_ptr(), y.data_ptr(),
-                           stats.data_ptr(), cols, rows, cols, cfg.n_counters, 1e-6, 0.0, *fwd_entry.tail)
+            fwd(stream, a.data_ptr(), w.data_ptr(), y.data_ptr(), stats.data_ptr(), *fwd_scalars)
             marks("launch out")
             ctx.save_for_backward(a, w, stats)
             ctx.dw = torch.empty(cols, dtype=w.dtype, device=w.device)
@@ -156,9 +158,8 @@ def timeline_variants(x, weight, dy) -> dict[str, dict[str, float | None]]:
             a, w, stats = ctx.saved_tensors
             dx = torch.empty_like(a)
             marks("launch in")
-            bwd_entry.call(*bwd_grid, stream, *bwd_entry.prefix, grad.data_ptr(), a.data_ptr(), w.data_ptr(),
-                           stats.data_ptr(), stats.data_ptr(), dx.data_ptr(), partials.data_ptr(), ctx.dw.data_ptr(),
-                           cols, cols, rows, cols, 0.0, cfg.group_size, *bwd_entry.tail)
+            bwd(stream, grad.data_ptr(), a.data_ptr(), w.data_ptr(), stats.data_ptr(), stats.data_ptr(),
+                dx.data_ptr(), partials.data_ptr(), ctx.dw.data_ptr(), *bwd_scalars)
             marks("launch out")
             return dx, ctx.dw
 
@@ -171,21 +172,21 @@ def timeline_variants(x, weight, dy) -> dict[str, dict[str, float | None]]:
         def backward(ctx, grad):
             return grad, None
 
+    variants = [("ours", fused, arm._RMSNormFunction, timed_launch)]
+    if fwd is not None and bwd is not None:
+        variants.append(("floor", Floor.apply, Floor, None))
+    variants += [("identity Function", Identity.apply, Identity, None),
+                 ("F.rms_norm", lambda a, w: F.rms_norm(a, (cols,), w, 1e-6), None, None)]
     out: dict[str, dict[str, float | None]] = {}
-    for name, norm, function, launch_with in (
-        ("ours", fused, arm._RMSNormFunction, timed_launch),
-        ("floor", Floor.apply, Floor, None),
-        ("identity Function", Identity.apply, Identity, None),
-        ("F.rms_norm", lambda a, w: F.rms_norm(a, (cols,), w, 1e-6), None, None),
-    ):
+    for name, norm, function, launch_with in variants:
         if function is not None:
             _instrumented(function, marks)
         if launch_with is not None:
-            launcher.__call__ = launch_with
+            arm._launch = launch_with
         try:
-            out[name] = timeline(norm, x, weight, dy, marks)
+            out[name] = timeline(norm, x, weight, dy, marks, calls, warm)
         finally:
-            launcher.__call__ = launch
+            arm._launch = launch
             if function is not None:
                 _restored(function)
     return out

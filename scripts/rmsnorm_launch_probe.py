@@ -250,18 +250,15 @@ def components_section(arm, support, args) -> dict[str, float]:
         torch.empty(cols, dtype=weight.dtype, device=x.device))[::2])
     LaunchOnly = probe_function(backward=launch_only)
 
-    # The backward's launch with every Python step of launch() done once, here: what is left is
-    # the C launcher itself (the stream read included). Compiled kernels only (the interpreter
-    # has no C launcher).
-    cfg.backward(cfg.bwd_grid, *bwd_args)
-    entry = next((e for e in cfg.backward.entries.values() if e is not None), None)
+    # The backward's launch as the arm makes it (a DirectLaunch: the C launcher, addresses as
+    # integers, no key): compiled kernels only (the interpreter has no C launcher).
+    direct = cfg.backward.direct(cfg.bwd_grid, *bwd_args)
     direct_pieces = {}
-    if entry is not None:
-        grid3 = (*cfg.bwd_grid, 1, 1)[:3]
-        after_stream = (*entry.prefix, *bwd_args, *entry.tail)
+    if direct is not None:
+        values = support._pointers(bwd_args)
 
         def direct_launch(grad=None):
-            entry.call(*grid3, torch._C._cuda_getCurrentRawStream(x.device.index), *after_stream)
+            direct(torch._C._cuda_getCurrentRawStream(x.device.index), *values)
             return dx_kept, dw_kept
 
         def two_allocations_and_direct_launch(grad):
@@ -272,13 +269,13 @@ def components_section(arm, support, args) -> dict[str, float]:
         TwoAllocationsDirect = probe_function(backward=two_allocations_and_direct_launch)
         xd, wd = x.detach().requires_grad_(), weight.detach().requires_grad_()
         direct_pieces = {
-            "our backward launch, direct C launcher call, main thread": direct_launch,
-            "identity forward, a backward of a direct launcher call + autograd.grad": lambda: torch.autograd.grad(
+            "our backward launch, DirectLaunch, main thread": direct_launch,
+            "identity forward, a backward of a DirectLaunch + autograd.grad": lambda: torch.autograd.grad(
                 DirectLaunchOnly.apply(xd, wd), (xd, wd), dy),
-            "identity forward, a backward of 2 allocations + a direct launcher call + autograd.grad":
+            "identity forward, a backward of 2 allocations + a DirectLaunch + autograd.grad":
                 lambda: torch.autograd.grad(TwoAllocationsDirect.apply(xd, wd), (xd, wd), dy),
-            "launch() guards: torch.cuda.current_device()": torch.cuda.current_device,
-            "launch() guards: the current raw stream": lambda: torch._C._cuda_getCurrentRawStream(x.device.index),
+            "Launcher guards: torch.cuda.current_device()": torch.cuda.current_device,
+            "Launcher guards: the current raw stream": lambda: torch._C._cuda_getCurrentRawStream(x.device.index),
         }
     OneAllocation = probe_function(backward=lambda grad: (torch.empty_like(x), None))
 
@@ -338,7 +335,7 @@ def components_section(arm, support, args) -> dict[str, float]:
         **direct_pieces,
         "identity forward, a backward of 1 allocation + autograd.grad": lambda: torch.autograd.grad(
             OneAllocation.apply(xg, wg), xg, dy),
-        "launch() guards: the hooks check": lambda: support._hooks_idle(kernel),
+        "Launcher guards: the hooks check": lambda: support._hooks_idle(kernel),
         # is the device thread the cost? the same calls with every node on the calling thread
         "ours, forward + autograd.grad (impl=fused), multithreading off": one_thread(lambda: torch.autograd.grad(
             arm.rms_norm(xg, wg, EPS, impl="fused"), (xg, wg), dy)),

@@ -360,7 +360,8 @@ def test_folded_backward_keeps_one_partials_buffer_per_stream_and_none_in_a_capt
     cfg = arm._launch_config(4096, 2048, x.device)
     arm._workspaces.clear()
     expected = run(fused, x, weight, dy)
-    key = (x.device.index, torch.cuda.current_stream().cuda_stream, cfg.n_parts, 2048)
+    key = (x.device.index, torch.cuda.current_stream().cuda_stream, 2048, cfg.max_parts)
+    assert arm._workspaces[key].shape == (cfg.max_parts, 2048)
     buffer = arm._workspaces[key].data_ptr()
     again = run(fused, x, weight, dy)
     assert arm._workspaces[key].data_ptr() == buffer and len(arm._workspaces) == 1
@@ -372,13 +373,14 @@ def test_folded_backward_keeps_one_partials_buffer_per_stream_and_none_in_a_capt
     assert len(arm._workspaces) == 2  # the side stream's own
     for got in (again, other):
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got, expected))
+    # a capture on a stream no eager call used: a workspace kept for it would show as a third
     xg, wg = x.detach().requires_grad_(), weight.detach().requires_grad_()
-    graph = torch.cuda.CUDAGraph()
+    graph, capture_stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(side):
         torch.autograd.grad(fused(xg, wg), (xg, wg), dy)  # warm-up outside the capture
-        with torch.cuda.graph(graph, stream=side):
-            captured = torch.autograd.grad(fused(xg, wg), (xg, wg), dy)
-    torch.cuda.current_stream().wait_stream(side)
+    capture_stream.wait_stream(side)
+    with torch.cuda.graph(graph, stream=capture_stream):
+        captured = torch.autograd.grad(fused(xg, wg), (xg, wg), dy)
     assert len(arm._workspaces) == 2  # the capture allocated its own
     graph.replay()
     torch.cuda.synchronize()
@@ -393,7 +395,16 @@ def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment
     cfg.direct.clear()
     first = run(fused, x, weight, dy)  # through the launchers, keeping the specializations
     assert sum(direct is not None for direct in cfg.direct.values()) == 2  # forward and backward
+    launcher_calls = []
+    through_launcher = triton_support.Launcher.__call__
+
+    def counted(bound, grid, *args):
+        launcher_calls.append(bound)
+        through_launcher(bound, grid, *args)
+
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
     again = run(fused, x, weight, dy)  # the kept DirectLaunches
+    assert not launcher_calls
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", False)
     through_triton = run(fused, x, weight, dy)  # kernel[grid]
     monkeypatch.undo()
@@ -403,8 +414,11 @@ def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment
     shifted = torch.empty(256 * 1024 + 1, dtype=x.dtype, device=x.device)[1:].view(256, 1024).copy_(x)
     assert shifted.data_ptr() % 16
     kept = len(cfg.direct)
+    launcher_calls.clear()
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
     misaligned = run(fused, shifted, weight, dy)
-    assert len(cfg.direct) == kept
+    monkeypatch.undo()
+    assert len(cfg.direct) == kept and len(launcher_calls) == 2  # forward and backward
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(misaligned, first))
     # a launch hook (a profiler's) sees every launch again
     seen = []
@@ -417,6 +431,32 @@ def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment
             chain.remove(seen.append)
         assert len(seen) == 2
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(hooked, first))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_blocks_refuse_tensors_on_another_device_and_take_x_device():
+    x, weight, dy = make((64, 256), torch.bfloat16)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)  # keeps the direct launches
+    for block in (arm.rms_norm_backward_reduced, arm.rms_norm_backward):
+        for name, args in {"dy": (dy.cpu(), x, weight, stats), "weight": (dy, x, weight.cpu(), stats),
+                           "stats": (dy, x, weight, stats.cpu())}.items():
+            with pytest.raises(ValueError, match=f"{name} is on cpu"):
+                block(*args, 0.0)
+    with pytest.raises(ValueError, match="weight is on cpu"):
+        arm.rms_norm_forward(x, weight.cpu(), 1e-6, 0.0)
+    if torch.cuda.device_count() > 1:  # x on the second GPU while the first is current
+        expected = run(fused, x, weight, dy)
+        on_second = run(fused, *(t.to("cuda:1") for t in (x, weight, dy)))
+        assert all(torch.equal(bits(a.cpu()), bits(b.cpu())) for a, b in zip(on_second, expected))
+
+
+def test_blocks_refuse_stats_that_are_not_fp32():
+    x, weight, dy = make((16, 96), torch.bfloat16)
+    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
+    with pytest.raises(TypeError, match="fp32 stats"):
+        arm.rms_norm_backward_reduced(dy, x, weight, stats.half(), 0.0)
 
 
 def _blocks_and_autograd(x, weight, dy):

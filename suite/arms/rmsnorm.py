@@ -17,6 +17,7 @@ bits exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -277,6 +278,7 @@ class LaunchConfig:
     looped: bool  # the row is longer than one tile
     row_grid: tuple[int]  # forward (and row-dot) grid: one program per row block
     n_parts: int  # dW partial rows G (the backward grid is (column stripes, G))
+    max_parts: int  # the most G any row count gets at this N on this device
     bwd_grid: tuple[int, int]
     group_size: int  # partial rows summed per group (see _sum_rows)
     counters_used: int  # arrival counters the folded backward needs
@@ -380,7 +382,7 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
                         FOLD_BLOCK_N=fold_block_n, UNROLL=FOLD_UNROLL, num_warps=num_warps)
 
     return LaunchConfig(
-        block_m, block_n, num_warps, looped, (row_blocks,), n_parts, (n_stripes, n_parts), group_size,
+        block_m, block_n, num_warps, looped, (row_blocks,), n_parts, max_parts, (n_stripes, n_parts), group_size,
         counters_used, n_counters, fold_block_n,
         forward=forward(True), forward_no_stats=forward(False), backward=backward(True),
         backward_partials=backward(False), row_dot=launcher(_rms_norm_bwd_row_dot_kernel, **tile, num_warps=num_warps),
@@ -417,9 +419,10 @@ def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_sta
     return y, stats
 
 
-def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool, dw=None):
-    """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0. `dw`:
-    where the reduced dW goes (the eager path allocates it in the forward), else a new tensor."""
+def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool, dw=None, partials=None):
+    """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0. With
+    reduce_dw, `dw` is where the reduced dW goes and `partials` the scratch rows the launch
+    sums it from (the eager path passes both, see _RMSNormFunction); new tensors when None."""
     n_rows, n_cols = x2d.shape
     device = x2d.device
     dx = torch.empty_like(x2d)
@@ -428,7 +431,8 @@ def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce
             return dx, (torch.zeros(n_cols, dtype=weight.dtype, device=device) if dw is None else dw.zero_())
         return dx, torch.empty((0, n_cols), dtype=torch.float32, device=device)
     if reduce_dw:
-        partials = _partials_workspace(cfg.n_parts, n_cols, device)
+        if partials is None:
+            partials = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
         if dw is None:
             dw = torch.empty(n_cols, dtype=weight.dtype, device=device)
     else:
@@ -458,7 +462,12 @@ def _launch(cfg: LaunchConfig, bound: Launcher, grid: tuple, dtypes: tuple, tens
             key = (bound, device, dtypes, scalars)
             direct = cfg.direct.get(key, _NOT_KEPT)
             if direct is _NOT_KEPT:
-                cfg.direct[key] = bound.direct(grid, *tensors, *scalars)  # launches
+                made = bound.direct(grid, *tensors, *scalars)  # launches
+                # a None for a passing reason (a profiler's hook, FAST_LAUNCH off) is not kept
+                if made is not None or bound.fast_path_open():
+                    if len(cfg.direct) >= MAX_DIRECT_LAUNCHES:
+                        cfg.direct.clear()
+                    cfg.direct[key] = made
                 return
             if direct is not None and direct(torch._C._cuda_getCurrentRawStream(device), *pointers, *scalars):
                 return
@@ -466,27 +475,32 @@ def _launch(cfg: LaunchConfig, bound: Launcher, grid: tuple, dtypes: tuple, tens
 
 
 _NOT_KEPT = object()
+# Specializations kept per config: a model sees a few (dtypes, strides, eps); the cap bounds a
+# caller that varies them call by call.
+MAX_DIRECT_LAUNCHES = 64
 
 
 # The folded backward's dW partials are read back within its own launch, so on CUDA one buffer
-# per (device, stream, shape) serves every such backward on that stream, which runs them one
-# after another: an allocation less per call, on autograd's device thread, where host time
-# costs about three times what it costs on the main thread (scripts/rmsnorm_launch_probe.py).
-# A CUDA-graph capture allocates its own (its replays may run beside eager calls on another
-# stream). At most MAX_WORKSPACES are kept (each is G x N fp32, G <= 2 x the SM count).
-MAX_WORKSPACES = 64
+# per (device, stream, N) serves every eager backward on that stream, which runs them one after
+# another: an allocation less per call on autograd's device thread (see _RMSNormFunction). It
+# has the most partial rows any row count gets at that N (the kernel uses the first G), so a
+# model keeps one per hidden size and stream: 4.3 MB at N = 4096 on the H200. A CUDA-graph
+# capture allocates its own (its replays may run beside eager calls on another stream), and so
+# does torch.compile's custom op, whose warm-ups can allocate from a graph's private pool.
+MAX_WORKSPACES = 16
 _workspaces: dict[tuple, torch.Tensor] = {}
 
 
-def _partials_workspace(n_parts: int, n_cols: int, device: torch.device) -> torch.Tensor:
+def _partials_workspace(cfg: LaunchConfig, n_cols: int, device: torch.device) -> torch.Tensor | None:
+    """The stream's dW-partials buffer for cfg, or None where the backward allocates its own."""
     if device.type != "cuda" or _capturing():
-        return torch.empty((n_parts, n_cols), dtype=torch.float32, device=device)
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), n_parts, n_cols)
+        return None
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index), n_cols, cfg.max_parts)
     workspace = _workspaces.get(key)
     if workspace is None:
         if len(_workspaces) >= MAX_WORKSPACES:
             _workspaces.clear()
-        workspace = _workspaces[key] = torch.empty((n_parts, n_cols), dtype=torch.float32, device=device)
+        workspace = _workspaces[key] = torch.empty((cfg.max_parts, n_cols), dtype=torch.float32, device=device)
     return workspace
 
 
@@ -495,13 +509,28 @@ def _partials_workspace(n_parts: int, n_cols: int, device: torch.device) -> torc
 # --------------------------------------------------------------------------------------------
 
 
-def _require_runnable(t: torch.Tensor) -> None:
+def _require_runnable(t: torch.Tensor, **others: torch.Tensor) -> None:
+    """t on a device our kernels run on, and every other tensor on t's device: the launches
+    hand Triton addresses, which it no longer checks (see triton_support._pointers)."""
     if t.device.type != "cuda" and not _interpreting():
         raise CouldNotRun(
             f"rms_norm: the fused path needs a CUDA tensor (or TRITON_INTERPRET=1 set before triton "
             f"is imported), got a tensor on {t.device}; use rms_norm_reference or "
             f'RMSNorm(impl="eager") on the CPU'
         )
+    for name, other in others.items():
+        if other.device != t.device:
+            raise ValueError(f"rms_norm: {name} is on {other.device} but x is on {t.device}; move it to {t.device}")
+    stats = others.get("stats")
+    if stats is not None and stats.dtype != torch.float32:
+        raise TypeError(f"rms_norm: stats must be the forward's fp32 stats, got {stats.dtype}")
+
+
+def _on_device_of(t: torch.Tensor):
+    """t's CUDA device made current for the launches (Triton launches on the current one)."""
+    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -522,18 +551,20 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     stats[:M] is rstd; the words after it are the folded backward's arrival counters (zeroed
     here, so each forward gives its backward a slot set of its own).
     """
-    _require_runnable(x2d)
+    _require_runnable(x2d, weight=weight)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
-    return _forward(_unit_col_stride(x2d), _unit_col_stride(weight), float(eps), float(offset), cfg, True)
+    with _on_device_of(x2d):
+        return _forward(_unit_col_stride(x2d), _unit_col_stride(weight), float(eps), float(offset), cfg, True)
 
 
 def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float):
     """Stage one of two: -> (dx contiguous (M, N) in x's dtype, dW partials fp32 [G, N]); G is 0
     when M is. `stats` is the forward's (only its rstd is read)."""
-    _require_runnable(x2d)
+    _require_runnable(x2d, dy=dy2d, weight=weight, stats=stats)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
-    return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=False)
+    with _on_device_of(x2d):
+        return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=False)
 
 
 def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -544,11 +575,12 @@ def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.T
         return torch.zeros(n_cols, dtype=dtype, device=dw_partials.device)
     _require_runnable(dw_partials)
     dw = torch.empty(n_cols, dtype=dtype, device=dw_partials.device)
-    launch(
-        _reduce_dw_partials_kernel, (_cdiv(n_cols, REDUCE_BLOCK_N),),
-        dw_partials.contiguous(), dw, n_parts, n_cols, dw_group_size(n_parts),
-        BLOCK_N=REDUCE_BLOCK_N, UNROLL=REDUCE_UNROLL, num_warps=4,
-    )
+    with _on_device_of(dw_partials):
+        launch(
+            _reduce_dw_partials_kernel, (_cdiv(n_cols, REDUCE_BLOCK_N),),
+            dw_partials.contiguous(), dw, n_parts, n_cols, dw_group_size(n_parts),
+            BLOCK_N=REDUCE_BLOCK_N, UNROLL=REDUCE_UNROLL, num_warps=4,
+        )
     return dw
 
 
@@ -558,7 +590,7 @@ def rms_norm_backward_reduced(
     """-> (dx contiguous (M, N) in x's dtype, dW in weight's dtype), dW reduced in the same
     launch; the same bits as `rms_norm_backward` then `reduce_dw_partials`. `stats` must come
     from `rms_norm_forward` of the same shape (its counters are used, and left at zero)."""
-    _require_runnable(x2d)
+    _require_runnable(x2d, dy=dy2d, weight=weight, stats=stats)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     if stats.shape[0] < x2d.shape[0] + cfg.counters_used:
         # stats from a forward under another config (SUITE_PROFILE changed in between): the
@@ -566,7 +598,8 @@ def rms_norm_backward_reduced(
         dx, partials = rms_norm_backward(dy2d, x2d, weight, stats, offset)
         return dx, reduce_dw_partials(partials, weight.dtype)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
-    return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=True)
+    with _on_device_of(x2d):
+        return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,10 +623,11 @@ def _y_like(y2d: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class _RMSNormFunction(torch.autograd.Function):
     """The eager path: an autograd.Function costs ~6 us a call where a custom op costs ~20.
 
-    Its backward runs on autograd's device thread, where the same Python costs about three
-    times what it costs on the main thread (scripts/rmsnorm_launch_probe.py), so the forward
-    does what it can for it: dW's buffer is allocated here (N values), and the backward is left
-    one allocation (dx) and one launch."""
+    An eager forward+backward hands the backward to autograd's device thread and back, and every
+    piece of Python costs two to three times what it costs alone (scripts/rmsnorm_eager_probe.py),
+    so the work is kept small: dW's buffer (N values) is allocated in the forward, the dW
+    partials come from the stream's workspace (`_partials_workspace`), and the backward
+    allocates dx and launches once (rows that loop: one allocation and one launch more)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
@@ -610,7 +644,8 @@ class _RMSNormFunction(torch.autograd.Function):
         # a second backward of the same graph (retain_graph) must not write into the dW the
         # first one returned
         dw, ctx.dw = ctx.dw, None
-        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True, dw=dw)
+        partials = _partials_workspace(ctx.cfg, x2d.shape[1], x2d.device)
+        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True, dw=dw, partials=partials)
         return _y_like(dx, dy), dw, None, None
 
 
@@ -729,6 +764,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     eps, offset = float(eps), float(offset)
     if torch.compiler.is_compiling():
         return _rms_norm_fwd_op(x, weight, eps, offset)[0]
+    if x.is_cuda and x.get_device() != torch._C._cuda_getDevice():
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            return rms_norm(x, weight, eps, offset, impl="fused")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFunction.apply(x, weight, eps, offset)
     x2d, weight, cfg = _prepare(x, weight)

@@ -205,8 +205,10 @@ def _pointers(args) -> list:
     """args with each CUDA tensor replaced by its data pointer. Triton's C launcher takes an int
     as the address itself, where for a tensor it calls data_ptr() and then asks the driver about
     the address (cuPointerGetAttribute): 1.5-2.5 us a pointer inside an eager forward+backward on
-    the H200's host (scripts/rmsnorm_eager_probe.py), 12-20 us a launch. A tensor elsewhere is
-    passed as is, so the launcher's own check names it."""
+    the H200's host (scripts/rmsnorm_eager_probe.py), 12-20 us a launch. That check was also
+    what refused a tensor on another device: a CPU tensor is still passed as is (the launcher's
+    check names it), but a tensor on another GPU is not caught here, so an arm checks that its
+    tensors share one device, made current, before it launches."""
     return [(arg.data_ptr() if arg.is_cuda else arg) if isinstance(arg, _Tensor) else arg for arg in args]
 
 
@@ -271,13 +273,16 @@ class Launcher:
         if RECORD_COMPILED:
             compiled_kernels[self.kernel.fn.__name__] = compiled
 
+    def fast_path_open(self) -> bool:
+        """Whether a call would take the cached path now (no hook, FAST_LAUNCH on, ...)."""
+        return self.compiled and FAST_LAUNCH and _fast_launch_verified and _hooks_idle(self.kernel)
+
     def direct(self, grid, *args) -> DirectLaunch | None:
         """Launch args, then return their specialization as a DirectLaunch on this grid; None
         where a call would not take the cached path (the interpreter, another Triton,
         SUITE_TRITON_FAST_LAUNCH=0, a launch hook, an argument the key does not model)."""
         self(grid, *args)
-        if not (self.compiled and FAST_LAUNCH and _fast_launch_verified and type(grid) is tuple
-                and _hooks_idle(self.kernel)):
+        if not (type(grid) is tuple and self.fast_path_open()):
             return None
         try:
             positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
@@ -304,9 +309,10 @@ class DirectLaunch:
         self.call, self.prefix, self.tail = entry.call, entry.prefix, entry.tail
 
     def __call__(self, stream: int, *values) -> bool:
-        """Launch; False (nothing launched) once a launch hook is registered or FAST_LAUNCH is
-        off: the caller then goes through its Launcher, which honours both."""
-        if not (FAST_LAUNCH and _hooks_idle(self.kernel)):
+        """Launch; False (nothing launched) while a launch hook is registered, FAST_LAUNCH is off
+        or tests record compiled kernels: the caller then goes through its Launcher, which
+        honours all three."""
+        if not FAST_LAUNCH or RECORD_COMPILED or not _hooks_idle(self.kernel):
             return False
         self.call(*self.head, stream, *self.prefix, *values, *self.tail)
         return True
@@ -319,7 +325,8 @@ _launchers: dict[tuple, Launcher] = {}
 
 def launcher(kernel, **meta) -> Launcher:
     """The Launcher of `kernel` with this meta (constexprs and launch options), made once."""
-    key = (id(kernel), tuple(meta.items()))
+    # the value's type too: True, 1 and 1.0 are equal keys, but not the same constexpr
+    key = (id(kernel), tuple((name, type(value), value) for name, value in meta.items()))
     try:
         found = _launchers.get(key)
     except TypeError:  # an unhashable meta value: a Launcher of its own, never shared
