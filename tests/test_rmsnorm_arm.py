@@ -447,9 +447,11 @@ def test_blocks_refuse_tensors_on_another_device_and_take_x_device():
     with pytest.raises(ValueError, match="weight is on cpu"):
         arm.rms_norm_forward(x, weight.cpu(), 1e-6, 0.0)
     if torch.cuda.device_count() > 1:  # x on the second GPU while the first is current
-        expected = run(fused, x, weight, dy)
-        on_second = run(fused, *(t.to("cuda:1") for t in (x, weight, dy)))
-        assert all(torch.equal(bits(a.cpu()), bits(b.cpu())) for a, b in zip(on_second, expected))
+        second = [t.to("cuda:1") for t in (x, weight, dy)]
+        with torch.cuda.device(1):
+            expected = run(fused, *second)
+        on_second = run(fused, *second)
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(on_second, expected))
 
 
 def test_blocks_refuse_stats_that_are_not_fp32():

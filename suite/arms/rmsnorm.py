@@ -644,7 +644,7 @@ class _RMSNormFunction(torch.autograd.Function):
         # a second backward of the same graph (retain_graph) must not write into the dW the
         # first one returned
         dw, ctx.dw = ctx.dw, None
-        partials = _partials_workspace(ctx.cfg, x2d.shape[1], x2d.device)
+        partials = _partials_workspace(ctx.cfg, x2d.shape[1], x2d.device) if x2d.shape[0] else None
         dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True, dw=dw, partials=partials)
         return _y_like(dx, dy), dw, None, None
 
@@ -655,7 +655,8 @@ class _RMSNormFunction(torch.autograd.Function):
 @torch.library.custom_op("suite::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2d, weight, cfg = _prepare(x, weight)
-    y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
+    with _on_device_of(x2d):  # as the eager path: an op called outside Inductor's device guard
+        y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
     return y.view(x.shape), stats
 
 
