@@ -392,9 +392,9 @@ def test_folded_backward_keeps_one_partials_buffer_per_stream_and_none_in_a_capt
 def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment_and_hooks(monkeypatch):
     x, weight, dy = make((256, 1024), torch.bfloat16)
     cfg = arm._launch_config(256, 1024, x.device)
-    cfg.direct.clear()
+    cfg.direct.kept.clear()
     first = run(fused, x, weight, dy)  # through the launchers, keeping the specializations
-    assert sum(direct is not None for direct in cfg.direct.values()) == 2  # forward and backward
+    assert sum(direct is not None for direct in cfg.direct.kept.values()) == 2  # forward and backward
     launcher_calls = []
     through_launcher = triton_support.Launcher.__call__
 
@@ -413,12 +413,12 @@ def test_direct_launches_give_the_launchers_bits_and_step_aside_for_misalignment
     # a misaligned x (2 bytes past alignment) takes the launcher: a kernel of its own
     shifted = torch.empty(256 * 1024 + 1, dtype=x.dtype, device=x.device)[1:].view(256, 1024).copy_(x)
     assert shifted.data_ptr() % 16
-    kept = len(cfg.direct)
+    kept = len(cfg.direct.kept)
     launcher_calls.clear()
     monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
     misaligned = run(fused, shifted, weight, dy)
     monkeypatch.undo()
-    assert len(cfg.direct) == kept and len(launcher_calls) == 2  # forward and backward
+    assert len(cfg.direct.kept) == kept and len(launcher_calls) == 2  # forward and backward
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(misaligned, first))
     # a launch hook (a profiler's) sees every launch again
     seen = []

@@ -111,6 +111,70 @@ def test_one_launcher_per_kernel_and_meta():
     assert triton_support.launcher(_to_bf16, BLOCK=[64]).meta == {"BLOCK": [64]}
 
 
+class _FakeLauncher:
+    """A compiled kernel's Launcher as KeptLaunches sees it: records how each call went."""
+
+    compiled = True
+
+    def __init__(self, direct_available=True, fast_path=True):
+        self.direct_available, self.fast_path, self.calls = direct_available, fast_path, []
+
+    def __call__(self, grid, *args):
+        self.calls.append("launcher")
+
+    def fast_path_open(self):
+        return self.fast_path
+
+    def direct(self, grid, *args):
+        self.calls.append("made")
+        if not self.direct_available:
+            return None
+        return lambda stream, *values: self.calls.append(("direct", stream, values)) or True
+
+
+@pytest.fixture
+def stand_in_device(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+
+
+def test_kept_launches_make_once_then_call_the_direct_launch_with_addresses(stand_in_device):
+    kept, bound = triton_support.KeptLaunches(), _FakeLauncher()
+    a, b = torch.zeros(8), torch.zeros(8)
+    kept(bound, (1,), (torch.float32,), (a, b), (8, 0.5))
+    kept(bound, (1,), (torch.float32,), (a, b), (8, 0.5))
+    assert bound.calls == ["made", ("direct", 77, (a.data_ptr(), b.data_ptr(), 8, 0.5))]
+    kept(bound, (1,), (torch.float32,), (a, b), (16, 0.5))  # another scalar value: another key
+    assert bound.calls[-1] == "made" and len(kept.kept) == 2
+
+
+def test_kept_launches_send_a_misaligned_pointer_to_the_launcher(stand_in_device):
+    kept, bound = triton_support.KeptLaunches(), _FakeLauncher()
+    base = torch.zeros(16)
+    kept(bound, (1,), (torch.float32,), (base, base[1:]), (8,))
+    assert bound.calls == ["launcher"] and not kept.kept
+
+
+def test_kept_launches_keep_a_lasting_none_but_not_a_passing_one(stand_in_device):
+    a = torch.zeros(8)
+    passing = _FakeLauncher(direct_available=False, fast_path=False)  # a hook, FAST_LAUNCH off
+    kept = triton_support.KeptLaunches()
+    kept(passing, (1,), (), (a,), ())
+    kept(passing, (1,), (), (a,), ())
+    assert passing.calls == ["made", "made"] and not kept.kept  # asked again once it may be open
+    lasting = _FakeLauncher(direct_available=False)  # a kernel the cached path never takes
+    kept(lasting, (1,), (), (a,), ())
+    kept(lasting, (1,), (), (a,), ())
+    assert lasting.calls == ["made", "launcher"] and list(kept.kept.values()) == [None]
+
+
+def test_kept_launches_stay_within_their_limit(stand_in_device):
+    kept, bound, a = triton_support.KeptLaunches(limit=3), _FakeLauncher(), torch.zeros(8)
+    for eps in range(10):
+        kept(bound, (1,), (), (a,), (float(eps),))
+        assert len(kept.kept) <= 3
+
+
 def test_hooks_idle_until_a_profiler_registers_one(monkeypatch):
     kernel = JITFunction(_plain_kernel)
     assert triton_support._hooks_idle(kernel)

@@ -21,7 +21,6 @@ import contextlib
 import functools
 import math
 import os
-from operator import or_
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from suite.arms.triton_support import Launcher, interpreting, launch, launcher
+from suite.arms.triton_support import KeptLaunches, Launcher, interpreting, launch, launcher
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -291,8 +290,8 @@ class LaunchConfig:
     backward: Launcher = field(compare=False, repr=False)  # dW reduced in the same launch
     backward_partials: Launcher = field(compare=False, repr=False)
     row_dot: Launcher = field(compare=False, repr=False)
-    # The hot launches' specializations, for `_launch` (a DirectLaunch, or None: not available)
-    direct: dict = field(default_factory=dict, compare=False, repr=False)
+    # The forward's and the backward's specializations as DirectLaunches (no key, no lookup)
+    direct: KeptLaunches = field(default_factory=KeptLaunches, compare=False, repr=False)
 
 
 def _prev_pow2(n: int) -> int:
@@ -414,8 +413,9 @@ def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_sta
         return y, None
     stats = torch.empty(n_rows + cfg.n_counters, dtype=torch.float32, device=device)
     if n_rows:
-        _launch(cfg, cfg.forward, cfg.row_grid, (x2d.dtype, weight.dtype), (x2d, weight, y, stats),
-                (x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset))
+        # y follows x's dtype, stats is fp32
+        cfg.direct(cfg.forward, cfg.row_grid, (x2d.dtype, weight.dtype), (x2d, weight, y, stats),
+                   (x2d.stride(0), n_rows, n_cols, cfg.n_counters, eps, offset))
     return y, stats
 
 
@@ -442,42 +442,11 @@ def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce
         cfg.row_dot(cfg.row_grid, dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset)
     else:
         gx_sum = stats  # unread when a stripe holds the whole row
-    _launch(cfg, cfg.backward if reduce_dw else cfg.backward_partials, cfg.bwd_grid,
-            (dy2d.dtype, x2d.dtype, weight.dtype), (dy2d, x2d, weight, stats, gx_sum, dx, partials, dw),
-            (dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset, cfg.group_size))
+    # dx follows x's dtype, dw weight's (or fp32 partials), stats and gx_sum are fp32
+    cfg.direct(cfg.backward if reduce_dw else cfg.backward_partials, cfg.bwd_grid,
+               (dy2d.dtype, x2d.dtype, weight.dtype), (dy2d, x2d, weight, stats, gx_sum, dx, partials, dw),
+               (dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset, cfg.group_size))
     return dx, dw
-
-
-def _launch(cfg: LaunchConfig, bound: Launcher, grid: tuple, dtypes: tuple, tensors: tuple, scalars: tuple) -> None:
-    """bound(grid, *tensors, *scalars), through the DirectLaunch `cfg` keeps for this call's
-    specialization once there is one: in an eager forward+backward this is half the launch's
-    host time (scripts/rmsnorm_eager_probe.py). Its key holds what fixes Triton's
-    specialization given the config: the launcher, the device, the dtypes the caller can vary
-    (the others follow from them), the scalars' values (finer than Triton's classes: safe) and
-    every pointer 16-byte aligned. A call with a misaligned pointer goes through `bound`."""
-    if _KERNELS_COMPILED:
-        pointers = [t.data_ptr() for t in tensors]
-        if not functools.reduce(or_, pointers) & 15:
-            device = torch._C._cuda_getDevice()
-            key = (bound, device, dtypes, scalars)
-            direct = cfg.direct.get(key, _NOT_KEPT)
-            if direct is _NOT_KEPT:
-                made = bound.direct(grid, *tensors, *scalars)  # launches
-                # a None for a passing reason (a profiler's hook, FAST_LAUNCH off) is not kept
-                if made is not None or bound.fast_path_open():
-                    if len(cfg.direct) >= MAX_DIRECT_LAUNCHES:
-                        cfg.direct.clear()
-                    cfg.direct[key] = made
-                return
-            if direct is not None and direct(torch._C._cuda_getCurrentRawStream(device), *pointers, *scalars):
-                return
-    bound(grid, *tensors, *scalars)
-
-
-_NOT_KEPT = object()
-# Specializations kept per config: a model sees a few (dtypes, strides, eps); the cap bounds a
-# caller that varies them call by call.
-MAX_DIRECT_LAUNCHES = 64
 
 
 # The folded backward's dW partials are read back within its own launch, so on CUDA one buffer

@@ -13,7 +13,9 @@ straight to the kernel's C launcher.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from operator import or_
 
 import numpy as np
 import torch
@@ -250,8 +252,7 @@ class Launcher:
         # Triton compiles for, and launches on, the current device and its current stream.
         device = torch.cuda.current_device()
         try:
-            positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
-            key = (device, specialization_key(args, positional_constexprs))
+            key = self._key(device, args)
             entry = self.entries.get(key, _MISSING)
         except (UnsupportedArgument, TypeError):  # TypeError: an unhashable constexpr value
             self._record(self.kernel[grid](*args, **self.meta))
@@ -269,6 +270,10 @@ class Launcher:
             compiled = entry.compiled
         self._record(compiled)
 
+    def _key(self, device: int, args) -> tuple:
+        positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
+        return device, specialization_key(args, positional_constexprs)
+
     def _record(self, compiled) -> None:
         if RECORD_COMPILED:
             compiled_kernels[self.kernel.fn.__name__] = compiled
@@ -285,8 +290,7 @@ class Launcher:
         if not (type(grid) is tuple and self.fast_path_open()):
             return None
         try:
-            positional_constexprs = self.constexpr_positions if len(args) > self.first_constexpr else ()
-            entry = self.entries.get((torch.cuda.current_device(), specialization_key(args, positional_constexprs)))
+            entry = self.entries.get(self._key(torch.cuda.current_device(), args))
         except (UnsupportedArgument, TypeError):
             return None
         if entry is None:
@@ -316,6 +320,44 @@ class DirectLaunch:
             return False
         self.call(*self.head, stream, *self.prefix, *values, *self.tail)
         return True
+
+
+class KeptLaunches:
+    """The DirectLaunches of a caller's hot launches (a launch config holds one of these), kept
+    under keys of the caller's own: a call pays its pointers, one alignment test and one lookup.
+
+    The key is (launcher, current device, `varying`, the scalars' values): `varying` is what the
+    caller lets vary beyond its config, the dtypes whose choice fixes all the others; the
+    scalars' values are finer than Triton's integer classes (safe); and only calls whose every
+    pointer is 16-byte aligned are kept (a misaligned one goes through the Launcher). A None
+    (no DirectLaunch for lasting reasons: a kernel needing scratch, an argument the key does not
+    model) is kept too; one for a passing reason (a launch hook, FAST_LAUNCH off) is not. At
+    most `limit` are kept: a caller that varies its scalars call by call stays bounded."""
+
+    __slots__ = ("kept", "limit")
+
+    def __init__(self, limit: int = 64):
+        self.kept: dict[tuple, DirectLaunch | None] = {}
+        self.limit = limit
+
+    def __call__(self, bound: Launcher, grid: tuple, varying: tuple, tensors: tuple, scalars: tuple) -> None:
+        """bound(grid, *tensors, *scalars), through the DirectLaunch kept for it once there is one."""
+        if bound.compiled:
+            pointers = [t.data_ptr() for t in tensors]
+            if not functools.reduce(or_, pointers) & 15:
+                device = torch._C._cuda_getDevice()
+                key = (bound, device, varying, scalars)
+                direct = self.kept.get(key, _MISSING)
+                if direct is _MISSING:
+                    made = bound.direct(grid, *tensors, *scalars)  # launches
+                    if made is not None or bound.fast_path_open():
+                        if len(self.kept) >= self.limit:
+                            self.kept.clear()
+                        self.kept[key] = made
+                    return
+                if direct is not None and direct(torch._C._cuda_getCurrentRawStream(device), *pointers, *scalars):
+                    return
+        bound(grid, *tensors, *scalars)
 
 
 # (id(kernel), meta items) -> its Launcher. Keyed by id: JITFunction.__hash__ hashes the
