@@ -155,11 +155,15 @@ class CudaTimer:
                 for _ in range(n)
             ]
             # Drain earlier work (another contender's calls) so it cannot leak into the first
-            # pair. Later pairs are queued back to back: a kernel call's pair then measures
-            # device time, and a window of host-bound steps, whose device sits idle waiting for
-            # the host, measures dispatch included.
+            # pair. Every pair then starts behind queued work of this call's own: the L2 flush,
+            # or else one untimed call (the previous window's place in a loop). A device-bound
+            # call's pair then measures device time, not the launch latency of an idle device,
+            # and a window of host-bound steps, whose device waits for the host, measures
+            # dispatch included.
             torch.cuda.synchronize()
             with _collector_paused():
+                if flush is None:
+                    fn()
                 for start, end in pairs:
                     if flush is not None:
                         flush.zero_()
@@ -453,10 +457,6 @@ def measure_bench(
 
     calls_per_round = policy.calls_per_round
 
-    def timed_median(name: str) -> float:
-        """The per-round statistic: the median of calls_per_round timings."""
-        return statistics.median(timer.time_calls(fns[name], calls_per_round, flush_l2=flush_l2, window=window))
-
     roles = {c.name: c.role for c in contenders}
     dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
 
@@ -510,9 +510,18 @@ def measure_bench(
     least = criterion.speedup(preset.name, case.name, mode)
 
     def run_round(index: int, target: int) -> None:
+        """Each slot's figure is the median of its calls_per_round timings. The slots take turns
+        timing by timing (forward, then backward), so a change in the host's state (clocks,
+        other load, the autograd thread's core) falls on every contender of the round alike
+        instead of on whichever one's batch it hit: on the H200's hosts eager windows of two
+        calls into the same kernel drifted apart by up to 1.35x a round when timed in batches."""
         say(f"round {index + 1}/{target}")
         order = round_order(ref_name, others, index)
-        times = [timed_median(name) for name in order]
+        slots: list[list[float]] = [[] for _ in order]
+        for turn in range(calls_per_round):
+            for slot in (range(len(order)) if turn % 2 == 0 else reversed(range(len(order)))):
+                slots[slot] += timer.time_calls(fns[order[slot]], 1, flush_l2=flush_l2, window=window)
+        times = [statistics.median(t) for t in slots]
         ref_first.append(times[0])
         ref_second.append(times[-1])
         for name, ms in zip(order[1:-1], times[1:-1]):
