@@ -88,7 +88,7 @@ def make_comparison(against: ContenderTiming, arm: ContenderTiming, noise_floor:
     verdict = "faster" if math.log(speedup) > floor_log else (
         "slower" if math.log(speedup) < -floor_log else "same")
     return Comparison(against=against.name, speedup=speedup, ci_low=speedup * 0.98,
-                      ci_high=speedup * 1.02, verdict=verdict)
+                      ci_high=speedup * 1.02, verdict=verdict, noise_floor=noise_floor)
 
 
 def make_bench(
@@ -136,7 +136,7 @@ def make_bench(
         l2="warm" if host_bound else "cold", ceiling="copy", window=8 if host_bound else 1, bytes=nbytes,
         flops=flops, warmup_calls=25,
         rounds=rounds, calls_per_round=20, noise_floor=noise_floor,
-        aa_log_ratios=[rng.uniform(-noise_floor, noise_floor) for _ in range(rounds)],
+        aa_log_ratios=[rng.uniform(-noise_floor, noise_floor) for _ in range(rounds)], peer_aa_log_ratios={},
         contenders=contenders, comparisons=comparisons, criteria=criteria,
         passed=all(c.passed for c in criteria) and not ambiguous, ambiguous=ambiguous,
     )

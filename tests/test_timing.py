@@ -303,13 +303,37 @@ def test_rounds_extend_only_for_the_demands_judged():
     """A peer tied with the arm within noise keeps not-slower undecided; where a 0.75 bar
     replaces not-slower for it, that bar is decided at once and no round is added for the
     claim that is no longer made."""
-    dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.05)}
+    dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.001)}
     tied = PerfCriterion(not_slower_than=("reference", "peer"))
     result, _ = bench(dists, tied, contenders=make_contenders("peer"))
     assert result.rounds > POLICY.min_rounds
     barred = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("small", "fwd"): {"peer": 0.75}})
     result, _ = bench(dists, barred, contenders=make_contenders("peer"))
     assert result.rounds == POLICY.min_rounds and result.passed
+
+
+def test_a_judged_peer_is_timed_twice_and_its_own_noise_floors_its_comparison():
+    """A quiet (device-bound) reference says nothing of the noise between two host-bound
+    calls: the peer judged against gets an A/A of its own, and its comparison is judged
+    against the wider floor; a peer not judged keeps the reference's."""
+    dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.05), "bystander": (0.5, 0.05)}
+    log: list = []
+    result, _ = bench(dists, PerfCriterion(not_slower_than=("reference", "peer")),
+                      contenders=make_contenders("peer", "bystander"), log=log)
+    assert list(result.peer_aa_log_ratios) == ["peer"] and len(result.peer_aa_log_ratios["peer"]) == result.rounds
+    turns = sum(entry[:2] == ("calls", "peer") for entry in log) - 2  # less its sizing call and warm-up batch
+    assert turns == 2 * result.rounds * result.calls_per_round
+    peer, bystander = against(result, "peer"), against(result, "bystander")
+    assert peer.noise_floor > 0.02 and bystander.noise_floor == against(result, "reference").noise_floor == result.noise_floor
+    assert peer.verdict == "same" and result.passed and result.rounds == POLICY.min_rounds
+    assert f"floor {peer.noise_floor:.2%}" in next(c.detail for c in result.criteria if c.name == "not slower than peer")
+
+
+def test_a_slower_arm_still_fails_against_a_noisy_peer():
+    dists = {"reference": (1.0, 0.001), "arm": (0.65, 0.05), "peer": (0.5, 0.05)}
+    result, _ = bench(dists, PerfCriterion(not_slower_than=("reference", "peer")), contenders=make_contenders("peer"))
+    check = next(c for c in result.criteria if c.name == "not slower than peer")
+    assert against(result, "peer").verdict == "slower" and not check.passed and not result.passed
 
 
 def test_min_speedup_over_one_is_not_slower_a_tie_passes():
@@ -460,8 +484,10 @@ def test_a_drift_of_the_host_falls_on_every_contender_of_a_round_alike():
 
 
 def test_round_order():
-    assert round_order("ref", ["a", "b"], 0) == ["ref", "a", "b", "ref"]
-    assert round_order("ref", ["a", "b"], 3) == ["ref", "b", "a", "ref"]
+    assert round_order("ref", [], ["a", "b"], 0) == ["ref", "a", "b", "ref"]
+    assert round_order("ref", [], ["a", "b"], 3) == ["ref", "b", "a", "ref"]
+    # the judged peers mirrored inside the reference's pair, the others reversing on odd rounds
+    assert round_order("ref", ["p", "q"], ["a", "b"], 1) == ["ref", "p", "q", "b", "a", "q", "p", "ref"]
 
 
 @pytest.mark.parametrize("l2, flush", [("cold", True), ("warm", False)])
@@ -688,7 +714,7 @@ def _cmp(speedup, low, high, floor_log):
     from suite.harness.results import Comparison
 
     return Comparison(against="x", speedup=speedup, ci_low=low, ci_high=high,
-                      verdict=timing.judge(speedup, low, high, floor_log))
+                      verdict=timing.judge(speedup, low, high, floor_log), noise_floor=math.expm1(floor_log))
 
 
 def test_not_slower_is_one_sided():

@@ -273,7 +273,9 @@ def _bench_section(bench: BenchResult) -> list[str]:
         f"- {_MODE_TEXT[bench.mode]}; {bench.l2} L2{rotated}; {per}; {bench.warmup_calls} warm-up "
         f"calls, {bench.rounds} rounds x {bench.calls_per_round} timings; {bench.bytes:,} bytes and "
         f"{bench.flops:,} FLOPs per call; took {bench.duration_s:.1f} s",
-        f"- noise floor (reference vs itself, same run): {_pct(bench.noise_floor)}",
+        f"- noise floor (reference vs itself, same run): {_pct(bench.noise_floor)}" + "".join(
+            f"; against {name}, timed twice a round too: {_pct(versus[name].noise_floor)}"
+            for name in bench.peer_aa_log_ratios if name in versus),
     ]
     if bench.host_probe:
         lines.append(f"- host us/call: measured on {bench.host_probe}, back-to-back calls, best of 5 batches")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from suite.errors import UsageError
 
 # 2: failures carry the check that found them; parity mode per output; bench modes; phases
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 Verdict = Literal["faster", "same", "slower", "ambiguous"]
 Status = Literal["passed", "failed", "could_not_run", "ambiguous", "skipped"]
@@ -146,6 +146,9 @@ class Comparison(Record):
     ci_low: float
     ci_high: float
     verdict: Verdict
+    # the relative floor it was judged against: the reference's A/A, or, for a peer the arm is
+    # judged against, that peer's own A/A where it is wider
+    noise_floor: float
 
 
 class CriterionCheck(Record):
@@ -170,6 +173,8 @@ class BenchResult(Record):
     calls_per_round: int
     noise_floor: float  # relative spread of reference-vs-reference (A/A), e.g. 0.012 = 1.2%
     aa_log_ratios: list[float]
+    # each peer the arm is judged against is timed twice a round too: its own A/A series
+    peer_aa_log_ratios: dict[str, list[float]]
     contenders: list[ContenderTiming]
     comparisons: list[Comparison]
     criteria: list[CriterionCheck]

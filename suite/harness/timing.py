@@ -277,8 +277,8 @@ class WallTimer:
 
 
 def noise_floor(aa_log_ratios: Sequence[float], quantile: float, min_floor: float) -> float:
-    """Log-space floor: the `quantile` of |log(ref_first / ref_second)| over rounds, but never
-    below log(1 + min_floor)."""
+    """Log-space floor: the `quantile` of |log(first / second)| over rounds (one contender
+    timed twice a round), but never below log(1 + min_floor)."""
     spread = float(np.quantile(np.abs(np.asarray(aa_log_ratios, dtype=float)), quantile))
     return max(spread, math.log1p(min_floor))
 
@@ -340,14 +340,16 @@ def compare(
     median = float(np.median(ratios))
     low, high = bootstrap_ci(ratios, policy.n_boot, policy.ci_level, rng)
     return Comparison(against=against, speedup=median, ci_low=low, ci_high=high,
-                      verdict=judge(median, low, high, floor_log))
+                      verdict=judge(median, low, high, floor_log), noise_floor=math.expm1(floor_log))
 
 
-def round_order(reference: str, others: Sequence[str], round_index: int) -> list[str]:
-    """ABBA: the reference opens and closes every round; the others reverse on odd rounds so
-    drift (clocks, heat) does not always favour the same position."""
+def round_order(reference: str, judged: Sequence[str], others: Sequence[str], round_index: int) -> list[str]:
+    """ABBA: the reference opens and closes every round, and each peer the arm is judged
+    against (`judged`) takes the mirrored pair of slots inside it, so each of them has an A/A of
+    its own; the others (the arm among them) reverse on odd rounds so drift (clocks, heat) does
+    not always favour the same position."""
     middle = list(others) if round_index % 2 == 0 else list(reversed(others))
-    return [reference, *middle, reference]
+    return [reference, *judged, *middle, *reversed(judged), reference]
 
 
 def steady(previous_ms: float, current_ms: float, tolerance: float) -> bool:
@@ -502,12 +504,16 @@ def measure_bench(
         warmup_calls += calls
     calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode, min(warm_ms.values()))
 
-    others = [name for name in fns if name != ref_name]
-    ref_first: list[float] = []
-    ref_second: list[float] = []
-    per_round: dict[str, list[float]] = {name: [] for name in others}
     demands = _peer_demands(criterion, preset, case, mode)
     least = criterion.speedup(preset.name, case.name, mode)
+    # a peer the arm is judged against is timed twice a round, like the reference: where the
+    # reference runs at another scale (a device-bound eager reference beside host-bound calls),
+    # its A/A says nothing of the noise between the arm and that peer
+    judged = list(dict.fromkeys(name for name, *_ in demands if name in fns and name != ref_name))
+    others = [name for name in fns if name != ref_name and name not in judged]
+    first: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
+    second: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
+    per_round: dict[str, list[float]] = {name: [] for name in others}
 
     def run_round(index: int, target: int) -> None:
         """Each slot's figure is the median of its calls_per_round timings. The slots take turns
@@ -516,35 +522,40 @@ def measure_bench(
         instead of on whichever one's batch it hit: on the H200's hosts eager windows of two
         calls into the same kernel drifted apart by up to 1.35x a round when timed in batches."""
         say(f"round {index + 1}/{target}")
-        order = round_order(ref_name, others, index)
+        order = round_order(ref_name, judged, others, index)
         slots: list[list[float]] = [[] for _ in order]
         for turn in range(calls_per_round):
             for slot in (range(len(order)) if turn % 2 == 0 else reversed(range(len(order)))):
                 slots[slot] += timer.time_calls(fns[order[slot]], 1, flush_l2=flush_l2, window=window)
-        times = [statistics.median(t) for t in slots]
-        ref_first.append(times[0])
-        ref_second.append(times[-1])
-        for name, ms in zip(order[1:-1], times[1:-1]):
-            per_round[name].append(ms)
+        twice = len(judged) + 1
+        for slot, name in enumerate(order):
+            ms = statistics.median(slots[slot])
+            if name in per_round:
+                per_round[name].append(ms)
+            else:
+                (first if slot < twice else second)[name].append(ms)
 
     target = policy.min_rounds
     while True:
-        while len(ref_first) < target:
-            run_round(len(ref_first), target)
-        aa = [math.log(a / b) for a, b in zip(ref_first, ref_second)]
-        floor_log = noise_floor(aa, policy.floor_quantile, policy.min_floor)
-        # the reference's figure for a round: the mean of its two timings in that round
-        ref_mean = [(a + b) / 2 for a, b in zip(ref_first, ref_second)]
-        series = {ref_name: ref_mean, **{n: per_round[n] for n in others}}
+        while len(first[ref_name]) < target:
+            run_round(len(first[ref_name]), target)
+        aa = {name: [math.log(a / b) for a, b in zip(first[name], second[name])] for name in first}
+        floor_log = noise_floor(aa[ref_name], policy.floor_quantile, policy.min_floor)
+        floors = {name: max(floor_log, noise_floor(aa[name], policy.floor_quantile, policy.min_floor))
+                  for name in judged}
+        floors[ref_name] = floor_log
+        # a figure for a round of what is timed twice: the mean of its two timings in that round
+        series = {**{n: [(a + b) / 2 for a, b in zip(first[n], second[n])] for n in first},
+                  **{n: per_round[n] for n in others}}
         rng = np.random.default_rng(policy.seed)  # same figures and seed, same intervals
         comparisons = [
-            compare(name, series[name], series[arm_name], floor_log, policy, rng)
-            for name in [ref_name, *(n for n in others if n != arm_name)]
+            compare(name, series[name], series[arm_name], floors.get(name, floor_log), policy, rng)
+            for name in fns if name != arm_name
         ]
         by_name = {c.against: c for c in comparisons}
         # more rounds only for what will be judged: each demand against a peer, the speedup floor
-        undecided = [by_name[name] for name, bar, _, _ in demands
-                     if name in by_name and at_least_within_noise(by_name[name], bar, floor_log) == "undecided"]
+        undecided = [by_name[name] for name, bar, _, _ in demands if name in by_name
+                     and at_least_within_noise(by_name[name], bar, floors[name]) == "undecided"]
         if least is not None and at_least(by_name[ref_name], least) == "undecided":
             undecided.append(by_name[ref_name])
         if not undecided or target >= policy.max_rounds:
@@ -574,14 +585,13 @@ def measure_bench(
                 say(f"device busy time of {timing.name}")
                 timing.gpu_busy_ms = timer.busy_ms(fns[timing.name], window)
 
-    floor_rel = math.expm1(floor_log)
     checks, ambiguous = _check_criteria(
-        case, mode, preset, criterion, contenders, comparisons, timings, ceilings, floor_rel, ref_name)
+        case, mode, preset, criterion, contenders, comparisons, timings, ceilings, ref_name)
     return BenchResult(
         case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
         window=window, rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
-        rounds=len(ref_first), calls_per_round=calls_per_round, noise_floor=floor_rel,
-        aa_log_ratios=aa, contenders=timings, comparisons=comparisons, criteria=checks,
+        rounds=len(first[ref_name]), calls_per_round=calls_per_round, noise_floor=math.expm1(floor_log),
+        aa_log_ratios=aa[ref_name], peer_aa_log_ratios={name: aa[name] for name in judged}, contenders=timings, comparisons=comparisons, criteria=checks,
         passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
         host_probe=host_probe, duration_s=time.perf_counter() - started)
 
@@ -607,7 +617,6 @@ def _check_criteria(
     comparisons: list[Comparison],
     timings: list[ContenderTiming],
     ceilings: Ceilings | None,
-    floor_rel: float,
     ref_name: str,
 ) -> tuple[list[CriterionCheck], bool]:
     """One CriterionCheck per demand, and whether any of them stayed ambiguous (not a pass)."""
@@ -629,8 +638,8 @@ def _check_criteria(
                 detail=f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reasons[name]})"))
             continue
         c = against[name]
-        decision = at_least_within_noise(c, bar, math.log1p(floor_rel))
-        detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {floor_rel:.2%}: " + (
+        decision = at_least_within_noise(c, bar, math.log1p(c.noise_floor))
+        detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {c.noise_floor:.2%}: " + (
             f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
         if decision == "undecided":
             ambiguous = True
