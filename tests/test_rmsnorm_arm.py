@@ -502,14 +502,18 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
 
 def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
-    small, between, large = 4096 * 2048, 8192 * 2880, 16384 * 4096
-    assert arm.routes_to_native(small, on_cuda=True, same_dtype=True)
-    assert arm.routes_to_native(between, on_cuda=True, same_dtype=True)
-    assert not arm.routes_to_native(large, on_cuda=True, same_dtype=True)
-    assert not arm.routes_to_native(small, on_cuda=False, same_dtype=True)
-    assert not arm.routes_to_native(small, on_cuda=True, same_dtype=False)
+    small, between, with_grad, large = 4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536
+    for needs_grad in (False, True):
+        assert arm.routes_to_native(small, True, True, needs_grad)
+        assert arm.routes_to_native(between, True, True, needs_grad)
+        assert not arm.routes_to_native(large, True, True, needs_grad)
+        assert not arm.routes_to_native(small, False, True, needs_grad)
+        assert not arm.routes_to_native(small, True, False, needs_grad)
+    # the class a backward widens: the native op when differentiated, ours for a forward alone
+    assert arm.routes_to_native(with_grad, True, True, needs_grad=True)
+    assert not arm.routes_to_native(with_grad, True, True, needs_grad=False)
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", False)  # the interpreter runs our kernels
-    assert not arm.routes_to_native(small, on_cuda=True, same_dtype=True)
+    assert not arm.routes_to_native(small, True, True, True)
 
 
 class _FakeTensor:
@@ -526,7 +530,7 @@ class _FakeTensor:
         return self._dims
 
 
-@pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096])
+@pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536])
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, weight_dtype):
@@ -547,11 +551,11 @@ def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, w
     x = _FakeTensor(numel, torch.bfloat16, requires_grad=training)
     weight = _FakeTensor(4096, weight_dtype)
     same_dtype = weight_dtype is torch.bfloat16
-    assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype)
-    with torch.no_grad():  # the grad state does not move the class
-        assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype)
+    assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype, needs_grad=training)
+    with torch.no_grad():  # no backward will follow: a forward alone's class
+        assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype, needs_grad=False)
     cpu = _FakeTensor(numel, torch.bfloat16, training, is_cuda=False)
-    assert routes(cpu, weight) == arm.routes_to_native(numel, False, same_dtype) is False
+    assert routes(cpu, weight) == arm.routes_to_native(numel, False, same_dtype, training) is False
     # the checks beside the rule: never a dtype ours refuses, a weight that is not 1-D, nor
     # inside torch.compile or a CUDA-graph capture
     assert not routes(_FakeTensor(numel, torch.float64, training), _FakeTensor(4096, torch.float64))

@@ -688,22 +688,30 @@ def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
 # scripts/rmsnorm_launch_probe.py and `suite run` (2026-12-01, bf16, us per back-to-back eager
 # call, ours vs F.rms_norm): forward+backward 165.1 vs 118.4 at 8192x2880 (23.6 M elements),
 # 196.7 vs 298.9 at 16384x4096 (67 M); forward 26.6 vs 33.8 at 8192x2880 on one host and 40.8
-# vs 33.9 on a slower one, so a forward alone is routed up to the same size. impl="fused"
-# always takes our kernels (inside a CUDA graph, where the host's cost is paid once, they are
-# the faster ones at every size).
-NATIVE_BELOW = 1 << 25  # 33.6 M elements
+# vs 33.9 on a slower one, so a forward alone is routed up to the same size. A call that will
+# be differentiated is routed up to 4x that: at 16384x4096 (67 M) forward+backward our
+# kernels' 0.197 ms beat the native 0.307 in graph replays, but eager calls were host-bound
+# at 0.197-0.347 ms on four leases' hosts (`suite run`, 2026-12-01: 1.57x, 1.44x, 1.01x and
+# 0.90x F.rms_norm), so ours won there only on fast hosts; at 4096x65536 (268 M) the kernels'
+# 0.41 ms lead covers any host seen (1.42x). impl="fused" always takes our kernels (inside a
+# CUDA graph, where the host's cost is paid once, they are the faster ones at every size).
+NATIVE_BELOW = 1 << 25  # 33.6 M elements, a forward alone
+NATIVE_BELOW_WITH_GRAD = 1 << 27  # 134 M elements, a forward that a backward follows
 IMPLS = ("auto", "fused")
 
 
-def routes_to_native(numel: int, on_cuda: bool, same_dtype: bool) -> bool:
+def routes_to_native(numel: int, on_cuda: bool, same_dtype: bool, needs_grad: bool) -> bool:
     """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
-    interpreter) of the size class where ours loses on the host, x and weight of one dtype (the
-    native kernel's own rule). `rms_norm` inlines this rule (a test holds the two together)."""
-    return on_cuda and _KERNELS_COMPILED and same_dtype and numel < NATIVE_BELOW
+    interpreter) of the size class where ours loses on the host (larger when a backward
+    follows), x and weight of one dtype (the native kernel's own rule). `rms_norm` inlines
+    this rule (a test holds the two together)."""
+    return (on_cuda and _KERNELS_COMPILED and same_dtype
+            and numel < (NATIVE_BELOW_WITH_GRAD if needs_grad else NATIVE_BELOW))
 
 
 # Bound once: on the routed path every attribute lookup is host time the native op does not pay.
 _compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 # The native fused op itself, which torch.rms_norm reaches through one more dispatch (its
 # composite's checks): the same kernels and autograd node, so the same bits, for less host time.
@@ -721,9 +729,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         # routes_to_native inlined, cheapest checks first: on this path every fraction of a
         # microsecond of Python is host time F.rms_norm does not pay. Inside a CUDA-graph
         # capture (and torch.compile) the host's cost is paid once: ours, the faster kernels.
-        dtype = x.dtype
-        if (x.numel() < NATIVE_BELOW and dtype is weight.dtype and x.is_cuda and _KERNELS_COMPILED
-                and dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
+        dtype, numel = x.dtype, x.numel()
+        if (numel < NATIVE_BELOW_WITH_GRAD and dtype is weight.dtype and x.is_cuda and _KERNELS_COMPILED
+                and dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()
+                and (numel < NATIVE_BELOW or (_grad_enabled() and (x.requires_grad or weight.requires_grad)))):
             try:
                 return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)[0]
             except RuntimeError:
