@@ -274,7 +274,8 @@ def _bench_section(bench: BenchResult) -> list[str]:
         f"calls, {bench.rounds} rounds x {bench.calls_per_round} timings; {bench.bytes:,} bytes and "
         f"{bench.flops:,} FLOPs per call; took {bench.duration_s:.1f} s",
         f"- noise floor (reference vs itself, same run): {_pct(bench.noise_floor)}" + "".join(
-            f"; against {name}, timed twice a round too: {_pct(versus[name].noise_floor)}"
+            f"; {name}, timed twice a round too, judged against the wider of its own A/A and "
+            f"the reference's: {_pct(versus[name].noise_floor)}"
             for name in bench.peer_aa_log_ratios if name in versus),
     ]
     if bench.host_probe:

@@ -509,7 +509,7 @@ def measure_bench(
     # a peer the arm is judged against is timed twice a round, like the reference: where the
     # reference runs at another scale (a device-bound eager reference beside host-bound calls),
     # its A/A says nothing of the noise between the arm and that peer
-    judged = list(dict.fromkeys(name for name, *_ in demands if name in fns and name != ref_name))
+    judged = list(dict.fromkeys(name for name, *_ in demands if name in fns and name not in (ref_name, arm_name)))
     others = [name for name in fns if name != ref_name and name not in judged]
     first: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
     second: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
