@@ -255,6 +255,10 @@ def test_pytest_benchmark_document_layout():
                   "total", "iterations", "data"):
         assert field in bench["stats"], field
     assert doc["commit_info"]["id"] == report.fingerprint.git_sha
+    # the arm's speedup over a peer carries the floor that comparison was judged against
+    peer = next(b for b in doc["benchmarks"] if b["name"] == "rmsnorm[medium-fwd-graph-torch_compile]")
+    versus = next(c for c in report.results[0].bench[0].comparisons if c.against == "torch_compile")
+    assert peer["extra_info"]["arm_speedup"]["noise_floor"] == versus.noise_floor
     json.dumps(doc)  # plain JSON, nothing pydantic left inside
 
 

@@ -528,7 +528,7 @@ def render_pytest_benchmark(report: RunReport) -> dict[str, Any]:
                         "flops": bench.flops,
                         "arm_speedup": None if cmp is None else {
                             "speedup": cmp.speedup, "ci": [cmp.ci_low, cmp.ci_high],
-                            "verdict": cmp.verdict,
+                            "verdict": cmp.verdict, "noise_floor": cmp.noise_floor,
                         },
                         "run_id": report.run_id,
                     },
@@ -584,17 +584,34 @@ def render_comparison(cmp: ComparisonReport) -> str:
     def ms(value: float | None) -> str:
         return "—" if value is None else f"{value:.4f}"
 
+    def pct(ratio: float | None) -> str:
+        return "—" if ratio is None else f"{100 * (ratio - 1):+.1f}%"
+
+    def change(e) -> str:
+        if e.ratio is None:
+            return "—"
+        ci = "" if e.ci_low is None else f" [{pct(e.ci_low)}, {pct(e.ci_high)}]"
+        return pct(e.ratio) + ci
+
     rows = [
-        [e.gate, e.preset, e.case, e.mode, e.contender, e.role, ms(e.baseline_ms), ms(e.new_ms),
-         "—" if e.ratio is None else f"{100 * (e.ratio - 1):+.1f}%",
+        [e.gate, e.preset, e.case, e.mode, e.contender, e.role, ms(e.baseline_ms),
+         e.baseline_runs or "—", "—" if e.spread is None or e.baseline_runs < 2 else f"{100 * e.spread:.1f}%",
+         ms(e.new_ms), change(e), pct(e.others_moved),
          "—" if e.threshold is None else f"±{100 * e.threshold:.1f}%",
          f"**{e.status.upper()}**" if e.status == "regressed" and e.role == "arm" else e.status,
          e.note]
         for e in cmp.entries
     ]
     lines.append(markdown_table(
-        ["gate", "preset", "case", "mode", "contender", "role", "baseline ms", "new ms", "change",
-         "counts beyond", "status", "note"],
+        ["gate", "preset", "case", "mode", "contender", "role", "baseline ms", "runs", "runs apart",
+         "new ms", "change [95% CI]", "others moved", "counts beyond", "status", "note"],
         rows,
     ))
+    lines += [
+        "",
+        "baseline ms: the median of the saved runs; runs apart: their slowest over their fastest; "
+        "others moved: the median change of the bench's reference and peers (information, not "
+        "judged); a change counts beyond the widest of 2%, the new run's noise floor and how far "
+        "the saved runs lie apart, with its CI clear of no change.",
+    ]
     return "\n".join(lines) + "\n"
