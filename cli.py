@@ -391,17 +391,21 @@ def baseline_save(
     replace: Annotated[bool, typer.Option(
         "--replace", help="Replace each gate's file whole (default: replace only the presets this report measured)."
     )] = False,
+    add: Annotated[bool, typer.Option(
+        "--add", help="Add this run to the runs its presets hold (the newest 5 kept): their spread widens the bar a change must clear."
+    )] = False,
 ) -> None:
     """Write a bench report's figures to baselines/<device-slug>/<gate>.json.
 
-    The presets the report measured replace theirs; a gate's other presets keep the figures
-    of the run that measured them (the file names each preset's run)."""
+    The presets the report measured replace theirs (or, with --add, gain this run beside
+    theirs); a gate's other presets keep the figures of the runs that measured them (the file
+    names each preset's runs)."""
     from suite.harness.baseline import save_baseline
     from suite.harness.results import load_report
 
     run = load_report(_report_path(report, reports))
     try:
-        saved = save_baseline(run, baselines, gate_names, replace=replace)
+        saved = save_baseline(run, baselines, gate_names, replace=replace, add=add)
     except OSError as exc:
         raise _unwritable("--baselines", baselines, exc) from exc
     for path in saved:
@@ -416,7 +420,7 @@ def baseline_compare(
     baselines: Annotated[Path, typer.Option("--baselines", help="Baselines directory.")] = Path("baselines"),
     force: Annotated[bool, typer.Option("--force", help="Compare even across fingerprint classes (GPU, torch/triton minor).")] = False,
 ) -> None:
-    """Judge a run against the saved baseline using the run's own noise floor."""
+    """Judge a run against the saved baseline: its noise floor, and how far the saved runs lie apart."""
     from suite.harness.baseline import compare
     from suite.harness.render import render_comparison
     from suite.harness.results import load_report

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 import pytest
 from factories import (
@@ -16,6 +18,7 @@ from factories import (
 
 from suite.errors import UsageError
 from suite.harness.baseline import (
+    MAX_RUNS_PER_PRESET,
     MIN_CHANGE,
     compare,
     load_baseline,
@@ -45,7 +48,7 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
 
     baseline = load_baseline(paths[0])
     assert baseline.gate == "rmsnorm" and [r.preset for r in baseline.runs] == ["medium"]
-    run = baseline.run_of("medium")
+    run, = baseline.runs_of("medium")
     assert (run.run_id, run.command, run.fingerprint) == (report.run_id, report.command, report.fingerprint)
     assert baseline.fingerprint_class == fingerprint_class(report.fingerprint)
     timed = {(e.preset, e.case, e.mode, e.contender) for e in baseline.entries}
@@ -54,7 +57,7 @@ def test_save_then_compare_with_itself_is_all_same(tmp_path):
     arm = next(e for e in baseline.entries if e.case == "fwd" and e.mode == "graph" and e.contender == "arm")
     source = report.results[0].bench[0].contenders[1]
     assert (arm.median_ms, arm.round_medians_ms, arm.gbps) == (source.median_ms, source.round_medians_ms, source.gbps)
-    assert arm.noise_floor == 0.01
+    assert arm.noise_floor == 0.01 and arm.run_id == report.run_id
 
     cmp = compare(report, tmp_path)
     assert cmp.passed
@@ -84,7 +87,9 @@ def test_a_20_percent_slower_arm_with_a_1_percent_floor_regresses(tmp_path):
     assert statuses(cmp)[("fwd", "reference")] == "same"
     arm = next(e for e in cmp.entries if e.contender == "arm")
     assert arm.ratio == pytest.approx(1.2)
+    assert arm.ci_low > 1.15 and arm.ci_high < 1.25  # the arm's rounds spread 0.5%
     assert arm.threshold == pytest.approx(MIN_CHANGE)  # the 1% floor is under the minimum
+    assert arm.baseline_runs == 1 and "one saved run" in arm.note and "--add" in arm.note
     md = render_comparison(cmp)
     assert "**FAILED**: 1 arm timing(s) regressed" in md
     assert "**REGRESSED**" in md and "+20.0%" in md
@@ -201,7 +206,7 @@ def test_save_replaces_the_presets_it_measured_and_keeps_the_others(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [".rmsnorm.json.lock", "rmsnorm.json"]
     baseline = load_baseline(folder / "rmsnorm.json")
     assert {r.preset: r.run_id for r in baseline.runs} == {"large": "second", "small": "third"}
-    assert baseline.run_of("large").fingerprint.git_sha == "b" * 40
+    assert baseline.runs_of("large")[0].fingerprint.git_sha == "b" * 40
     arms = {e.preset: e.median_ms for e in baseline.entries if e.role == "arm"}
     assert arms == {"large": pytest.approx(0.25, rel=0.1), "small": pytest.approx(0.2, rel=0.1)}
     assert len(baseline.entries) == 4
@@ -248,11 +253,12 @@ def test_rtx_profile_runs_keep_a_baseline_of_their_own_beside_the_devices(tmp_pa
 def test_load_baseline_errors_are_clear(tmp_path):
     path = tmp_path / "rmsnorm.json"
     path.write_text(json.dumps({"schema_version": 7, "gate": "rmsnorm"}))
-    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 3"):
+    with pytest.raises(UsageError, match=r"schema_version 7; this suite reads baselines of schema_version 4"):
         load_baseline(path)
-    path.write_text(json.dumps({"schema_version": 3, "gate": "rmsnorm"}))
-    with pytest.raises(UsageError, match=r"not a valid baseline: .*runs: Field required"):
-        load_baseline(path)
+    for version in (3, 4):  # schema 3 is upgraded, and what it lacks is still named
+        path.write_text(json.dumps({"schema_version": version, "gate": "rmsnorm"}))
+        with pytest.raises(UsageError, match=r"not a valid baseline: .*runs: Field required"):
+            load_baseline(path)
 
 
 def test_a_bad_baseline_file_stops_compare_with_its_name(tmp_path):
@@ -268,3 +274,90 @@ def test_comparison_report_serialises_its_verdict(tmp_path):
     data = json.loads(cmp.model_dump_json())
     assert data["passed"] is False
     assert type(cmp).model_validate(data) == cmp
+
+
+def with_arm_rounds(report, rounds: list[float]):
+    """The report with its arm's round medians (and median) replaced."""
+    bench = report.results[0].bench[0]
+    bench.contenders = [c.model_copy(update={"round_medians_ms": rounds, "median_ms": statistics.median(rounds)})
+                        if c.role == "arm" else c for c in bench.contenders]
+    return report
+
+
+def test_a_change_counts_only_with_its_ci_clear_of_no_change(tmp_path):
+    save_baseline(rmsnorm_run(), tmp_path)
+    # median 5% slower, but the rounds range from 20% faster to 40% slower
+    scattered = with_arm_rounds(rmsnorm_run(), [0.2, 0.35, 0.2625, 0.21, 0.33, 0.2625, 0.2, 0.34, 0.22, 0.3])
+    arm = next(e for e in compare(scattered, tmp_path).entries if e.contender == "arm")
+    assert arm.ratio == pytest.approx(1.05, rel=0.01) and arm.ci_low < 1 < arm.ci_high
+    assert arm.status == "same"
+
+
+def test_added_runs_widen_the_bar_by_how_far_they_lie_apart(tmp_path):
+    save_baseline(preset_run("small", "monday"), tmp_path)
+    # the same code on another lease: 12% slower
+    save_baseline(preset_run("small", "tuesday", arm_ms=0.28), tmp_path, add=True)
+    baseline = load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json")
+    assert [r.run_id for r in baseline.runs_of("small")] == ["monday", "tuesday"]
+    cmp = compare(preset_run("small", "wednesday", arm_ms=0.28), tmp_path)
+    arm = next(e for e in cmp.entries if e.contender == "arm")
+    assert arm.baseline_runs == 2 and arm.spread == pytest.approx(0.12, abs=0.01)
+    assert arm.threshold == pytest.approx(arm.spread)
+    assert arm.status == "same" and cmp.passed
+    assert arm.baseline_ms == pytest.approx(math.sqrt(0.25 * 0.28), rel=0.01)
+    # a run well beyond both still fails
+    assert statuses(compare(preset_run("small", "thursday", arm_ms=0.35), tmp_path))[("fwd", "arm")] == "regressed"
+    # against Monday's run alone, Wednesday's would have failed
+    save_baseline(preset_run("small", "monday"), tmp_path / "one")
+    assert statuses(compare(preset_run("small", "wednesday", arm_ms=0.28), tmp_path / "one"))[("fwd", "arm")] == "regressed"
+    md = render_comparison(cmp)
+    assert "runs apart" in md and "12." in md
+
+
+def test_add_keeps_the_newest_runs_and_each_run_once(tmp_path):
+    for day in range(7):
+        save_baseline(preset_run("small", f"day{day}"), tmp_path, add=True)
+    save_baseline(preset_run("small", "day6"), tmp_path, add=True)  # saved twice: kept once
+    save_baseline(preset_run("large", "other"), tmp_path, add=True)
+    baseline = load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json")
+    kept = [r.run_id for r in baseline.runs_of("small")]
+    assert kept == [f"day{d}" for d in range(2, 7)] and len(kept) == MAX_RUNS_PER_PRESET
+    assert {e.run_id for e in baseline.entries if e.preset == "small"} == set(kept)
+    assert [r.run_id for r in baseline.runs_of("large")] == ["other"]
+    # without --add the preset holds the new run alone again
+    save_baseline(preset_run("small", "fresh"), tmp_path)
+    assert [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")] == ["fresh"]
+    with pytest.raises(UsageError, match="choose one"):
+        save_baseline(preset_run("small", "x"), tmp_path, add=True, replace=True)
+
+
+def test_others_moving_too_is_named_but_does_not_excuse_the_arm(tmp_path):
+    save_baseline(rmsnorm_run(peers={"torch_compile": 0.3}), tmp_path)
+    slower_machine = rmsnorm_run(arm_ms=0.3, reference_ms=1.2, peers={"torch_compile": 0.36})
+    cmp = compare(slower_machine, tmp_path)
+    arm = next(e for e in cmp.entries if e.contender == "arm")
+    assert arm.status == "regressed" and not cmp.passed
+    assert arm.others_moved == pytest.approx(1.2, rel=0.01)
+    assert "reference and peers moved +20" in arm.note
+
+
+def test_a_schema_3_baseline_is_read_with_each_entry_named_by_its_presets_run(tmp_path):
+    path, = save_baseline(preset_run("small", "first"), tmp_path)
+    save_baseline(preset_run("large", "second"), tmp_path)
+    data = json.loads(path.read_text())
+    data["schema_version"] = 3
+    for entry in data["entries"]:
+        del entry["run_id"]
+    path.write_text(json.dumps(data))
+    upgraded = load_baseline(path)
+    assert {(e.preset, e.run_id) for e in upgraded.entries} == {("small", "first"), ("large", "second")}
+    assert compare(preset_run("small", "later"), tmp_path).passed
+
+
+def test_an_entry_of_a_run_the_file_does_not_list_is_refused(tmp_path):
+    path, = save_baseline(preset_run("small", "first"), tmp_path)
+    data = json.loads(path.read_text())
+    data["entries"][0]["run_id"] = "elsewhere"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError, match=r"entries of runs the file does not list: small/elsewhere"):
+        load_baseline(path)

@@ -1,13 +1,15 @@
 """Committed figures per device, and judging a new run against them.
 
 `save_baseline` writes baselines/<device-slug>/<gate>.json from a passed run; `compare`
-judges a new run against those files with the NEW run's noise floor (the baseline's own
-spread says nothing about today's machine), and refuses a different class of machine.
+judges a new run against those files, and refuses a different class of machine.
 
 A gate's presets may need separate runs (one device call cannot hold them all), so a baseline
-records, per preset, the run its figures come from; saving replaces the presets the report
-measured and keeps the others, and refuses to mix classes of machine in one file. That
-read-modify-write holds a lock beside each file, so concurrent saves each keep their presets.
+records, per preset, the runs its figures come from; saving replaces the presets the report
+measured and keeps the others. One run cannot say how far the next lands from it on another
+day, lease or host: a 1.36 ms kernel read 1.40 ms on the next H200 lease, every contender of
+its bench with it. So a preset may hold several runs (`add=True`); their spread widens the bar
+an entry's change must clear (`_judge`). That read-modify-write holds a lock beside each file,
+so concurrent saves each keep their presets.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import math
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Any, Iterator, Literal
 
+import numpy as np
 from pydantic import ValidationError, computed_field, model_validator
 
 from suite.errors import UsageError
@@ -26,22 +30,27 @@ from suite.harness import atomic
 from suite.harness.fingerprint import fingerprint_class, imitates_rtx
 from suite.harness.results import (
     BenchResult,
-    ContenderTiming,
     Fingerprint,
     GateResult,
     Record,
     Role,
     RunReport,
+    ContenderTiming,
     TimingMode,
     read_versioned_json,
     validation_summary,
 )
+from suite.harness.timing import TimingPolicy, bootstrap_ci
 
 # 3: entries name their timing mode (graph replays or eager calls)
-BASELINE_SCHEMA_VERSION = 3
+# 4: a preset may hold several runs, and each entry names its run
+BASELINE_SCHEMA_VERSION = 4
 # Below this change a timing is "same" even when the run's noise floor is tighter: a 1%
 # drift is not worth failing a build over.
 MIN_CHANGE = 0.02
+# Adding a run to a preset that holds this many drops its oldest: the spread should describe
+# the machine as it is now.
+MAX_RUNS_PER_PRESET = 5
 
 EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
 
@@ -52,6 +61,7 @@ class BaselineEntry(Record):
     mode: TimingMode
     contender: str
     role: Role
+    run_id: str
     median_ms: float
     round_medians_ms: list[float]
     gbps: float | None = None
@@ -87,8 +97,30 @@ class Baseline(Record):
     runs: list[PresetRun]
     entries: list[BaselineEntry]
 
-    def run_of(self, preset: str) -> PresetRun | None:
-        return next((r for r in self.runs if r.preset == preset), None)
+    @model_validator(mode="after")
+    def _entries_name_a_saved_run(self) -> Baseline:
+        saved = {(r.preset, r.run_id) for r in self.runs}
+        if len(saved) != len(self.runs):
+            raise ValueError("a preset lists the same run twice")
+        orphans = sorted({f"{e.preset}/{e.run_id}" for e in self.entries} - {f"{p}/{r}" for p, r in saved})
+        if orphans:
+            raise ValueError(f"entries of runs the file does not list: {', '.join(orphans)}")
+        return self
+
+    def runs_of(self, preset: str) -> list[PresetRun]:
+        """The runs behind a preset's figures, oldest first."""
+        return [r for r in self.runs if r.preset == preset]
+
+
+def _from_schema_3(data: dict[str, Any]) -> dict[str, Any]:
+    """Schema 3 held one run per preset, its entries unnamed: each entry gets its preset's run.
+    Anything malformed is left for validation to name."""
+    runs, entries = data.get("runs"), data.get("entries")
+    if not (isinstance(runs, list) and isinstance(entries, list)):
+        return {**data, "schema_version": 4}
+    run_of = {r.get("preset"): r.get("run_id") for r in runs if isinstance(r, dict)}
+    named = [{**e, "run_id": run_of.get(e.get("preset"))} if isinstance(e, dict) else e for e in entries]
+    return {**data, "schema_version": 4, "entries": named}
 
 
 class EntryComparison(Record):
@@ -99,10 +131,15 @@ class EntryComparison(Record):
     contender: str
     role: Role
     status: EntryStatus
-    baseline_ms: float | None = None
+    baseline_ms: float | None = None  # the center of the saved runs: their median
+    baseline_runs: int = 0  # how many saved runs hold this entry
+    spread: float | None = None  # relative gap between the saved runs' slowest and fastest
     new_ms: float | None = None
     ratio: float | None = None  # new / baseline; above 1 is slower
-    threshold: float | None = None  # relative change needed to count, from the new run's floor
+    ci_low: float | None = None  # the ratio's bootstrap CI over the new run's rounds
+    ci_high: float | None = None
+    others_moved: float | None = None  # median ratio of the bench's reference and peers
+    threshold: float | None = None  # relative change needed to count
     note: str = ""
 
 
@@ -134,21 +171,21 @@ def baseline_path(baselines_dir: str | Path, fp: Fingerprint, gate: str) -> Path
 
 
 def load_baseline(path: str | Path) -> Baseline:
-    return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline")
+    return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline", upgrades={3: _from_schema_3})
 
 
 def _entries(result: GateResult, run_id: str) -> list[BaselineEntry]:
     try:
-        return _entries_of(result)
+        return _entries_of(result, run_id)
     except ValidationError as exc:
         raise UsageError(f"not saving run {run_id}: {validation_summary(exc)}") from exc
 
 
-def _entries_of(result: GateResult) -> list[BaselineEntry]:
+def _entries_of(result: GateResult, run_id: str) -> list[BaselineEntry]:
     return [
         BaselineEntry(
             preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
-            median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
+            run_id=run_id, median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
             tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
         )
         for bench in result.bench
@@ -172,16 +209,21 @@ def _why_not_saved(result: GateResult) -> str:
 
 
 def save_baseline(
-    report: RunReport, baselines_dir: str | Path, gates: list[str] | None = None, replace: bool = False
+    report: RunReport, baselines_dir: str | Path, gates: list[str] | None = None, replace: bool = False,
+    add: bool = False,
 ) -> list[Path]:
     """Write one baseline file per gate from the report's passed bench results.
 
     Refuses a report in which a selected gate's parity failed (its timings belong to a wrong
     arm), and one with nothing to save. Results that did not pass are left out. The presets the
-    report measured replace theirs in the file; other presets keep the figures of their own run,
-    unless `replace` (the file then holds this run alone). A file of another class of machine,
-    or one that cannot be read, is only ever replaced whole, and only when asked.
+    report measured replace theirs in the file; other presets keep the figures of their own
+    runs. With `add`, this run joins the runs its presets hold (the newest
+    MAX_RUNS_PER_PRESET kept; saving one run twice keeps it once); with `replace`, the file
+    holds this run alone. A file of another class of machine, or one that cannot be read, is
+    only ever replaced whole, and only when asked.
     """
+    if add and replace:
+        raise UsageError("--add keeps a preset's earlier runs and --replace drops them: choose one")
     ran = list(dict.fromkeys(r.gate for r in report.results))
     if gates is not None:
         unknown = [g for g in gates if g not in ran]
@@ -231,7 +273,11 @@ def save_baseline(
                 old = _mergeable(path, new_class)
                 measured = {e.preset for e in entries}
                 kept_runs = [r for r in old.runs if r.preset not in measured]
-                kept_entries = [e for e in old.entries if e.preset not in measured]
+                if add:
+                    for preset in dict.fromkeys(e.preset for e in entries):
+                        kept_runs += _runs_kept_beside(old, preset, report.run_id)
+                kept = {(r.preset, r.run_id) for r in kept_runs}
+                kept_entries = [e for e in old.entries if (e.preset, e.run_id) in kept]
             runs = [PresetRun(preset=preset, run_id=report.run_id, command=report.command, fingerprint=fp,
                               saved_utc=saved)
                     for preset in dict.fromkeys(e.preset for e in entries)]
@@ -241,6 +287,13 @@ def save_baseline(
         # failure leaves all of them as they were
         atomic.replace_files({path: b.model_dump_json(indent=2) + "\n" for path, b in baselines.items()})
     return list(baselines)
+
+
+def _runs_kept_beside(baseline: Baseline, preset: str, run_id: str) -> list[PresetRun]:
+    """A preset's runs that stay when `run_id` is added to it: the newest, and never the same
+    run twice."""
+    others = [r for r in baseline.runs_of(preset) if r.run_id != run_id]
+    return others[-(MAX_RUNS_PER_PRESET - 1):]
 
 
 @contextlib.contextmanager
@@ -279,20 +332,45 @@ def _class_difference(baseline: dict[str, str | None], new: dict[str, str | None
     )
 
 
+def _center(samples: list[BaselineEntry]) -> float:
+    """A baseline entry's figure: the median of its saved runs' medians (geometric for two)."""
+    return math.exp(statistics.median(math.log(e.median_ms) for e in samples))
+
+
 def _judge(
-    gate: str, preset: str, bench: BenchResult, base: BaselineEntry, new_ms: float, note: str
+    gate: str, preset: str, bench: BenchResult, samples: list[BaselineEntry], new: ContenderTiming,
+    others_moved: float | None, note: str,
 ) -> EntryComparison:
-    ratio = new_ms / base.median_ms
-    # the new run's floor, as a log ratio, and never under the minimum worth reporting
-    threshold_log = max(math.log1p(bench.noise_floor), math.log1p(MIN_CHANGE))
-    change = math.log(ratio)
+    """One timing against its saved runs, judged like a comparison within a run: a change
+    counts when it lies beyond the bar and its CI (over the new run's rounds) is clear of no
+    change. The bar is the widest of MIN_CHANGE, the new run's noise floor (the baseline's own
+    floors say nothing about today's machine) and the gap between the saved runs' fastest and
+    slowest (what moving between days, leases and hosts did to it before)."""
+    center = _center(samples)
+    logs = [math.log(e.median_ms) for e in samples]
+    spread_log = max(logs) - min(logs)
+    threshold_log = max(math.log1p(bench.noise_floor), math.log1p(MIN_CHANGE), spread_log)
+    policy = TimingPolicy()
+    low, high = bootstrap_ci(new.round_medians_ms or [new.median_ms], policy.n_boot, policy.ci_level,
+                             np.random.default_rng(0))
+    change, change_low, change_high = (math.log(x / center) for x in (new.median_ms, low, high))
     status: EntryStatus = (
-        "regressed" if change > threshold_log else "improved" if change < -threshold_log else "same"
+        "regressed" if change > threshold_log and change_low > 0
+        else "improved" if change < -threshold_log and change_high < 0
+        else "same"
     )
+    if status != "same" and others_moved is not None and abs(math.log(others_moved)) > threshold_log \
+            and (others_moved > 1) == (status == "regressed"):
+        moved = f"the bench's reference and peers moved {100 * (others_moved - 1):+.1f}% too: the machine, or code they share"
+        note = f"{note}; {moved}" if note else moved
+    if status != "same" and len(samples) == 1:
+        alone = "one saved run: how far runs drift apart is unknown (add runs: suite baseline save --add)"
+        note = f"{note}; {alone}" if note else alone
     return EntryComparison(
-        gate=gate, preset=preset, case=bench.case, mode=bench.mode, contender=base.contender, role=base.role,
-        status=status, baseline_ms=base.median_ms, new_ms=new_ms, ratio=ratio,
-        threshold=math.expm1(threshold_log), note=note,
+        gate=gate, preset=preset, case=bench.case, mode=bench.mode, contender=new.name, role=new.role,
+        status=status, baseline_ms=center, baseline_runs=len(samples), spread=math.expm1(spread_log),
+        new_ms=new.median_ms, ratio=new.median_ms / center, ci_low=low / center, ci_high=high / center,
+        others_moved=others_moved, threshold=math.expm1(threshold_log), note=note,
     )
 
 
@@ -330,36 +408,42 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
     for result in results:
         baseline = baselines.get(result.gate)
         note = f"fingerprint differs: {mismatches[result.gate]}" if result.gate in mismatches else ""
-        known = {
-            (e.case, e.mode, e.contender): e for e in (baseline.entries if baseline else [])
-            if e.preset == result.preset
-        }
+        saved: dict[tuple[str, str, str], list[BaselineEntry]] = {}
+        for e in baseline.entries if baseline else []:
+            if e.preset == result.preset:
+                saved.setdefault((e.case, e.mode, e.contender), []).append(e)
         seen = set()
         for bench in result.bench:
-            for c in bench.contenders:
-                if not _a_figure_of_its_mode(c):
-                    continue
+            timed = [c for c in bench.contenders if _a_figure_of_its_mode(c)]
+            for c in timed:
+                if not (math.isfinite(c.median_ms) and c.median_ms > 0):
+                    raise UsageError(
+                        f"run {report.run_id}: {result.gate}/{result.preset}/{bench.case}/{bench.mode}/"
+                        f"{c.name} has median_ms {c.median_ms}, not a positive time; the report was edited or is broken"
+                    )
+            # how the bench's reference and peers moved: a slower machine shows in all of them
+            moved = {c.name: c.median_ms / _center(saved[(bench.case, bench.mode, c.name)])
+                     for c in timed if c.role != "arm" and (bench.case, bench.mode, c.name) in saved}
+            for c in timed:
                 key = (bench.case, bench.mode, c.name)
                 seen.add(key)
-                if key in known:
-                    if not (math.isfinite(c.median_ms) and c.median_ms > 0):
-                        raise UsageError(
-                            f"run {report.run_id}: {result.gate}/{result.preset}/{bench.case}/{bench.mode}/"
-                            f"{c.name} has median_ms {c.median_ms}, not a positive time; the report was edited or is broken"
-                        )
-                    entries.append(_judge(result.gate, result.preset, bench, known[key], c.median_ms, note))
+                if key in saved:
+                    others = [r for name, r in moved.items() if name != c.name]
+                    others_moved = statistics.median(others) if others else None
+                    entries.append(_judge(result.gate, result.preset, bench, saved[key], c, others_moved, note))
                 else:
                     entries.append(EntryComparison(
                         gate=result.gate, preset=result.preset, case=bench.case, mode=bench.mode,
                         contender=c.name, role=c.role, status="new", new_ms=c.median_ms,
                         note=note or ("no baseline file" if baseline is None else "not in the baseline"),
                     ))
-        for key, e in known.items():
+        for key, samples in saved.items():
             if key not in seen:
+                e = samples[-1]
                 entries.append(EntryComparison(
                     gate=result.gate, preset=result.preset, case=e.case, mode=e.mode,
-                    contender=e.contender, role=e.role, status="missing", baseline_ms=e.median_ms,
-                    note=note or "in the baseline, not timed in this run",
+                    contender=e.contender, role=e.role, status="missing", baseline_ms=_center(samples),
+                    baseline_runs=len(samples), note=note or "in the baseline, not timed in this run",
                 ))
     return ComparisonReport(
         run_id=report.run_id, baselines=paths, forced=force, mismatches=mismatches, entries=entries

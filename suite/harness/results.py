@@ -10,7 +10,7 @@ import json
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -267,11 +267,15 @@ def slugify(text: str) -> str:
 M = TypeVar("M", bound=BaseModel)
 
 
-def read_versioned_json(path: str | Path, model: type[M], schema_version: int, kind: str) -> M:
+def read_versioned_json(
+    path: str | Path, model: type[M], schema_version: int, kind: str,
+    upgrades: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] | None = None,
+) -> M:
     """Load a versioned JSON document into `model`, or raise UsageError saying what is wrong.
 
     Shared by run reports and baselines, which are read back by a person's command and
-    must fail with a message naming the file, not a traceback.
+    must fail with a message naming the file, not a traceback. `upgrades` maps an older
+    schema_version to a function that rewrites such a document as the current one.
     """
     path = Path(path)
     try:
@@ -292,6 +296,9 @@ def read_versioned_json(path: str | Path, model: type[M], schema_version: int, k
     if not isinstance(data, dict):
         raise UsageError(f"{path} is not a {kind}: expected a JSON object, found {type(data).__name__}")
     found = data.get("schema_version")
+    if found != schema_version and isinstance(found, int) and found in (upgrades or {}):
+        data = upgrades[found](data)
+        found = data.get("schema_version")
     if found != schema_version:
         found_text = "no schema_version" if found is None else f"schema_version {found!r}"
         raise UsageError(
