@@ -331,14 +331,38 @@ def test_add_keeps_the_newest_runs_and_each_run_once(tmp_path):
         save_baseline(preset_run("small", "x"), tmp_path, add=True, replace=True)
 
 
-def test_others_moving_too_is_named_but_does_not_excuse_the_arm(tmp_path):
+def test_with_fewer_than_three_others_their_move_is_shown_but_does_not_excuse_the_arm(tmp_path):
+    # the reference may share the arm's code (the eager step a captured one replays)
     save_baseline(rmsnorm_run(peers={"torch_compile": 0.3}), tmp_path)
     slower_machine = rmsnorm_run(arm_ms=0.3, reference_ms=1.2, peers={"torch_compile": 0.36})
     cmp = compare(slower_machine, tmp_path)
     arm = next(e for e in cmp.entries if e.contender == "arm")
     assert arm.status == "regressed" and not cmp.passed
-    assert arm.others_moved == pytest.approx(1.2, rel=0.01)
-    assert "reference and peers moved +20" in arm.note
+    assert arm.others == 2 and arm.others_moved == pytest.approx(1.2, rel=0.01)
+    assert arm.beyond_others is None and "machine's drift" not in arm.note
+
+
+FOUR_PEERS = {"torch_native": 0.5, "torch_compile": 0.3, "liger": 0.28, "quack": 0.27}
+
+
+def test_a_change_that_three_or_more_others_share_is_the_machine(tmp_path):
+    save_baseline(rmsnorm_run(peers=FOUR_PEERS), tmp_path)
+    slower = {name: 1.2 * ms for name, ms in FOUR_PEERS.items()}
+    cmp = compare(rmsnorm_run(arm_ms=0.3, reference_ms=1.2, peers=slower), tmp_path)
+    arm = next(e for e in cmp.entries if e.contender == "arm")
+    assert arm.others == 5 and arm.ratio == pytest.approx(1.2, rel=0.01)
+    assert arm.beyond_others == pytest.approx(1.0, abs=0.01)
+    assert arm.status == "same" and cmp.passed
+    assert "regressed outright, same beyond the machine's drift" in arm.note and "+20" in arm.note
+    assert "beyond others" in render_comparison(cmp)
+    # an arm that lost more than the machine did still regresses
+    worse = compare(rmsnorm_run(arm_ms=0.36, reference_ms=1.2, peers=slower), tmp_path)
+    arm = next(e for e in worse.entries if e.contender == "arm")
+    assert arm.status == "regressed" and arm.beyond_others == pytest.approx(1.2, rel=0.02)
+    assert not worse.passed
+    # and one that held still while the machine slowed is not called improved
+    held = compare(rmsnorm_run(arm_ms=0.25, reference_ms=1.2, peers=slower), tmp_path)
+    assert statuses(held)[("fwd", "arm")] == "same"
 
 
 def test_a_schema_3_baseline_is_read_with_each_entry_named_by_its_presets_run(tmp_path):

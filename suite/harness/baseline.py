@@ -51,6 +51,9 @@ MIN_CHANGE = 0.02
 # Adding a run to a preset that holds this many drops its oldest: the spread should describe
 # the machine as it is now.
 MAX_RUNS_PER_PRESET = 5
+# The fewest other contenders whose median change is taken for the machine's drift: one of
+# them sharing the arm's code (and its regression) cannot move the median of three.
+MIN_OTHERS = 3
 
 EntryStatus = Literal["same", "improved", "regressed", "new", "missing"]
 
@@ -138,7 +141,9 @@ class EntryComparison(Record):
     ratio: float | None = None  # new / baseline; above 1 is slower
     ci_low: float | None = None  # the ratio's bootstrap CI over the new run's rounds
     ci_high: float | None = None
-    others_moved: float | None = None  # median ratio of the bench's reference and peers
+    others_moved: float | None = None  # median ratio of the bench's other reference and peers
+    others: int = 0  # how many that median is of
+    beyond_others: float | None = None  # ratio / others_moved, where the drift was judged
     threshold: float | None = None  # relative change needed to count
     note: str = ""
 
@@ -339,13 +344,19 @@ def _center(samples: list[BaselineEntry]) -> float:
 
 def _judge(
     gate: str, preset: str, bench: BenchResult, samples: list[BaselineEntry], new: ContenderTiming,
-    others_moved: float | None, note: str,
+    others: list[float], note: str,
 ) -> EntryComparison:
     """One timing against its saved runs, judged like a comparison within a run: a change
-    counts when it lies beyond the bar and its CI (over the new run's rounds) is clear of no
+    counts when it lies beyond the bar with its CI (over the new run's rounds) clear of no
     change. The bar is the widest of MIN_CHANGE, the new run's noise floor (the baseline's own
     floors say nothing about today's machine) and the gap between the saved runs' fastest and
-    slowest (what moving between days, leases and hosts did to it before)."""
+    slowest (what moving between days, leases and hosts did to it before).
+
+    `others` are the ratios (new / baseline) of the bench's other reference and peers. With at
+    least MIN_OTHERS of them, their median is the machine's own drift, and the change must
+    count beyond it as well as outright: a host 68% slower moved every eager contender alike.
+    With fewer, one of them sharing the arm's code (the eager Muon step the captured one
+    replays) could carry a regression of the arm away, so the drift is shown, not used."""
     center = _center(samples)
     logs = [math.log(e.median_ms) for e in samples]
     spread_log = max(logs) - min(logs)
@@ -354,23 +365,30 @@ def _judge(
     low, high = bootstrap_ci(new.round_medians_ms or [new.median_ms], policy.n_boot, policy.ci_level,
                              np.random.default_rng(0))
     change, change_low, change_high = (math.log(x / center) for x in (new.median_ms, low, high))
-    status: EntryStatus = (
-        "regressed" if change > threshold_log and change_low > 0
-        else "improved" if change < -threshold_log and change_high < 0
-        else "same"
-    )
-    if status != "same" and others_moved is not None and abs(math.log(others_moved)) > threshold_log \
-            and (others_moved > 1) == (status == "regressed"):
-        moved = f"the bench's reference and peers moved {100 * (others_moved - 1):+.1f}% too: the machine, or code they share"
-        note = f"{note}; {moved}" if note else moved
+    others_moved = statistics.median(others) if others else None
+    drift = math.log(others_moved) if len(others) >= MIN_OTHERS else None
+
+    def counts(shift: float) -> EntryStatus:
+        c, c_low, c_high = change - shift, change_low - shift, change_high - shift
+        return ("regressed" if c > threshold_log and c_low > 0
+                else "improved" if c < -threshold_log and c_high < 0 else "same")
+
+    outright = counts(0.0)
+    beyond = outright if drift is None else counts(drift)
+    status = outright if beyond == outright else "same"
+    notes = [note] if note else []
+    if status != outright:
+        notes.append(f"{outright} outright, {beyond} beyond the machine's drift: the bench's "
+                     f"{len(others)} other contenders moved {100 * (others_moved - 1):+.1f}% (median)")
     if status != "same" and len(samples) == 1:
-        alone = "one saved run: how far runs drift apart is unknown (add runs: suite baseline save --add)"
-        note = f"{note}; {alone}" if note else alone
+        notes.append("one saved run: how far runs drift apart is unknown (add runs: suite baseline save --add)")
     return EntryComparison(
         gate=gate, preset=preset, case=bench.case, mode=bench.mode, contender=new.name, role=new.role,
         status=status, baseline_ms=center, baseline_runs=len(samples), spread=math.expm1(spread_log),
         new_ms=new.median_ms, ratio=new.median_ms / center, ci_low=low / center, ci_high=high / center,
-        others_moved=others_moved, threshold=math.expm1(threshold_log), note=note,
+        others_moved=others_moved, others=len(others),
+        beyond_others=None if drift is None else math.exp(change - drift),
+        threshold=math.expm1(threshold_log), note="; ".join(notes),
     )
 
 
@@ -429,8 +447,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
                 seen.add(key)
                 if key in saved:
                     others = [r for name, r in moved.items() if name != c.name]
-                    others_moved = statistics.median(others) if others else None
-                    entries.append(_judge(result.gate, result.preset, bench, saved[key], c, others_moved, note))
+                    entries.append(_judge(result.gate, result.preset, bench, saved[key], c, others, note))
                 else:
                     entries.append(EntryComparison(
                         gate=result.gate, preset=result.preset, case=bench.case, mode=bench.mode,

@@ -596,7 +596,8 @@ def render_comparison(cmp: ComparisonReport) -> str:
     rows = [
         [e.gate, e.preset, e.case, e.mode, e.contender, e.role, ms(e.baseline_ms),
          e.baseline_runs or "—", "—" if e.spread is None or e.baseline_runs < 2 else f"{100 * e.spread:.1f}%",
-         ms(e.new_ms), change(e), pct(e.others_moved),
+         ms(e.new_ms), change(e),
+         "—" if e.others_moved is None else f"{pct(e.others_moved)} ({e.others})", pct(e.beyond_others),
          "—" if e.threshold is None else f"±{100 * e.threshold:.1f}%",
          f"**{e.status.upper()}**" if e.status == "regressed" and e.role == "arm" else e.status,
          e.note]
@@ -604,14 +605,15 @@ def render_comparison(cmp: ComparisonReport) -> str:
     ]
     lines.append(markdown_table(
         ["gate", "preset", "case", "mode", "contender", "role", "baseline ms", "runs", "runs apart",
-         "new ms", "change [95% CI]", "others moved", "counts beyond", "status", "note"],
+         "new ms", "change [95% CI]", "others moved (n)", "beyond others", "counts beyond", "status", "note"],
         rows,
     ))
     lines += [
         "",
         "baseline ms: the median of the saved runs; runs apart: their slowest over their fastest; "
-        "others moved: the median change of the bench's reference and peers (information, not "
-        "judged); a change counts beyond the widest of 2%, the new run's noise floor and how far "
-        "the saved runs lie apart, with its CI clear of no change.",
+        "others moved: the median change of the bench's other reference and peers; a change counts "
+        "beyond the widest of 2%, the new run's noise floor and how far the saved runs lie apart, "
+        "with its CI clear of no change, and, where at least 3 others moved, beyond their move "
+        "(beyond others) as well.",
     ]
     return "\n".join(lines) + "\n"
