@@ -489,18 +489,23 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
                     for p in g["presets"]]
         for g in listing
     }
-    widths = {"gate": max(len(g["name"]) for g in listing),
-              "presets": max(len(p) for names in presets_of.values() for p in names)}
-    table = _names_table(f"gates (device: {settings.device})", widths, "needs CUDA", "contenders", "summary")
+    gate_width = max(len(g["name"]) for g in listing)
+    table = _names_table(f"gates (device: {settings.device})",
+                         {"gate": gate_width, "presets": max(len(p) for names in presets_of.values() for p in names)},
+                         "needs CUDA", "summary")
     for g in listing:
-        presets = "\n".join(presets_of[g["name"]])
-        contenders = [f"{c['name']} ({c['role']})" + (f" unavailable: {c['unavailable']}" if c["unavailable"] else "")
-                      for c in g["contenders"]]
-        if settings.device.type != "cuda" and any(set(b["modes"]) - {"wall"} for b in g["benches"]):
-            contenders.append("(timing needs CUDA)")
-        table.add_row(escape(g["name"]), escape(presets), "yes" if g["needs_cuda"] else "no",
-                      escape("\n".join(contenders)), escape(g["summary"]))
+        table.add_row(escape(g["name"]), escape("\n".join(presets_of[g["name"]])),
+                      "yes" if g["needs_cuda"] else "no", escape(g["summary"]))
     console.print(table)
+    # one contender a row: a reason that wraps then stays in its own narrow column
+    contenders = _names_table("contenders", {"gate": gate_width, "contender": max(
+        len(c["name"]) for g in listing for c in g["contenders"]), "role": len("reference")}, "here")
+    for g in listing:
+        timing_here = settings.device.type == "cuda" or all(set(b["modes"]) == {"wall"} for b in g["benches"])
+        for c in g["contenders"]:
+            here = f"unavailable: {c['unavailable']}" if c["unavailable"] else "yes" if timing_here else "no timing without CUDA"
+            contenders.add_row(escape(g["name"]), escape(c["name"]), c["role"], escape(here))
+    console.print(contenders)
     console.print("* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too")
 
 

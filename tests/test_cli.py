@@ -259,3 +259,8 @@ def test_gate_names_are_never_cut_in_a_narrow_pipe():
     for command in (["list", "--device", "cpu"], ["env", "--device", "cpu"]):
         output = narrow.invoke(app, command).output
         assert "graph-capture" in output and "rmsnorm" in output, output
+    # `suite list | grep GATE` finds each of its contenders whole, one a line
+    listed = narrow.invoke(app, ["list", "--device", "cpu"]).output
+    rows = [line for line in listed.splitlines() if "graph-capture" in line]
+    for contender in ("reference", "AdamW foreach captured", "AdamW for-loop"):
+        assert any(contender in row for row in rows), listed
