@@ -230,6 +230,16 @@ def test_saboteurs_run_once_at_the_smallest_preset_unless_thorough(reports, toy_
     assert [(r["preset"], len(r["saboteurs"])) for r in report["results"]] == [("wide", 1)]
 
 
+def test_thorough_still_runs_a_saboteur_that_shows_at_none_of_the_runs_presets(reports):
+    # dw-order-varies needs an fp32 weight; tiny-gemma's is fp16: it runs once at tiny
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--preset", "tiny-gemma", "--thorough", "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    report = json.loads((report_dirs(reports)[-1] / "report.json").read_text())
+    ran = {r["preset"]: [s["name"] for s in r["saboteurs"]] for r in report["results"]}
+    assert ran["tiny"] == ["dw-order-varies"]
+    assert len(ran["tiny-gemma"]) == 5 and "dw-order-varies" not in ran["tiny-gemma"]
+
+
 def test_saboteurs_do_not_run_on_recorded_buffers(tmp_path, reports):
     out = tmp_path / "buffers"
     assert invoke("record", "rmsnorm", "--preset", "tiny-fp32", "--out", out, "--device", "cpu").exit_code == 0

@@ -135,7 +135,9 @@ class Runner:
 
     def _place_saboteurs(self, gate: Gate, units: list[Unit]) -> list[Unit]:
         """Give each saboteur its unit: the smallest preset of the gate where it can show,
-        added when the run does not hold it already; every preset under `thorough`."""
+        added when the run does not hold it already. `thorough` runs each at every preset of the
+        run where it can show, and one that can show at none of them (a float32-only sabotage in
+        a run of bf16 presets) still at its smallest, so it is never a subset of the default."""
         opts = self.options
         own = [u for u in units if not u.recorded]
         if opts.thorough:
@@ -144,14 +146,15 @@ class Runner:
         free = self._free_memory()
         runnable = [p for p in gate.runnable_presets(opts.device) if free is None or p.memory_bytes <= free]
         extra: dict[str, Unit] = {}
-        if not opts.thorough:
-            for saboteur in gate.saboteurs:
-                where = next((p for p in runnable if saboteur.applies(p)), None)
-                if where is None:
-                    continue
-                unit = next((u for u in own if u.preset.name == where.name), None) or extra.setdefault(
-                    where.name, Unit(gate, where))
-                unit.saboteurs.append(saboteur)
+        for saboteur in gate.saboteurs:
+            if opts.thorough and any(saboteur in u.saboteurs for u in own):
+                continue
+            where = next((p for p in runnable if saboteur.applies(p)), None)
+            if where is None:
+                continue
+            unit = next((u for u in own if u.preset.name == where.name), None) or extra.setdefault(
+                where.name, Unit(gate, where))
+            unit.saboteurs.append(saboteur)
         placed = {s.name: u.preset.name for u in [*extra.values(), *own] for s in u.saboteurs}
         unplaced = [s.name for s in gate.saboteurs if s.name not in placed]
         for unit in units:
