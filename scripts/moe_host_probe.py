@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and of one
+layer's forward+backward (suite.arms.moe.experts under autograd).
+
+    python scripts/moe_host_probe.py [--tokens 8] [--hidden 1024 --ffn 2816 --experts 16 --top-k 2]
+
+On a CUDA GPU the kernels launch: at a few tokens the GPU's work is smaller than the host's, so
+back-to-back calls measure dispatch (the checks, the tile choice, the launch path, autograd).
+The device time of each call (CUDA-graph replays) is printed beside it: where the host time
+exceeds it, an eager loop waits on the host. Without a GPU the launches are stubbed and what
+is left is the entry points' own Python, the part a change to their checks or tile choice
+moves (the 2-core CPU of CI and development). Defaults: the top2-small preset's layer.
+
+Writes every figure to $OUT/moe_host_probe.json when OUT is set (or --json PATH), and prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import dataclasses
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable
+
+import torch
+
+from suite.arms import moe, moe_kernels as mk
+from suite.harness.timing import CudaTimer, host_us_per_call
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=8, help="tokens of the layer (few: the host's time shows)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=200, help="calls a timed batch")
+    parser.add_argument("--json", default=None, help="where to write the figures (default: $OUT/moe_host_probe.json)")
+    return parser.parse_args(argv)
+
+
+@contextmanager
+def launches_stubbed():
+    """The entry points' Python alone: no kernel launches, and CPU tensors accepted."""
+    saved = mk.launch, mk._require_runnable
+    mk.launch, mk._require_runnable = (lambda *args, **meta: None), (lambda t, fn: None)
+    try:
+        yield
+    finally:
+        mk.launch, mk._require_runnable = saved
+
+
+def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]], Callable[[], Any]]:
+    """Each entry point with caller-owned buffers (as the autograd Function calls them, minus
+    its allocations), and the whole layer's forward+backward."""
+    gen = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    t, d, f, e, k = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    x = randn(t, d)
+    w_gate, w_up, w_down = randn(e, d, f, scale=d**-0.5), randn(e, d, f, scale=d**-0.5), randn(e, f, d, scale=f**-0.5)
+    routing = moe.route(torch.randn(t, e, generator=gen).to(device), k)
+    rows = routing.max_rows
+    probs, offsets, token_of_row, row_id_map = routing.probs.detach(), routing.offsets, routing.token_of_row, routing.row_id_map
+
+    def empty(*shape, dtype=dtype):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    a, g, u, y, grad_rows, dg, du, dx_rows = (empty(rows, w) for w in (f, f, f, d, d, f, f, d))
+    out, grad_out, dx = empty(t, d), randn(t, d), empty(t, d)
+    grad_probs = empty(t, k, dtype=torch.float32)
+    dw_gate, dw_up, dw_down = empty(e, d, f), empty(e, d, f), empty(e, f, d)
+    calls = {
+        "expert_up": lambda: mk.expert_up(x, w_gate, w_up, token_of_row, offsets, out=a, gate_out=g, up_out=u),
+        "expert_down": lambda: mk.expert_down(a, w_down, offsets, out=y),
+        "combine": lambda: mk.combine(y, row_id_map, probs, out=out),
+        "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_id_map, grad_rows_out=grad_rows,
+                                                        grad_probs_out=grad_probs),
+        "expert_down_backward": lambda: mk.expert_down_backward(grad_rows, a, g, u, w_down, offsets, dg_out=dg,
+                                                                du_out=du, dw_down_out=dw_down),
+        "expert_up_backward": lambda: mk.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets,
+                                                            dx_rows_out=dx_rows, dw_gate_out=dw_gate, dw_up_out=dw_up),
+        "combine (dx)": lambda: mk.combine(dx_rows, row_id_map, top_k=k, out=dx),
+    }
+    leaves = [p.requires_grad_() for p in (x.clone(), w_gate.clone(), w_up.clone(), w_down.clone())]
+    layer_probs = routing.probs.detach().requires_grad_()
+    layer_routing = dataclasses.replace(routing, probs=layer_probs)
+
+    def layer():
+        result = moe.experts(leaves[0], layer_routing, *leaves[1:])
+        return torch.autograd.grad(result, [*leaves, layer_probs], grad_out)
+
+    return calls, layer
+
+
+def measure(args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    rows = []
+    with nullcontext() if cuda else launches_stubbed():
+        calls, layer = entry_points(args, device)
+        named = [*calls.items(), *([("layer fwd+bwd (autograd)", layer)] if cuda else [])]
+        timer = CudaTimer(device) if cuda else None
+        for name, fn in named:
+            fn()  # compiles
+            row = {"call": name, "host_us": host_us_per_call(fn, sync, calls=args.calls)}
+            if timer is not None:
+                replay = timer.capture(fn)
+                row["device_us"] = 1e3 * min(timer.time_calls(replay, 20, flush_l2=False, window=10))
+            rows.append(row)
+    return {
+        "what": "launched on CUDA" if cuda else "python only: launches stubbed, CPU tensors",
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__, "shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "top_k")},
+        "rows": rows,
+        "sum_of_entry_points_host_us": sum(r["host_us"] for r in rows if r["call"] in calls),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = measure(args)
+    path = args.json or (os.path.join(os.environ["OUT"], "moe_host_probe.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    print(f"{result['what']} ({result['device']}, torch {result['torch']}), shape {result['shape']}")
+    for row in result["rows"]:
+        device = f"{row['device_us']:9.1f}" if "device_us" in row else "        -"
+        print(f"  {row['call']:28} host {row['host_us']:8.1f} us   device {device} us")
+    print(f"  {'sum of the entry points':28} host {result['sum_of_entry_points_host_us']:8.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
