@@ -35,8 +35,11 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # a docstring's later paragraphs are wrapped to the terminal, not kept at the source's breaks
+    rich_markup_mode="markdown",
 )
-baseline_app = typer.Typer(help="Save a run's figures as the baseline, or compare a run against it.", no_args_is_help=True)
+baseline_app = typer.Typer(help="Save a run's figures as the baseline, or compare a run against it.", no_args_is_help=True,
+                           rich_markup_mode="markdown")
 app.add_typer(baseline_app, name="baseline")
 
 console = Console()
@@ -395,7 +398,7 @@ def baseline_save(
         "--add", help="Add this run to the runs its presets hold (the newest 5 kept): their spread widens the bar a change must clear."
     )] = False,
 ) -> None:
-    """Write a bench report's figures to baselines/<device-slug>/<gate>.json.
+    """Write a bench report's figures to `baselines/<device-slug>/<gate>.json`.
 
     The presets the report measured replace theirs (or, with --add, gain this run beside
     theirs); a gate's other presets keep the figures of the runs that measured them (the file
@@ -475,7 +478,7 @@ def _gate_listing(gate, device) -> dict:
 @app.command("list")
 @_guarded
 def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
-    """List gates: arm, presets, contenders (and which are unavailable here, and why)."""
+    """List gates (arm, presets), then their contenders and whether each runs here, or why not."""
     settings = _setup(device, None)
     import gates
 

@@ -274,3 +274,9 @@ def test_gate_names_are_never_cut_in_a_narrow_pipe():
     rows = [line for line in listed.splitlines() if "graph-capture" in line]
     for contender in ("reference", "AdamW foreach captured", "AdamW for-loop"):
         assert any(contender in row for row in rows), listed
+
+
+def test_help_renders_the_baseline_path_whole():
+    # help is rendered as Markdown (paragraphs rewrapped): a bare <device-slug> would be an HTML tag
+    output = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["baseline", "save", "--help"]).output
+    assert "baselines/<device-slug>/<gate>.json" in output, output
