@@ -478,7 +478,7 @@ def _gate_listing(gate, device) -> dict:
 @app.command("list")
 @_guarded
 def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
-    """List gates (arm, presets), then their contenders and whether each runs here, or why not."""
+    """List gates (presets, summary), then their contenders and whether each runs here, or why not."""
     settings = _setup(device, None)
     import gates
 
@@ -504,9 +504,11 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     contenders = _names_table("contenders", {"gate": gate_width, "contender": max(
         len(c["name"]) for g in listing for c in g["contenders"]), "role": len("reference")}, "here")
     for g in listing:
-        timing_here = settings.device.type == "cuda" or all(set(b["modes"]) == {"wall"} for b in g["benches"])
+        cuda_here = settings.device.type == "cuda"
+        timing_here = cuda_here or all(set(b["modes"]) == {"wall"} for b in g["benches"])
         for c in g["contenders"]:
-            here = f"unavailable: {c['unavailable']}" if c["unavailable"] else "yes" if timing_here else "no timing without CUDA"
+            here = (f"unavailable: {c['unavailable']}" if c["unavailable"] else "yes" if timing_here
+                    else "gate needs CUDA" if g["needs_cuda"] else "no timing without CUDA")
             contenders.add_row(escape(g["name"]), escape(c["name"]), c["role"], escape(here))
     console.print(contenders)
     console.print("* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too")

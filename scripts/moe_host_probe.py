@@ -9,7 +9,9 @@ back-to-back calls measure dispatch (the checks, the tile choice, the launch pat
 The device time of each call (CUDA-graph replays) is printed beside it: where the host time
 exceeds it, an eager loop waits on the host. Without a GPU the launches are stubbed and what
 is left is the entry points' own Python, the part a change to their checks or tile choice
-moves (the 2-core CPU of CI and development). Defaults: the top2-small preset's layer.
+moves (the 2-core CPU of CI and development); a CPU device takes the RTX card's shared-memory
+limit (suite.device_profile), so its tiles are chosen as on the user's card, where the first
+tile tried fits less often than on the H200. Defaults: the top2-small preset's layer.
 
 Writes every figure to $OUT/moe_host_probe.json when OUT is set (or --json PATH), and prints a
 table last.

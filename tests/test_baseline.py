@@ -363,6 +363,8 @@ def test_a_change_that_three_or_more_others_share_is_the_machine(tmp_path):
     # and one that held still while the machine slowed is not called improved
     held = compare(rmsnorm_run(arm_ms=0.25, reference_ms=1.2, peers=slower), tmp_path)
     assert statuses(held)[("fwd", "arm")] == "same"
+    arm = next(e for e in held.entries if e.contender == "arm")
+    assert "same outright, improved beyond the machine's drift" in arm.note
 
 
 def test_a_schema_3_baseline_is_read_with_each_entry_named_by_its_presets_run(tmp_path):

@@ -377,7 +377,7 @@ def _judge(
     beyond = outright if drift is None else counts(drift)
     status = outright if beyond == outright else "same"
     notes = [note] if note else []
-    if status != outright:
+    if beyond != outright:  # either way: an arm that held still while the machine sped up is named
         notes.append(f"{outright} outright, {beyond} beyond the machine's drift: the bench's "
                      f"{len(others)} other contenders moved {100 * (others_moved - 1):+.1f}% (median)")
     if status != "same" and len(samples) == 1:
