@@ -259,6 +259,32 @@ def test_combine_backward_reuses_its_buffers():
                             grad_probs_out=torch.empty(T, K, device=DEVICE, dtype=torch.float16))
 
 
+def test_a_non_contiguous_input_is_named_as_such():
+    layout = make_layout()
+    y_rows = randn_rows(D, torch.float32, 2)
+    strided = torch.randn(T, 2 * D, device=DEVICE)[:, :D]
+    with pytest.raises(ValueError, match=r"grad_out must be a contiguous \(15, 40\) tensor, got a non-contiguous "
+                                         r"one of shape \(15, 40\) \(pass \.contiguous\(\)\)"):
+        mk.combine_backward(strided, y_rows, layout["probs"], layout["row_id_map"])
+
+
+def test_a_kept_tile_follows_the_profile(monkeypatch):
+    # tiles are kept per call shape (host time), so the key must hold SUITE_PROFILE, whose
+    # shared-memory limit the choice reads
+    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(mk, "smem_limit", lambda device: RTX_SMEM_BYTES if mk.os.environ.get("SUITE_PROFILE") == "rtx" else 232448)
+    monkeypatch.setattr(mk, "_gemm_configs", {})
+    args = ("rows", 1024, 2816, torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv("SUITE_PROFILE", "none")
+    hopper = mk._gemm_config(*args)
+    assert mk._gemm_config(*args) is hopper  # kept
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    rtx = mk._gemm_config(*args)
+    assert rtx.smem_bytes <= RTX_SMEM_BYTES < hopper.smem_bytes
+    monkeypatch.setenv("SUITE_PROFILE", "none")
+    assert mk._gemm_config(*args) is hopper
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_expert_down_backward_matches_torch(dtype):
     layout = make_layout()

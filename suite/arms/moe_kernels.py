@@ -26,7 +26,9 @@ The pieces of one MoE layer, forward and backward:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -354,6 +356,11 @@ def _interpreting() -> bool:
     return interpreting(_up_kernel)
 
 
+def _next_pow2(n: int) -> int:
+    # triton.next_power_of_2 is a constexpr function in triton 3.9: 4 us a call on the host
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 # One tile per GEMM kind (no autotuning), measured on the H200 with scripts/moe_tune.py --sweep
 # over the four model presets (olmoe, qwen3-30b-a3b, mixtral, top2-small; bf16, 2026-12-01):
 # each row was the fastest, or within 4% of it, at every preset (the SwiGLU backward's GEMM at
@@ -389,12 +396,29 @@ _MANY_ROWS = 128
 _SMEM_SCRATCH = 8192
 
 
+# Chosen tiles, kept per call shape: choosing cost expert_down 40 of its 55 us of host time
+# (launch aside, scripts/moe_host_probe.py on a 2-core CPU).
+_MAX_KEPT_CONFIGS = 256
+_gemm_configs: dict[tuple, GemmConfig] = {}
+
+
 def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weight_elems: int = 0) -> GemmConfig:
     """The tile of GEMM `kind` (GEMM_KINDS) for `rows` average rows per expert (for a weight
     gradient, the weight's rows) and n output columns, held to the device profile's shared
     memory; weight_elems: a weight gradient's elements per expert."""
+    # the key holds everything the choice reads, SUITE_PROFILE (smem_limit's) too
+    key = (kind, rows, n, dtype, device, weight_elems, os.environ.get("SUITE_PROFILE"), _interpreting())
+    config = _gemm_configs.get(key)
+    if config is None:
+        if len(_gemm_configs) >= _MAX_KEPT_CONFIGS:
+            _gemm_configs.clear()
+        config = _gemm_configs[key] = _choose_gemm_config(kind, rows, n, dtype, device, weight_elems)
+    return config
+
+
+def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weight_elems: int) -> GemmConfig:
     (n_a, n_b), (block_m, block_n, block_k, stages, num_warps, group_m) = GEMM_KINDS[kind]
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if _interpreting() and device.type != "cuda":
         # tiny test shapes still take several tiles, steps, groups and masked edges
         return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
@@ -402,7 +426,7 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
     if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:
         num_warps, group_m = 8, 16
-    block_n = max(16, min(block_n, triton.next_power_of_2(n)))
+    block_n = max(16, min(block_n, _next_pow2(n)))
     if itemsize == 4:
         block_k //= 2  # fp32 (the parity path): the same bytes a step
     limit = smem_limit(device)
@@ -444,7 +468,7 @@ COMBINE = CombineConfig(8, 128, 8)
 def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
     if _interpreting() and device.type != "cuda":
         return CombineConfig(8, 16, 4)  # several programs and masked edges at test sizes
-    return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, triton.next_power_of_2(d))), COMBINE.num_warps)
+    return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, _next_pow2(d))), COMBINE.num_warps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -473,32 +497,38 @@ def _buffer(given, fn: str, name: str, shape: tuple, dtype: torch.dtype, device)
     return given
 
 
-def _check(ok: bool, fn: str, message: str) -> None:
+def _check(ok: bool, fn: str, message: str | Callable[[], str]) -> None:
+    """Raise with the message when not ok. A message that formats shapes or dtypes is given
+    as a lambda: formatted on every call, they cost combine_backward 16 of its 41 us of host
+    time (launch aside, scripts/moe_host_probe.py on a 2-core CPU); its kernel takes 28 us on
+    the H200 at top2-small."""
     if not ok:
-        raise ValueError(f"{fn}: {message}")
+        raise ValueError(f"{fn}: {message if isinstance(message, str) else message()}")
 
 
 def _check_index(t: torch.Tensor, fn: str, name: str, device) -> None:
     _check(t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous(), fn,
-           f"{name} must be a contiguous 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
-    _check(t.device == device, fn, f"{name} is on {t.device}, the data on {device}")
+           lambda: f"{name} must be a contiguous 1-D int32 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    _check(t.device == device, fn, lambda: f"{name} is on {t.device}, the data on {device}")
 
 
 def _check_rows(t: torch.Tensor, fn: str, name: str, n_rows: int, width: int, dtype, device) -> None:
-    _check(tuple(t.shape) == (n_rows, width) and t.is_contiguous(), fn,
-           f"{name} must be a contiguous ({n_rows}, {width}) tensor, got shape {tuple(t.shape)}")
+    _check(t.shape == (n_rows, width) and t.is_contiguous(), fn,
+           lambda: f"{name} must be a contiguous ({n_rows}, {width}) tensor, got "
+                   f"{'a non-contiguous one of ' if not t.is_contiguous() else ''}shape {tuple(t.shape)}"
+                   f"{' (pass .contiguous())' if not t.is_contiguous() else ''}")
     _check(t.dtype == dtype and t.device == device, fn,
-           f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
+           lambda: f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
 
 def _check_weight(w: torch.Tensor, fn: str, name: str, shape: tuple, dtype, device) -> None:
-    _check(tuple(w.shape) == shape, fn, f"{name} must have shape {shape}, got {tuple(w.shape)}")
+    _check(w.shape == shape, fn, lambda: f"{name} must have shape {shape}, got {tuple(w.shape)}")
     _check(w.dtype == dtype and w.device == device, fn,
-           f"{name} must be {dtype} on {device} (x's), got {w.dtype} on {w.device}")
+           lambda: f"{name} must be {dtype} on {device} (x's), got {w.dtype} on {w.device}")
 
 
 def _check_dtype(x: torch.Tensor, fn: str) -> None:
-    _check(x.dtype in _SUPPORTED_DTYPES, fn, f"tensors must be bfloat16, float16 or float32, not {x.dtype}")
+    _check(x.dtype in _SUPPORTED_DTYPES, fn, lambda: f"tensors must be bfloat16, float16 or float32, not {x.dtype}")
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -519,14 +549,14 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     fn = "expert_up"
     _check_dtype(x, fn)
     _require_runnable(x, fn)
-    _check(x.dim() == 2 and x.stride(1) == 1, fn, f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
+    _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
     n_experts, d, f = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
-    _check(w_gate.dim() == 3 and d == x.shape[1], fn, f"w_gate must be (E, d={x.shape[1]}, f), got {tuple(w_gate.shape)}")
+    _check(w_gate.dim() == 3 and d == x.shape[1], fn, lambda: f"w_gate must be (E, d={x.shape[1]}, f), got {tuple(w_gate.shape)}")
     _check_weight(w_up, fn, "w_up", (n_experts, d, f), x.dtype, x.device)
     _check_weight(w_gate, fn, "w_gate", (n_experts, d, f), x.dtype, x.device)
     _check_index(token_of_row, fn, "token_of_row", x.device)
     _check_index(offsets, fn, "offsets", x.device)
-    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     n_rows = token_of_row.shape[0]
     a = _buffer(out, fn, "out", (n_rows, f), x.dtype, x.device)
     g = _buffer(gate_out, fn, "gate_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
@@ -539,7 +569,7 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
             x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g, a if u is None else u,
             n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=triton.next_power_of_2(n_experts), SAVE=save_preactivations, UPCAST=_upcast(x.dtype),
+            BLOCK_E=_next_pow2(n_experts), SAVE=save_preactivations, UPCAST=_upcast(x.dtype),
             GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return a, g, u
@@ -552,11 +582,11 @@ def expert_down(a, w_down, offsets, *, out=None):
     fn = "expert_down"
     _check_dtype(a, fn)
     _require_runnable(a, fn)
-    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
     n_experts, f, d = w_down.shape
     _check_rows(a, fn, "a", a.shape[0], f, w_down.dtype, w_down.device)
     _check_index(offsets, fn, "offsets", a.device)
-    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     n_rows = a.shape[0]
     y = _buffer(out, fn, "out", (n_rows, d), a.dtype, a.device)
     _grouped_rows("rows", a, w_down, w_down.stride(), offsets, y)
@@ -583,7 +613,7 @@ def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_stride
             a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c,
             n_experts, n_k, n_n, *w_strides, *(w2_strides or w_strides), *tiles,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=triton.next_power_of_2(n_experts), TWO=two, UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_E=_next_pow2(n_experts), TWO=two, UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
 
@@ -622,18 +652,18 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
     fn = "combine"
     _check_dtype(rows, fn)
     _require_runnable(rows, fn)
-    _check(rows.dim() == 2 and rows.is_contiguous(), fn, f"rows must be a contiguous (R_max, d) tensor, got {tuple(rows.shape)}")
+    _check(rows.dim() == 2 and rows.is_contiguous(), fn, lambda: f"rows must be a contiguous (R_max, d) tensor, got {tuple(rows.shape)}")
     _check_index(row_id_map, fn, "row_id_map", rows.device)
     if probs is not None:
         _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
-               f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
-        _check(probs.device == rows.device, fn, f"probs is on {probs.device}, rows on {rows.device}")
-        _check(top_k in (None, probs.shape[1]), fn, f"top_k={top_k} but probs has {probs.shape[1]} slots")
+               lambda: f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+        _check(probs.device == rows.device, fn, lambda: f"probs is on {probs.device}, rows on {rows.device}")
+        _check(top_k in (None, probs.shape[1]), fn, lambda: f"top_k={top_k} but probs has {probs.shape[1]} slots")
         top_k = probs.shape[1]
     _check(top_k is not None and top_k > 0, fn, "pass probs, or top_k for the unweighted sum")
-    _check(row_id_map.shape[0] % top_k == 0, fn, f"row_id_map has {row_id_map.shape[0]} slots, no multiple of k={top_k}")
+    _check(row_id_map.shape[0] % top_k == 0, fn, lambda: f"row_id_map has {row_id_map.shape[0]} slots, no multiple of k={top_k}")
     n_tokens, d = row_id_map.shape[0] // top_k, rows.shape[1]
-    _check(probs is None or probs.shape[0] == n_tokens, fn, f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
+    _check(probs is None or probs.shape[0] == n_tokens, fn, lambda: f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
     result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
     if n_tokens and d:
         cfg = _combine_config(n_tokens, d, rows.device)
@@ -655,15 +685,15 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     _check_dtype(grad_out, fn)
     _require_runnable(grad_out, fn)
     _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
-           f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
+           lambda: f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
     n_tokens, top_k = probs.shape
     _check(grad_out.dim() == 2 and grad_out.shape[0] == n_tokens, fn,
-           f"grad_out must be (T={n_tokens}, d), got {tuple(grad_out.shape)}")
+           lambda: f"grad_out must be (T={n_tokens}, d), got {tuple(grad_out.shape)}")
     d = grad_out.shape[1]
     _check_rows(grad_out, fn, "grad_out", n_tokens, d, grad_out.dtype, probs.device)
     _check_rows(y_rows, fn, "y_rows", y_rows.shape[0], d, grad_out.dtype, grad_out.device)
     _check_index(row_id_map, fn, "row_id_map", grad_out.device)
-    _check(row_id_map.shape[0] == n_tokens * top_k, fn, f"row_id_map must have T * k = {n_tokens * top_k} slots, got {row_id_map.shape[0]}")
+    _check(row_id_map.shape[0] == n_tokens * top_k, fn, lambda: f"row_id_map must have T * k = {n_tokens * top_k} slots, got {row_id_map.shape[0]}")
     grad_rows = _buffer(grad_rows_out, fn, "grad_rows_out", tuple(y_rows.shape), grad_out.dtype, grad_out.device)
     grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
     if n_tokens:
@@ -671,7 +701,7 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
         launch(
             _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),),
             grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
-            TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=triton.next_power_of_2(top_k),
+            TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=_next_pow2(top_k),
             num_warps=cfg.num_warps,
         )
     return grad_rows, grad_probs
@@ -687,7 +717,7 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     fn = "expert_down_backward"
     _check_dtype(a, fn)
     _require_runnable(a, fn)
-    _check(w_down.dim() == 3, fn, f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
+    _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
     n_experts, f, d = w_down.shape
     n_rows = a.shape[0]
     _check_rows(a, fn, "a", n_rows, f, w_down.dtype, w_down.device)
@@ -695,7 +725,7 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
         _check_rows(t, fn, name, n_rows, f, a.dtype, a.device)
     _check_rows(grad_rows, fn, "grad_rows", n_rows, d, a.dtype, a.device)
     _check_index(offsets, fn, "offsets", a.device)
-    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
     # d_a goes into du before gate and up are read, and dg is written before du in each element
@@ -719,14 +749,14 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     fn = "expert_up_backward"
     _check_dtype(x, fn)
     _require_runnable(x, fn)
-    _check(x.dim() == 2 and x.stride(1) == 1, fn, f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
-    _check(w_gate.dim() == 3, fn, f"w_gate must be (E, d, f), got {tuple(w_gate.shape)}")
+    _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
+    _check(w_gate.dim() == 3, fn, lambda: f"w_gate must be (E, d, f), got {tuple(w_gate.shape)}")
     n_experts, d, f = w_gate.shape
     _check_weight(w_gate, fn, "w_gate", (n_experts, x.shape[1], f), x.dtype, x.device)
     _check_weight(w_up, fn, "w_up", (n_experts, d, f), x.dtype, x.device)
     _check_index(token_of_row, fn, "token_of_row", x.device)
     _check_index(offsets, fn, "offsets", x.device)
-    _check(offsets.shape[0] == n_experts + 1, fn, f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
+    _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     n_rows = token_of_row.shape[0]
     for name, t in (("dg", dg), ("du", du)):
         _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
