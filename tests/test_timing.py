@@ -71,8 +71,8 @@ class FakeTimer:
             times[0] = COLD_MS
         return times
 
-    def time_calls(self, fn, n, *, flush_l2, window):
-        self.log.append(("calls", fn.name, flush_l2, window))
+    def time_calls(self, fn, n, *, flush_l2, window, lead_in=True):
+        self.log.append(("calls", fn.name, flush_l2, window, lead_in))
         return self._draw(fn.name, n)
 
     def time_cold(self, fn):
@@ -383,7 +383,7 @@ def test_a_ceilings_figure_is_the_steady_median_after_a_first_call_and_warm_up()
     fn = _Counted("copy")
     assert steady_median_ms(FakeTimer({"copy": (2.0, 0.0)}, log), fn, n_calls=20) == pytest.approx(2.0)
     assert fn.calls == 1 and len(log) >= 3  # two warm-up batches at least, then the timing
-    assert all(entry == ("calls", "copy", False, 1) for entry in log)
+    assert all(entry == ("calls", "copy", False, 1, True) for entry in log)
 
 
 def test_ceiling_fraction_without_ceilings_fails():
@@ -460,7 +460,7 @@ class DriftingTimer(FakeTimer):
         self.walk = np.random.default_rng(2)
         self.host_bound, self.switch, self.level = host_bound, switch, 1.0
 
-    def time_calls(self, fn, n, *, flush_l2, window):
+    def time_calls(self, fn, n, *, flush_l2, window, lead_in=True):
         times = []
         for ms in self._draw(fn.name, n):
             if self.walk.random() < self.switch:
@@ -496,6 +496,17 @@ def test_l2_flush_follows_the_case(l2, flush):
     assert {entry[2] for entry in timer.log if entry[0] == "calls"} == {flush}
 
 
+def test_only_calls_under_the_lead_in_bound_time_behind_a_lead_in():
+    # a 40 ms eager reference pays no untimed call before its round timings (it doubled the
+    # slowest contenders' cost); the 0.1 ms arm keeps its own, so its pair starts behind queued work
+    log: list = []
+    result, _ = bench({"reference": (40.0, 0.01), "arm": (0.1, 0.01)}, mode="eager", log=log)
+    without = [e for e in log if e[0] == "calls" and e[4] is False]
+    assert without and {e[1] for e in without} == {"reference"}
+    # one a round per turn: every round timing of the reference, none of its warm-up's
+    assert len(without) == 2 * result.rounds * result.calls_per_round
+
+
 class ScriptedTimer:
     """Batch k of a contender has every call at script[k]; past the script, 1.0 ms."""
 
@@ -504,7 +515,7 @@ class ScriptedTimer:
         self.batches: dict[str, int] = {}
         self.windows: set[int] = set()
 
-    def time_calls(self, fn, n, *, flush_l2, window):
+    def time_calls(self, fn, n, *, flush_l2, window, lead_in=True):
         k = self.batches.get(fn.name, 0)
         self.batches[fn.name] = k + 1
         self.windows.add(window)
@@ -873,3 +884,12 @@ def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch
     assert list(first) == ["host probe fwd"]
     assert run._host_times(unit, case, contenders, later) == {"reference": 12.5, "arm": 12.5}
     assert later == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("flush_l2, lead_in, calls", [(False, True, 1 + 3 * 2), (False, False, 3 * 2), (True, True, 3 * 2)])
+def test_cuda_timings_start_behind_one_untimed_call_unless_flushed_or_told_not_to(flush_l2, lead_in, calls):
+    made = []
+    times = CudaTimer("cuda").time_calls(lambda: made.append(1), 3, flush_l2=flush_l2, window=2, lead_in=lead_in)
+    assert len(times) == 3 and len(made) == calls

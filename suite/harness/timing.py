@@ -72,6 +72,11 @@ class TimingPolicy:
     round_budget_ms: float = 60.0
     min_calls_per_round: int = 3
     long_call_ms: float = 1.0
+    # an eager timing starts behind one untimed call of its contender's own (CudaTimer), unless
+    # that contender's call takes lead_in_below_ms or more: an idle device's launch latency
+    # (tens of us) is then under the 0.5% floor, and the lead-in doubled the cost of the
+    # slowest contenders' timings (split-muon's one-by-one step, 195 ms a call)
+    lead_in_below_ms: float = 5.0
     warmup_tolerance: float = 0.02  # steady when two consecutive batch medians differ by <= this
     warmup_cap_s: float = 2.0  # wall-clock cap on one contender's warm-up
     floor_quantile: float = 0.95
@@ -84,8 +89,8 @@ class TimingPolicy:
     def __post_init__(self) -> None:
         if not 1 <= self.min_calls_per_round <= self.calls_per_round:
             raise ValueError("need 1 <= min_calls_per_round <= calls_per_round")
-        if self.round_budget_ms <= 0 or self.long_call_ms <= 0:
-            raise ValueError("round_budget_ms and long_call_ms must be > 0")
+        if self.round_budget_ms <= 0 or self.long_call_ms <= 0 or self.lead_in_below_ms <= 0:
+            raise ValueError("round_budget_ms, long_call_ms and lead_in_below_ms must be > 0")
         # one round gives no spread: no floor, no confidence interval
         if not 2 <= self.min_rounds <= self.max_rounds:
             raise ValueError("need 2 <= min_rounds <= max_rounds")
@@ -103,9 +108,11 @@ class Timer(Protocol):
     """How one contender is timed: CUDA events on the GPU, a fake in tests."""
 
     def time_calls(
-        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int
+        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int, lead_in: bool = True
     ) -> list[float]:
-        """n timings in ms; each is one call, or a window of calls divided by the window."""
+        """n timings in ms; each is one call, or a window of calls divided by the window.
+        lead_in: without an L2 flush, each timing starts behind one untimed call (a timer
+        without a queue, the wall clock's, ignores it)."""
         ...
 
     def time_cold(self, fn: Callable[[], Any]) -> float:
@@ -144,7 +151,7 @@ class CudaTimer:
         return self._flush
 
     def time_calls(
-        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int
+        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int, lead_in: bool = True
     ) -> list[float]:
         if n < 1 or window < 1:
             raise ValueError("n and window must be >= 1")
@@ -159,10 +166,11 @@ class CudaTimer:
             # or else one untimed call (the previous window's place in a loop). A device-bound
             # call's pair then measures device time, not the launch latency of an idle device,
             # and a window of host-bound steps, whose device waits for the host, measures
-            # dispatch included.
+            # dispatch included. A long call (lead_in False) needs none: the idle start is
+            # a negligible part of it.
             torch.cuda.synchronize()
             with _collector_paused():
-                if flush is None:
+                if flush is None and lead_in:
                     fn()
                 for start, end in pairs:
                     if flush is not None:
@@ -247,7 +255,7 @@ class WallTimer:
             torch.cuda.synchronize(self.device)
 
     def time_calls(
-        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int
+        self, fn: Callable[[], Any], n: int, *, flush_l2: bool, window: int, lead_in: bool = True
     ) -> list[float]:
         if n < 1 or window < 1:
             raise ValueError("n and window must be >= 1")
@@ -503,6 +511,7 @@ def measure_bench(
         calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_window, batch_size)
         warmup_calls += calls
     calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode, min(warm_ms.values()))
+    lead_in = {name: bool(ms < policy.lead_in_below_ms) for name, ms in warm_ms.items()}
 
     demands = _peer_demands(criterion, preset, case, mode)
     least = criterion.speedup(preset.name, case.name, mode)
@@ -526,7 +535,8 @@ def measure_bench(
         slots: list[list[float]] = [[] for _ in order]
         for turn in range(calls_per_round):
             for slot in (range(len(order)) if turn % 2 == 0 else reversed(range(len(order)))):
-                slots[slot] += timer.time_calls(fns[order[slot]], 1, flush_l2=flush_l2, window=window)
+                name = order[slot]
+                slots[slot] += timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=window, lead_in=lead_in[name])
         twice = len(judged) + 1
         for slot, name in enumerate(order):
             ms = statistics.median(slots[slot])
