@@ -504,8 +504,7 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     contenders = _names_table("contenders", {"gate": gate_width, "contender": max(
         len(c["name"]) for g in listing for c in g["contenders"]), "role": len("reference")}, "here")
     for g in listing:
-        cuda_here = settings.device.type == "cuda"
-        timing_here = cuda_here or all(set(b["modes"]) == {"wall"} for b in g["benches"])
+        timing_here = settings.device.type == "cuda" or all(set(b["modes"]) == {"wall"} for b in g["benches"])
         for c in g["contenders"]:
             here = (f"unavailable: {c['unavailable']}" if c["unavailable"] else "yes" if timing_here
                     else "gate needs CUDA" if g["needs_cuda"] else "no timing without CUDA")

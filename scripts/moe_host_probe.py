@@ -20,11 +20,11 @@ table last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
 import sys
-import dataclasses
 from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
 

@@ -514,9 +514,9 @@ def _check_index(t: torch.Tensor, fn: str, name: str, device) -> None:
 
 def _check_rows(t: torch.Tensor, fn: str, name: str, n_rows: int, width: int, dtype, device) -> None:
     _check(t.shape == (n_rows, width) and t.is_contiguous(), fn,
-           lambda: f"{name} must be a contiguous ({n_rows}, {width}) tensor, got "
-                   f"{'a non-contiguous one of ' if not t.is_contiguous() else ''}shape {tuple(t.shape)}"
-                   f"{' (pass .contiguous())' if not t.is_contiguous() else ''}")
+           lambda: f"{name} must be a contiguous ({n_rows}, {width}) tensor, got " + (
+               f"shape {tuple(t.shape)}" if t.is_contiguous()
+               else f"a non-contiguous one of shape {tuple(t.shape)} (pass .contiguous())"))
     _check(t.dtype == dtype and t.device == device, fn,
            lambda: f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
 
