@@ -30,7 +30,7 @@ import torch
 
 from suite.arms.muon import NS_COEFFICIENTS, Muon
 from suite.harness.gate import Buffers, Outputs
-from suite.harness.parity import bits_checksum
+from suite.harness.parity import bits_checksums
 
 MUON_LR, ADAMW_LR, WEIGHT_DECAY = 0.02, 3e-4, 0.01
 ADAMW_BETAS = (0.9, 0.95)
@@ -115,8 +115,8 @@ def train(kind: str, scenario: str, buffers: Buffers, steps: int, wrap: Wrap | N
         stepper.step()
         if scheduler is not None:
             scheduler.step()
-        for n, p in params.items():
-            outputs[f"{prefix}/step{step:02d}/{n}"] = bits_checksum(p)
+        for n, checksum in zip(params, bits_checksums(list(params.values()))):
+            outputs[f"{prefix}/step{step:02d}/{n}"] = checksum
         if step == steps // 2 - 1 and scenario == "wd-change":
             for group in stepper.param_groups:
                 group["weight_decay"] = 10 * WEIGHT_DECAY

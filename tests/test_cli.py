@@ -214,7 +214,19 @@ def test_a_gate_written_against_the_contract_alone_gates_and_benches(reports, to
     assert timed["absent"]["unavailable"] == "not installed here"
     assert timed["arm"]["median_ms"] > 0 and timed["einsum"]["median_ms"] > 0
     assert [c["name"] for c in bench["criteria"]] == ["not slower than reference"]
-    assert set(gate_result["phases"]) >= {"buffers", "reference", "parity", "saboteur drops-last-column", "bench sum wall"}
+    assert set(gate_result["phases"]) >= {"buffers", "reference", "parity", "saboteur drops-last-column", "bench sum wall",
+                                          "recheck"}
+    # one run after the bench proves the arm deterministic and rechecks it: no third run
+    assert parity["deterministic"] and parity["recheck_after_timing"] and parity["second_run_after_timing"]
+
+
+def test_a_bench_that_cannot_time_here_still_gets_its_determinism_run(reports):
+    result = invoke("bench", "rmsnorm", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    (gate_result,) = json.loads((report_dirs(reports)[0] / "report.json").read_text())["results"]
+    assert gate_result["bench_skipped"] == "timing needs CUDA"
+    assert list(gate_result["phases"])[-1] == "determinism"
+    assert gate_result["parity"]["deterministic"] is True and gate_result["parity"]["recheck_after_timing"] is None
 
 
 def test_saboteurs_run_once_at_the_smallest_preset_unless_thorough(reports, toy_gates):

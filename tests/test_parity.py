@@ -288,14 +288,42 @@ def test_reference_that_modifies_inputs_is_a_gate_bug():
         parity.expected_outputs(gate, PRESET, toy_buffers())
 
 
-def test_recheck_after_timing():
+def test_the_second_run_after_timing_proves_determinism_and_rechecks():
     gate = toy_gate()
     buffers = toy_buffers()
     expected = parity.expected_outputs(gate, PRESET, buffers)
-    _, outputs = parity.judge_arm(gate, PRESET, buffers, expected)
-    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs) == []
+    verdict, outputs = parity.judge_arm(gate, PRESET, buffers, expected, second_run=False)
+    assert verdict.passed and verdict.deterministic is None  # left for the second run
+    parity.second_run(gate, PRESET, buffers, expected.input_digests, outputs, verdict, after_timing=True)
+    assert verdict.passed and verdict.deterministic and verdict.recheck_after_timing
+    assert verdict.second_run_after_timing
     buffers["x"].add_(1)  # what a timed arm writing into its input would leave behind
-    assert parity.recheck(gate, PRESET, buffers, expected.input_digests, outputs)[0].check == Check.INPUTS
+    verdict, _ = parity.judge_arm(gate, PRESET, toy_buffers(), expected, second_run=False)
+    parity.second_run(gate, PRESET, buffers, expected.input_digests, outputs, verdict, after_timing=True)
+    assert not verdict.passed and verdict.recheck_after_timing is False
+    assert verdict.failures[0].check == Check.INPUTS and "timing left the input buffers ['x']" in verdict.failures[0].message
+
+
+@pytest.mark.parametrize("after_timing", [False, True])
+def test_a_nondeterministic_arm_fails_the_deferred_second_run(after_timing):
+    calls = []
+
+    def flaky(buffers, preset):  # every other call rounds y through fp16 first: other bits
+        calls.append(1)
+        out = toy_reference(buffers, preset)
+        return {**out, "y": out["y"].half().to(torch.bfloat16) + (len(calls) % 2) * 2.0 ** -6}
+
+    gate = toy_gate(flaky, mode=Tolerance(k=1e6, floor=1.0))
+    buffers = toy_buffers()
+    expected = parity.expected_outputs(gate, PRESET, buffers)
+    verdict, outputs = parity.judge_arm(gate, PRESET, buffers, expected, second_run=False)
+    assert verdict.passed
+    parity.second_run(gate, PRESET, buffers, expected.input_digests, outputs, verdict, after_timing=after_timing)
+    assert not verdict.passed and verdict.deterministic is False
+    (failure,) = verdict.failures
+    assert failure.check == Check.DETERMINISM and "two runs on the same inputs differ in ['y']" in failure.message
+    assert ("the second after timing" in failure.message) is after_timing
+    assert verdict.recheck_after_timing is (False if after_timing else None)
 
 
 def test_large_tensors_are_judged_in_chunks(monkeypatch):
@@ -370,3 +398,14 @@ def test_bits_checksum_is_the_position_weighted_sum_across_chunks():
     assert parity.bits_checksum(t) == expected
     assert parity.bits_checksum(t[:5000]) == expected.new_tensor(
         (words[:5000] * (torch.arange(5000) % 65521 + 1)).sum())
+
+
+def test_bits_checksums_are_bits_checksum_of_each_tensor(monkeypatch):
+    monkeypatch.setattr(parity, "STACKED_BYTES", 8 * 96 * 2)  # stacks of two 96-element tensors
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(8, 12, generator=gen) for _ in range(5)]  # one shape, three stacks
+    tensors += [torch.randn(12, 8, generator=gen).to(torch.bfloat16), torch.randn(96, generator=gen).double(),
+                torch.randn(7, generator=gen).half(), torch.zeros(0), torch.tensor([True, False, True]),
+                torch.randn(16, 12, generator=gen)[::2], torch.randint(-9, 9, (3, 4), generator=gen)]
+    tensors.append(torch.randn(parity.CHUNK_ELEMENTS + 5, generator=gen))  # longer than a chunk: alone
+    assert [int(s) for s in parity.bits_checksums(tensors)] == [int(parity.bits_checksum(t)) for t in tensors]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
-from suite.harness import timing
+from suite.harness import render, timing
 from suite.harness.results import Ceilings
 from suite.harness.timing import (
     CudaTimer,
@@ -57,8 +57,10 @@ class FakeTimer:
     """Per-contender times base_ms * lognormal(0, sigma) from seeded generators. The first call
     a contender ever gets, through either method, costs COLD_MS. Logs what it was asked."""
 
-    def __init__(self, dists: dict[str, tuple[float, float]], log: list | None = None) -> None:
+    def __init__(self, dists: dict[str, tuple[float, float]], log: list | None = None,
+                 tails: dict[str, float] | None = None) -> None:
         self.dists = dists
+        self.tails = tails or {}  # ms queued at return; by default the whole call (device-bound)
         self.rngs = {name: np.random.default_rng([7, i]) for i, name in enumerate(dists)}
         self.log = [] if log is None else log
         self.seen: set[str] = set()
@@ -79,6 +81,10 @@ class FakeTimer:
         self.log.append(("cold", fn.name))
         return self._draw(fn.name, 1)[0]
 
+    def tail_ms(self, fn):
+        self.log.append(("tail", fn.name))
+        return self.tails.get(fn.name, self.dists[fn.name][0])
+
 
 def make_case(**kw) -> BenchCase:
     kw.setdefault("bytes", lambda preset: 400_000_000)
@@ -96,8 +102,8 @@ NOT_SLOWER = PerfCriterion(not_slower_than=("reference",))
 
 
 def bench(dists, criterion=NOT_SLOWER, *, case=None, contenders=None, ceilings=None,
-          policy=POLICY, log=None, progress=None, mode="graph"):
-    timer = FakeTimer(dists, log)
+          policy=POLICY, log=None, progress=None, mode="graph", tails=None):
+    timer = FakeTimer(dists, log, tails)
     result = measure_bench(case or make_case(), mode, contenders or make_contenders(), PRESET,
                            criterion, ceilings, policy, timer, progress)
     return result, timer
@@ -496,15 +502,28 @@ def test_l2_flush_follows_the_case(l2, flush):
     assert {entry[2] for entry in timer.log if entry[0] == "calls"} == {flush}
 
 
-def test_only_calls_under_the_lead_in_bound_time_behind_a_lead_in():
-    # a 40 ms eager reference pays no untimed call before its round timings (it doubled the
-    # slowest contenders' cost); the 0.1 ms arm keeps its own, so its pair starts behind queued work
+def test_a_long_call_with_a_short_tail_times_without_the_lead_in():
+    # a 40 ms host-bound reference has 0.05 ms queued when it returns (under 0.25% of its call):
+    # an idle start adds at most that, so it pays no untimed call before its timings. A 40 ms
+    # step captured in one graph has all of it queued and keeps its lead-in, as the 0.1 ms arm does
     log: list = []
-    result, _ = bench({"reference": (40.0, 0.01), "arm": (0.1, 0.01)}, mode="eager", log=log)
+    result, _ = bench({"reference": (40.0, 0.01), "arm": (0.1, 0.01), "captured": (40.0, 0.01)},
+                      mode="eager", log=log, contenders=make_contenders("captured"),
+                      tails={"reference": 0.05})
+    assert {e[1] for e in log if e[0] == "tail"} == {"reference", "captured"}  # 5 ms and more only
     without = [e for e in log if e[0] == "calls" and e[4] is False]
     assert without and {e[1] for e in without} == {"reference"}
     # one a round per turn: every round timing of the reference, none of its warm-up's
     assert len(without) == 2 * result.rounds * result.calls_per_round
+    tails = {t.name: t.idle_start_tail_ms for t in result.contenders}
+    assert tails == {"reference": 0.05, "arm": None, "captured": None}
+    assert "timed from an idle device (no lead-in call; 0.050 ms queued at return)" in "\n".join(render._bench_section(result))
+
+
+def test_graph_replays_and_flushed_timings_never_ask_for_a_tail():
+    log: list = []
+    bench({"reference": (40.0, 0.01), "arm": (40.0, 0.01)}, mode="graph", log=log, tails={"reference": 0.0})
+    assert not [e for e in log if e[0] == "tail"] and all(e[4] for e in log if e[0] == "calls")
 
 
 class ScriptedTimer:
@@ -548,13 +567,31 @@ def test_warm_up_stops_at_the_cap():
 
 def test_round_shape_gives_slow_calls_fewer_timings_and_one_call_windows():
     policy = TimingPolicy(calls_per_round=10, min_calls_per_round=3, round_budget_ms=60.0, long_call_ms=1.0)
-    assert timing.round_shape(policy, 0.05, 5, "eager") == (10, 5)  # fast: as configured
-    assert timing.round_shape(policy, 2.0, 5, "eager") == (10, 1)  # 1 ms and more: windows of one
-    assert timing.round_shape(policy, 12.0, 5, "eager") == (5, 1)  # 60 ms a round
-    assert timing.round_shape(policy, 500.0, 5, "eager") == (3, 1)  # never under the minimum
-    assert timing.round_shape(policy, 12.0, 1, "graph") == (5, 1)
-    # a slow reference beside a fast arm: fewer timings, but the windows the fast call needs
-    assert timing.round_shape(policy, 3.0, 5, "eager", fastest_ms=0.2) == (4, 5)
+    assert timing.round_shape(policy, {"a": 0.05}, 5, "eager") == (10, {"a": 5})  # fast: as configured
+    assert timing.round_shape(policy, {"a": 2.0}, 5, "eager") == (10, {"a": 1})  # 1 ms and more: one call
+    assert timing.round_shape(policy, {"a": 12.0}, 5, "eager") == (5, {"a": 1})  # 60 ms a round
+    assert timing.round_shape(policy, {"a": 500.0}, 5, "eager") == (3, {"a": 1})  # never under the minimum
+    assert timing.round_shape(policy, {"a": 12.0}, 1, "graph") == (5, {"a": 1})
+    assert timing.round_shape(policy, {"a": 2.0}, 5, "wall") == (10, {"a": 1})
+    # a slow reference beside a fast arm: each its own window; the fast one's 5 calls set the round
+    assert timing.round_shape(policy, {"ref": 3.0, "arm": 0.2}, 5, "eager") == (10, {"ref": 1, "arm": 5})
+    assert timing.round_shape(policy, {"ref": 3.0, "arm": 2.9}, 5, "eager") == (10, {"ref": 1, "arm": 1})
+    assert timing.round_shape(policy, {"ref": 20.0, "arm": 0.2}, 5, "eager") == (3, {"ref": 1, "arm": 5})
+
+
+def test_a_slow_peer_times_one_call_a_window_beside_a_fast_arm():
+    # a 22 ms for-loop AdamW beside a 0.4 ms arm: its 5-call windows cost 110 ms each (most of
+    # graph-capture's adamw-step bench at dispatch-bound) and hid nothing an event pair costs
+    policy = TimingPolicy(warmup_cap_s=0.0, long_call_ms=1.0, round_budget_ms=60.0)
+    log: list = []
+    result, _ = bench({"reference": (0.8, 0.01), "arm": (0.4, 0.01), "for-loop": (22.0, 0.01)},
+                      contenders=make_contenders("for-loop"), policy=policy, mode="eager", log=log,
+                      case=make_case(window=5))
+    windows = {t.name: t.window for t in result.contenders}
+    assert windows == {"reference": 5, "arm": 5, "for-loop": 1} and result.window == 5
+    assert {e[3] for e in log if e[0] == "calls" and e[1] == "for-loop"} == {1}
+    assert "windows of 5 back-to-back calls (one call for for-loop: a millisecond or more a call)" in \
+        "\n".join(render._bench_section(result))
 
 
 def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():
@@ -893,3 +930,17 @@ def test_cuda_timings_start_behind_one_untimed_call_unless_flushed_or_told_not_t
     made = []
     times = CudaTimer("cuda").time_calls(lambda: made.append(1), 3, flush_l2=flush_l2, window=2, lead_in=lead_in)
     assert len(times) == 3 and len(made) == calls
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tail_is_the_device_work_a_call_leaves_queued():
+    timer = CudaTimer("cuda")
+    spin = 50_000_000  # clock cycles: 12-25 ms at 2-4 GHz
+
+    def synced():
+        torch.cuda._sleep(spin)
+        torch.cuda.synchronize()
+
+    assert timer.tail_ms(lambda: torch.cuda._sleep(spin)) > 5.0  # returned at once, all of it queued
+    assert timer.tail_ms(synced) < 1.0  # the host waited: nothing left

@@ -210,13 +210,17 @@ def _parity_section(parity: ParityResult) -> list[str]:
         deterministic = f"not required ({parity.nondeterministic_reason or 'declared nondeterministic'})"
     else:
         deterministic = _yes(parity.deterministic)
+    after = parity.second_run_after_timing
+    if after:
+        deterministic += " (the second run came after timing)"
     lines += [
         f"- outputs checked: {checked}, passed: {ok}"
         + ("" if shown is parity.tensors else f" (the tables list the failing ones, at most {MAX_PARITY_ROWS})"),
         f"- first divergence: {parity.first_divergence or 'none'}",
         f"- inputs unchanged: {_yes(parity.inputs_unchanged)}",
         f"- deterministic (two runs, same bits): {deterministic}",
-        f"- parity rechecked after timing: {_yes(parity.recheck_after_timing, 'not run (no timing)')}",
+        f"- parity rechecked after timing: {_yes(parity.recheck_after_timing, 'not run (no timing)')}"
+        + (" (by that second run)" if after else ""),
     ]
     lines += [f"- failure: {f}" for f in parity.failures]
     return lines + [""]
@@ -262,10 +266,15 @@ def _bench_section(bench: BenchResult) -> list[str]:
             "; ".join(note for note in (
                 c.method or None,
                 None if c.gpu_busy_ms is None else f"GPU busy {c.gpu_busy_ms:.4f} ms of the step",
+                None if c.idle_start_tail_ms is None else
+                f"timed from an idle device (no lead-in call; {c.idle_start_tail_ms:.3f} ms queued at return)",
             ) if note),
         ])
     status = "AMBIGUOUS" if bench.ambiguous else ("passed" if bench.passed else "FAILED")
     per = f"windows of {bench.window} back-to-back calls" if bench.window > 1 else "one call per timing"
+    single = [c.name for c in bench.contenders if c.window is not None and c.window < bench.window]
+    if single:
+        per += f" (one call for {', '.join(single)}: a millisecond or more a call)"
     rotated = f", {bench.rotation} input sets rotated" if bench.rotation > 1 else ""
     lines = [
         f"### Bench {bench.case}, {bench.mode}: {bench.description}: {_status(status.lower())}",

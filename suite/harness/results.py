@@ -102,6 +102,8 @@ class ParityResult(Record):
     deterministic: bool | None  # None when the gate declares the arm nondeterministic
     nondeterministic_reason: str | None = None
     recheck_after_timing: bool | None = None  # None when no timing ran
+    # the determinism run came after timing, so it was the recheck too (parity.second_run)
+    second_run_after_timing: bool = False
     first_divergence: str | None = None  # the first failing output, in the reference's order
     failures: list[Failure] = Field(default_factory=list)
 
@@ -136,6 +138,10 @@ class ContenderTiming(Record):
     ceiling_fraction: float | None = None  # of the case's measured ceiling
     gpu_busy_ms: float | None = None  # host-bound benches: kernel time per call, beside the wall time
     host_us: float | None = None  # host time per call on the gate's host-probe shape
+    window: int | None = None  # calls per timing: the bench's window, or 1 for a call of 1 ms or more
+    # timed without a lead-in call: the device work its call had queued on return (ms), the
+    # most an idle start added to each timing
+    idle_start_tail_ms: float | None = None
 
 
 class Comparison(Record):

@@ -1,6 +1,7 @@
 """One run: for each gate and preset get buffers once, judge parity, prove the saboteurs are
-caught, then (bench) time against the noise floor in every mode the case declares and
-re-check parity. The report is built from these results only.
+caught, then (bench) time against the noise floor in every mode the case declares and run the
+arm once more: the determinism run, which after timing is the parity recheck too (one run of a
+multi-second arm instead of two). The report is built from these results only.
 
 Saboteurs prove the gate's checks have teeth, which does not depend on the size of the data:
 each runs once per run, at the smallest preset of its gate (on this device) where it can show,
@@ -322,7 +323,9 @@ class Runner:
         with self._phase(phases, unit, "reference"):
             expected = parity.expected_outputs(gate, preset, buffers)
         with self._phase(phases, unit, "parity"):
-            verdict, arm_outputs = parity.judge_arm(gate, preset, buffers, expected, nondeterministic=gate.nondeterministic)
+            # with a bench to come, the determinism run waits until after it and rechecks it too
+            verdict, arm_outputs = parity.judge_arm(gate, preset, buffers, expected,
+                                                    nondeterministic=gate.nondeterministic, second_run=not unit.bench)
         saboteurs = []
         for saboteur in unit.saboteurs:
             with self._phase(phases, unit, f"saboteur {saboteur.name}"):
@@ -343,12 +346,9 @@ class Runner:
         )
         if unit.bench:
             self._bench(unit, gate, preset, buffers, result, phases)
-            if result.bench:
-                with self._phase(phases, unit, "recheck"):
-                    failures = parity.recheck(gate, preset, buffers, digests, arm_outputs)
-                verdict.recheck_after_timing = not failures
-                verdict.failures.extend(failures)
-                verdict.passed = verdict.passed and not failures
+            timed = bool(result.bench)
+            with self._phase(phases, unit, "recheck" if timed else "determinism"):
+                parity.second_run(gate, preset, buffers, digests, arm_outputs, verdict, after_timing=timed)
         result.status, result.reason = _status(result)
         if opts.strict and unit.bench and result.status == "passed" and result.bench_skipped:
             # nothing was timed: under --strict that is a bench this device could not run

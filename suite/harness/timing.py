@@ -72,11 +72,15 @@ class TimingPolicy:
     round_budget_ms: float = 60.0
     min_calls_per_round: int = 3
     long_call_ms: float = 1.0
-    # an eager timing starts behind one untimed call of its contender's own (CudaTimer), unless
-    # that contender's call takes lead_in_below_ms or more: an idle device's launch latency
-    # (tens of us) is then under the 0.5% floor, and the lead-in doubled the cost of the
-    # slowest contenders' timings (split-muon's one-by-one step, 195 ms a call)
+    # A timing without an L2 flush starts behind one untimed call of its contender's own
+    # (CudaTimer), as a call in a loop starts behind the previous one. An idle start can add at
+    # most the device work a call still has queued when it returns to the host (its tail), so a
+    # contender whose call takes lead_in_below_ms or more and whose tail is under idle_tail_share
+    # of it times without the lead-in, which doubled the cost of the slowest contenders'
+    # timings (split-muon's one-by-one step, 195 ms a call). A captured step launched in one
+    # graph keeps it: its tail is the whole step, and an idle start added 7% there.
     lead_in_below_ms: float = 5.0
+    idle_tail_share: float = 0.0025
     warmup_tolerance: float = 0.02  # steady when two consecutive batch medians differ by <= this
     warmup_cap_s: float = 2.0  # wall-clock cap on one contender's warm-up
     floor_quantile: float = 0.95
@@ -91,6 +95,8 @@ class TimingPolicy:
             raise ValueError("need 1 <= min_calls_per_round <= calls_per_round")
         if self.round_budget_ms <= 0 or self.long_call_ms <= 0 or self.lead_in_below_ms <= 0:
             raise ValueError("round_budget_ms, long_call_ms and lead_in_below_ms must be > 0")
+        if not 0 <= self.idle_tail_share < 1:
+            raise ValueError("idle_tail_share must be in [0, 1)")
         # one round gives no spread: no floor, no confidence interval
         if not 2 <= self.min_rounds <= self.max_rounds:
             raise ValueError("need 2 <= min_rounds <= max_rounds")
@@ -117,6 +123,11 @@ class Timer(Protocol):
 
     def time_cold(self, fn: Callable[[], Any]) -> float:
         """ms of the first call alone (compile, autotune, capture included)."""
+        ...
+
+    def tail_ms(self, fn: Callable[[], Any]) -> float:
+        """ms of device work one call still has queued when it returns to the host: the most
+        that starting it on an idle device, without a lead-in call, adds to its timing."""
         ...
 
 
@@ -166,8 +177,8 @@ class CudaTimer:
             # or else one untimed call (the previous window's place in a loop). A device-bound
             # call's pair then measures device time, not the launch latency of an idle device,
             # and a window of host-bound steps, whose device waits for the host, measures
-            # dispatch included. A long call (lead_in False) needs none: the idle start is
-            # a negligible part of it.
+            # dispatch included. A long call with a short tail (lead_in False) needs none:
+            # the idle start is a negligible part of it (TimingPolicy.idle_tail_share).
             torch.cuda.synchronize()
             with _collector_paused():
                 if flush is None and lead_in:
@@ -213,6 +224,19 @@ class CudaTimer:
 
     def host_us(self, fn: Callable[[], Any]) -> float:
         return host_us_per_call(fn, lambda: torch.cuda.synchronize(self.device))
+
+    def tail_ms(self, fn: Callable[[], Any], calls: int = 3) -> float:
+        # the median of a few calls, each from a drained queue; it includes a synchronize's own
+        # latency, so it errs towards keeping the lead-in
+        tails = []
+        with torch.cuda.device(self.device), _collector_paused():
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                fn()
+                returned = time.perf_counter()
+                torch.cuda.synchronize()
+                tails.append((time.perf_counter() - returned) * 1e3)
+        return statistics.median(tails)
 
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost
@@ -279,6 +303,9 @@ class WallTimer:
 
     def host_us(self, fn: Callable[[], Any]) -> float:
         return host_us_per_call(fn, self._sync)
+
+    def tail_ms(self, fn: Callable[[], Any]) -> float:
+        return 0.0  # each window waits for its work: nothing is left outside the timing
 
 
 # ---- statistics: pure functions ----------------------------------------------------------
@@ -409,17 +436,17 @@ def _warm_up(
 
 
 def round_shape(
-    policy: TimingPolicy, slowest_ms: float, window: int, mode: str, fastest_ms: float | None = None
-) -> tuple[int, int]:
-    """(timings a round per contender, calls a window) for a bench whose contenders take
-    fastest_ms..slowest_ms a call: fewer timings when the slowest is slow, so a round costs about
-    the budget; windows of one call when even the fastest is long (every contender shares one
-    window, and a fast call needs its window to hide the event pair's own cost)."""
-    fastest_ms = slowest_ms if fastest_ms is None else fastest_ms
-    if mode != "graph" and fastest_ms >= policy.long_call_ms:
-        window = 1
-    fit = int(policy.round_budget_ms // max(slowest_ms * window, 1e-9))
-    return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), window
+    policy: TimingPolicy, call_ms: dict[str, float], window: int, mode: str
+) -> tuple[int, dict[str, int]]:
+    """(timings a round per contender, calls a window per contender) for contenders taking
+    call_ms a call: a contender whose call takes long_call_ms or more times one call a window in
+    eager and wall modes (the event pair's own cost is noise there), the others the case's window
+    (a fast call needs it to hide that cost); fewer timings a round when the slowest window is
+    slow, so a round costs about the budget."""
+    windows = {name: 1 if mode != "graph" and ms >= policy.long_call_ms else window for name, ms in call_ms.items()}
+    slowest = max(ms * windows[name] for name, ms in call_ms.items())
+    fit = int(policy.round_budget_ms // max(slowest, 1e-9))
+    return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), windows
 
 
 def _fmt_ratio(c: Comparison) -> str:
@@ -504,14 +531,17 @@ def measure_bench(
     # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
     # eager reference spent 10 s a batch); the warm medians then size the rounds
     first_ms = {name: timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=1)[0] for name in fns}
-    batch_size, warm_window = round_shape(policy, max(first_ms.values()), window, mode, min(first_ms.values()))
+    batch_size, warm_windows = round_shape(policy, first_ms, window, mode)
     warmup_calls, warm_ms = len(fns), {}
     for name in fns:
         say(f"warming up {name}")
-        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_window, batch_size)
+        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_windows[name], batch_size)
         warmup_calls += calls
-    calls_per_round, window = round_shape(policy, max(warm_ms.values()), window, mode, min(warm_ms.values()))
-    lead_in = {name: bool(ms < policy.lead_in_below_ms) for name, ms in warm_ms.items()}
+    calls_per_round, windows = round_shape(policy, warm_ms, window, mode)
+    tails = {name: timer.tail_ms(fns[name]) for name, ms in warm_ms.items()
+             if not flush_l2 and mode != "wall" and ms >= policy.lead_in_below_ms}
+    idle_start = {name: tail for name, tail in tails.items() if tail <= policy.idle_tail_share * warm_ms[name]}
+    lead_in = {name: name not in idle_start for name in fns}
 
     demands = _peer_demands(criterion, preset, case, mode)
     least = criterion.speedup(preset.name, case.name, mode)
@@ -536,7 +566,8 @@ def measure_bench(
         for turn in range(calls_per_round):
             for slot in (range(len(order)) if turn % 2 == 0 else reversed(range(len(order)))):
                 name = order[slot]
-                slots[slot] += timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=window, lead_in=lead_in[name])
+                slots[slot] += timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=windows[name],
+                                                lead_in=lead_in[name])
         twice = len(judged) + 1
         for slot, name in enumerate(order):
             ms = statistics.median(slots[slot])
@@ -586,20 +617,21 @@ def measure_bench(
         timings.append(ContenderTiming(
             name=c.name, role=c.role, method=methods[c.name], cold_ms=cold[c.name], median_ms=median_ms,
             round_medians_ms=list(series[c.name]), gbps=gbps, tflops=tflops,
-            ceiling_fraction=fraction, host_us=c.host_us))
+            ceiling_fraction=fraction, host_us=c.host_us, window=windows[c.name],
+            idle_start_tail_ms=idle_start.get(c.name)))
 
     if case.gpu_busy and mode == "eager" and hasattr(timer, "busy_ms"):
         # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
         for timing in timings:
             if timing.unavailable is None:
                 say(f"device busy time of {timing.name}")
-                timing.gpu_busy_ms = timer.busy_ms(fns[timing.name], window)
+                timing.gpu_busy_ms = timer.busy_ms(fns[timing.name], windows[timing.name])
 
     checks, ambiguous = _check_criteria(
         case, mode, preset, criterion, contenders, comparisons, timings, ceilings, ref_name)
     return BenchResult(
         case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
-        window=window, rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
+        window=max(windows.values()), rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
         rounds=len(first[ref_name]), calls_per_round=calls_per_round, noise_floor=math.expm1(floor_log),
         aa_log_ratios=aa[ref_name], peer_aa_log_ratios={name: aa[name] for name in judged}, contenders=timings, comparisons=comparisons, criteria=checks,
         passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
