@@ -324,6 +324,10 @@ def test_add_keeps_the_newest_runs_and_each_run_once(tmp_path):
     assert kept == [f"day{d}" for d in range(2, 7)] and len(kept) == MAX_RUNS_PER_PRESET
     assert {e.run_id for e in baseline.entries if e.preset == "small"} == set(kept)
     assert [r.run_id for r in baseline.runs_of("large")] == ["other"]
+    # a run saved late stays beside the four others that ran last (not the four saved last)
+    save_baseline(preset_run("small", "day1"), tmp_path, add=True)
+    kept = [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")]
+    assert sorted(kept) == ["day1", "day3", "day4", "day5", "day6"]
     # without --add the preset holds the new run alone again
     save_baseline(preset_run("small", "fresh"), tmp_path)
     assert [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")] == ["fresh"]
