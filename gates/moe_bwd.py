@@ -113,6 +113,9 @@ PRESETS = (
     _gpu("gpu-empty-expert", top_k=2, experts=16, skew="empty-expert", standard=False, **_ODD),
     _gpu("gpu-one-expert", top_k=2, experts=16, skew="one-expert", standard=False, **_ODD),
     _gpu("gpu-capacity", top_k=2, experts=16, capacity_factor=1.0, skew="skewed", standard=False, **_ODD),
+    # each contender's host time per call: top2-small's layer at 8 tokens, where the device
+    # waits on the host (a decode step, or the last micro-batch of a ragged one)
+    _gpu("host-probe", 8, 1024, 2816, 16, 2, standard=False, note="host probe: too small to keep the GPU busy"),
 )
 
 
@@ -544,4 +547,5 @@ GATE = Gate(
     contenders=CONTENDERS,
     benches=BENCHES,
     perf=PERF,
+    host_probe="host-probe",
 )

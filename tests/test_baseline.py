@@ -215,6 +215,15 @@ def test_save_replaces_the_presets_it_measured_and_keeps_the_others(tmp_path):
     assert [r.run_id for r in load_baseline(folder / "rmsnorm.json").runs] == ["fourth"]
 
 
+def test_save_keeps_each_contenders_host_time_per_call(tmp_path):
+    report = preset_run("small", "first")
+    for c in report.results[0].bench[0].contenders:
+        c.host_us = {"reference": 12.5, "arm": 40.25}.get(c.name)
+    save_baseline(report, tmp_path)
+    entries = load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").entries
+    assert {e.contender: e.host_us for e in entries} == {"reference": 12.5, "arm": 40.25}
+
+
 def test_save_never_merges_across_machine_classes_or_into_an_unreadable_file(tmp_path):
     save_baseline(preset_run("small", "first", torch="2.11.0+cu130"), tmp_path)
     path = tmp_path / "nvidia-h200" / "rmsnorm.json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -846,10 +847,22 @@ def test_wall_timer_runs_a_bench_on_the_cpu():
 
 
 def test_host_time_per_call_is_the_best_batch():
-    syncs = []
-    us = timing.host_us_per_call(lambda: None, lambda: syncs.append(1), calls=10, batches=3)
+    syncs, calls = [], []
+    us = timing.host_us_per_call(lambda: calls.append(1), lambda: syncs.append(1), calls=10, batches=3)
     assert 0 <= us < 1000
-    assert len(syncs) == 2 * 4  # before and after each of 1 untimed + 3 timed batches
+    # before and after each of an untimed and a sizing batch of 5 calls, then 3 batches of 10
+    assert len(syncs) == 2 * 5 and len(calls) == 2 * 5 + 3 * 10
+
+
+def test_a_slow_call_gets_batches_of_fewer_calls():
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.004)
+
+    us = timing.host_us_per_call(slow, lambda: None, calls=200, batches=2, batch_ms=20.0)
+    assert us >= 4000 and len(calls) == 2 * 5 + 2 * 5  # 20 ms holds no more than 5 calls of 4+ ms
 
 
 class FailingTimer(FakeTimer):

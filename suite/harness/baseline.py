@@ -71,6 +71,9 @@ class BaselineEntry(Record):
     tflops: float | None = None
     ceiling_fraction: float | None = None
     noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
+    # host time per call on the gate's host-probe shape: a record beside the figure, not compared
+    # (best of 5 batches on a shape of its own, it is not the median the verdicts are about)
+    host_us: float | None = None
 
     @model_validator(mode="after")
     def _median_is_a_time(self) -> BaselineEntry:
@@ -192,6 +195,7 @@ def _entries_of(result: GateResult, run_id: str) -> list[BaselineEntry]:
             preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
             run_id=run_id, median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
             tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
+            host_us=c.host_us,
         )
         for bench in result.bench
         for c in bench.contenders

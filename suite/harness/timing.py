@@ -248,22 +248,30 @@ class CudaTimer:
             return (time.perf_counter() - t0) * 1e3
 
 
-def host_us_per_call(fn: Callable[[], Any], sync: Callable[[], None], calls: int = 200, batches: int = 5) -> float:
-    """Host time per call: `calls` back-to-back calls timed with the host's clock, synchronized
-    before and after, best of `batches` (after one untimed batch). On a shape too small to
-    keep the device busy, what is left is dispatch: Python, the framework, the launches."""
-    best = math.inf
-    for batch in range(batches + 1):
+def host_us_per_call(
+    fn: Callable[[], Any], sync: Callable[[], None], calls: int = 200, batches: int = 5,
+    batch_ms: float = 50.0, min_calls: int = 5,
+) -> float:
+    """Host time per call: back-to-back calls timed with the host's clock, synchronized before
+    and after, best of `batches`. Each batch holds `calls` calls, or fewer for a slow call (as
+    many as fill about batch_ms, never under min_calls), sized by a timed batch of min_calls
+    after an untimed one (first-call compiles): the eager MoE reference, a few ms a call, spent
+    3.6 s a case at 1200 calls. On a shape too small to keep the device busy, what is left is
+    dispatch: Python, the framework, the launches."""
+
+    def timed(n: int) -> float:
         sync()
         with _collector_paused():
             t0 = time.perf_counter()
-            for _ in range(calls):
+            for _ in range(n):
                 fn()
             sync()
-            elapsed = time.perf_counter() - t0
-        if batch:
-            best = min(best, elapsed)
-    return best / calls * 1e6
+            return (time.perf_counter() - t0) / n
+
+    timed(min_calls)
+    per_call = timed(min_calls)
+    calls = max(min_calls, min(calls, int(batch_ms / 1e3 / max(per_call, 1e-9))))
+    return min(timed(calls) for _ in range(batches)) * 1e6
 
 
 class WallTimer:
