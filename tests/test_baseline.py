@@ -333,15 +333,23 @@ def test_add_keeps_the_newest_runs_and_each_run_once(tmp_path):
     assert kept == [f"day{d}" for d in range(2, 7)] and len(kept) == MAX_RUNS_PER_PRESET
     assert {e.run_id for e in baseline.entries if e.preset == "small"} == set(kept)
     assert [r.run_id for r in baseline.runs_of("large")] == ["other"]
-    # a run saved late stays beside the four others that ran last (not the four saved last)
-    save_baseline(preset_run("small", "day1"), tmp_path, add=True)
-    kept = [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")]
-    assert sorted(kept) == ["day1", "day3", "day4", "day5", "day6"]
     # without --add the preset holds the new run alone again
     save_baseline(preset_run("small", "fresh"), tmp_path)
     assert [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")] == ["fresh"]
     with pytest.raises(UsageError, match="choose one"):
         save_baseline(preset_run("small", "x"), tmp_path, add=True, replace=True)
+
+
+def test_add_drops_the_run_that_ran_first_not_the_one_saved_first(tmp_path):
+    # run ids begin with the run's start; days stand in for them, saved out of order
+    for day in (5, 6, 0, 1, 2, 3):
+        save_baseline(preset_run("small", f"day{day}"), tmp_path, add=True)
+    kept = [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")]
+    assert sorted(kept) == ["day1", "day2", "day3", "day5", "day6"]  # by save order day5 would go
+    # the run added stays even where it ran before all the others: it was asked for
+    save_baseline(preset_run("small", "day0"), tmp_path, add=True)
+    kept = [r.run_id for r in load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json").runs_of("small")]
+    assert sorted(kept) == ["day0", "day2", "day3", "day5", "day6"]
 
 
 def test_with_fewer_than_three_others_their_move_is_shown_but_does_not_excuse_the_arm(tmp_path):

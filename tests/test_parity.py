@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from suite.harness import parity
+from suite.harness import parity, render
 from suite.harness.results import Check
 from suite.harness.gate import Bitwise, Gate, Preset, Tolerance
 
@@ -302,6 +302,10 @@ def test_the_second_run_after_timing_proves_determinism_and_rechecks():
     parity.second_run(gate, PRESET, buffers, expected.input_digests, outputs, verdict, after_timing=True)
     assert not verdict.passed and verdict.recheck_after_timing is False
     assert verdict.failures[0].check == Check.INPUTS and "timing left the input buffers ['x']" in verdict.failures[0].message
+    # no second run on modified inputs, and the report says so
+    assert verdict.deterministic is None and not verdict.second_run_after_timing
+    lines = "\n".join(render._parity_section(verdict))
+    assert "deterministic (two runs, same bits): not run (timing modified the inputs)" in lines
 
 
 @pytest.mark.parametrize("after_timing", [False, True])

@@ -521,9 +521,13 @@ def test_a_long_call_with_a_short_tail_times_without_the_lead_in():
     assert "timed from an idle device (no lead-in call; 0.050 ms queued at return)" in "\n".join(render._bench_section(result))
 
 
-def test_graph_replays_and_flushed_timings_never_ask_for_a_tail():
+@pytest.mark.parametrize("mode, l2", [("graph", "warm"), ("graph", "cold"), ("wall", "warm")])
+def test_graph_replays_and_wall_timings_never_ask_for_a_tail(mode, l2):
+    # a replay's tail is its whole call (and a cold one's flush is its lead-in); a wall timing
+    # waits for its work. Eager calls ask, cold-L2 ones too: they rotate inputs, they flush nothing
     log: list = []
-    bench({"reference": (40.0, 0.01), "arm": (40.0, 0.01)}, mode="graph", log=log, tails={"reference": 0.0})
+    bench({"reference": (40.0, 0.01), "arm": (40.0, 0.01)}, mode=mode, log=log, tails={"reference": 0.0},
+          case=make_case(l2=l2, modes=(mode,)))
     assert not [e for e in log if e[0] == "tail"] and all(e[4] for e in log if e[0] == "calls")
 
 
@@ -574,18 +578,24 @@ def test_round_shape_gives_slow_calls_fewer_timings_and_one_call_windows():
     assert timing.round_shape(policy, {"a": 500.0}, 5, "eager") == (3, {"a": 1})  # never under the minimum
     assert timing.round_shape(policy, {"a": 12.0}, 1, "graph") == (5, {"a": 1})
     assert timing.round_shape(policy, {"a": 2.0}, 5, "wall") == (10, {"a": 1})
-    # a slow reference beside a fast arm: each its own window; the fast one's 5 calls set the round
+    # unjudged, a slow contender beside a fast one: each its own window
     assert timing.round_shape(policy, {"ref": 3.0, "arm": 0.2}, 5, "eager") == (10, {"ref": 1, "arm": 5})
-    assert timing.round_shape(policy, {"ref": 3.0, "arm": 2.9}, 5, "eager") == (10, {"ref": 1, "arm": 1})
     assert timing.round_shape(policy, {"ref": 20.0, "arm": 0.2}, 5, "eager") == (3, {"ref": 1, "arm": 5})
+    # judged against each other they share the fast one's window: no ratio mixes two methods
+    shared = ("ref", "arm")
+    assert timing.round_shape(policy, {"ref": 3.0, "arm": 0.2}, 5, "eager", shared) == (4, {"ref": 5, "arm": 5})
+    assert timing.round_shape(policy, {"ref": 3.0, "arm": 2.9}, 5, "eager", shared) == (10, {"ref": 1, "arm": 1})
+    assert timing.round_shape(policy, {"ref": 0.8, "arm": 0.4, "slow peer": 22.0}, 5, "eager", shared) == (
+        3, {"ref": 5, "arm": 5, "slow peer": 1})
 
 
 def test_a_slow_peer_times_one_call_a_window_beside_a_fast_arm():
     # a 22 ms for-loop AdamW beside a 0.4 ms arm: its 5-call windows cost 110 ms each (most of
-    # graph-capture's adamw-step bench at dispatch-bound) and hid nothing an event pair costs
+    # graph-capture's adamw-step bench at dispatch-bound) and hid nothing an event pair costs.
+    # A 1.2 ms reference judged against the 0.4 ms arm keeps the arm's window
     policy = TimingPolicy(warmup_cap_s=0.0, long_call_ms=1.0, round_budget_ms=60.0)
     log: list = []
-    result, _ = bench({"reference": (0.8, 0.01), "arm": (0.4, 0.01), "for-loop": (22.0, 0.01)},
+    result, _ = bench({"reference": (1.2, 0.01), "arm": (0.4, 0.01), "for-loop": (22.0, 0.01)},
                       contenders=make_contenders("for-loop"), policy=policy, mode="eager", log=log,
                       case=make_case(window=5))
     windows = {t.name: t.window for t in result.contenders}

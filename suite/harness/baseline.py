@@ -299,9 +299,9 @@ def save_baseline(
 
 
 def _runs_kept_beside(baseline: Baseline, preset: str, run_id: str) -> list[PresetRun]:
-    """A preset's runs that stay when `run_id` is added to it: the newest by when they ran (run
-    ids begin with their UTC start, to the microsecond), not by when they were saved, and never
-    the same run twice."""
+    """A preset's other runs that stay beside `run_id` when it is added (it stays: it was asked
+    for): the newest by when they ran (run ids begin with their UTC start, to the microsecond),
+    not by when they were saved, and never the same run twice."""
     others = sorted((r for r in baseline.runs_of(preset) if r.run_id != run_id), key=lambda r: r.run_id)
     return others[-(MAX_RUNS_PER_PRESET - 1):]
 

@@ -473,6 +473,6 @@ def second_run(
         failures.extend(Failure(check=f.check, message=f"{f.message} (after timing)") for f in more)
     if after_timing:
         verdict.recheck_after_timing = not failures
-        verdict.second_run_after_timing = gate.nondeterministic is None
+        verdict.second_run_after_timing = gate.nondeterministic is None and not changed
     verdict.failures.extend(failures)
     verdict.passed = verdict.passed and not failures

@@ -206,7 +206,9 @@ def _parity_section(parity: ParityResult) -> list[str]:
                 lines += ["Tolerance: the arm's error against the float64 truth must be at most k x the "
                           "reference's own error + the floor.", ""]
             lines += [markdown_table(*rows_of(checks)), ""]
-    if parity.deterministic is None:
+    if parity.deterministic is None and parity.nondeterministic_reason is None and parity.recheck_after_timing is False:
+        deterministic = "not run (timing modified the inputs)"
+    elif parity.deterministic is None:
         deterministic = f"not required ({parity.nondeterministic_reason or 'declared nondeterministic'})"
     else:
         deterministic = _yes(parity.deterministic)
@@ -546,7 +548,7 @@ def render_pytest_benchmark(report: RunReport) -> dict[str, Any]:
                         "calls_per_round": bench.calls_per_round,
                         "warmup_calls": bench.warmup_calls,
                         "l2": bench.l2,
-                        "window": bench.window,
+                        "window": c.window or bench.window,
                         "rotation": bench.rotation,
                         "timer": "suite (median of each round)",
                     },

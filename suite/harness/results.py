@@ -170,7 +170,7 @@ class BenchResult(Record):
     mode: TimingMode
     l2: Literal["cold", "warm"]
     ceiling: CeilingKind
-    window: int  # calls per timed window (one event pair)
+    window: int  # calls per timed window (one event pair): the case's; a contender may time fewer
     rotation: int = 1  # input sets cycled through, so that calls miss the L2
     bytes: int
     flops: int

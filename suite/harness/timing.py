@@ -127,7 +127,8 @@ class Timer(Protocol):
 
     def tail_ms(self, fn: Callable[[], Any]) -> float:
         """ms of device work one call still has queued when it returns to the host: the most
-        that starting it on an idle device, without a lead-in call, adds to its timing."""
+        that starting it on an idle device, without a lead-in call, adds to its timing. Asked in
+        eager mode only (a wall timing waits for its work; the wall timer has none)."""
         ...
 
 
@@ -312,9 +313,6 @@ class WallTimer:
     def host_us(self, fn: Callable[[], Any]) -> float:
         return host_us_per_call(fn, self._sync)
 
-    def tail_ms(self, fn: Callable[[], Any]) -> float:
-        return 0.0  # each window waits for its work: nothing is left outside the timing
-
 
 # ---- statistics: pure functions ----------------------------------------------------------
 
@@ -444,14 +442,22 @@ def _warm_up(
 
 
 def round_shape(
-    policy: TimingPolicy, call_ms: dict[str, float], window: int, mode: str
+    policy: TimingPolicy, call_ms: dict[str, float], window: int, mode: str, shared: Sequence[str] = ()
 ) -> tuple[int, dict[str, int]]:
     """(timings a round per contender, calls a window per contender) for contenders taking
-    call_ms a call: a contender whose call takes long_call_ms or more times one call a window in
-    eager and wall modes (the event pair's own cost is noise there), the others the case's window
-    (a fast call needs it to hide that cost); fewer timings a round when the slowest window is
-    slow, so a round costs about the budget."""
-    windows = {name: 1 if mode != "graph" and ms >= policy.long_call_ms else window for name, ms in call_ms.items()}
+    call_ms a call. In eager and wall modes a call of long_call_ms or more times one call a
+    window (the event pair's own cost is noise there), a faster one the case's window (it needs
+    it to hide that cost); the contenders in `shared`, those whose ratios are judged, share one
+    window, of one call only when even the fastest of them is long, so no judged ratio mixes
+    two methods. Fewer timings a round when the slowest window is slow, so a round costs about
+    the budget."""
+
+    def calls_a_window(ms: float) -> int:
+        return 1 if mode != "graph" and ms >= policy.long_call_ms else window
+
+    judged = [name for name in shared if name in call_ms]
+    together = calls_a_window(min(call_ms[name] for name in judged)) if judged else window
+    windows = {name: together if name in judged else calls_a_window(ms) for name, ms in call_ms.items()}
     slowest = max(ms * windows[name] for name, ms in call_ms.items())
     fit = int(policy.round_budget_ms // max(slowest, 1e-9))
     return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), windows
@@ -536,27 +542,29 @@ def measure_bench(
                 fns = {n: eager[n] for n in fns}
                 methods = {n: f"eager calls (capture failed for {why})" for n in fns}
                 break
-    # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
-    # eager reference spent 10 s a batch); the warm medians then size the rounds
-    first_ms = {name: timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=1)[0] for name in fns}
-    batch_size, warm_windows = round_shape(policy, first_ms, window, mode)
-    warmup_calls, warm_ms = len(fns), {}
-    for name in fns:
-        say(f"warming up {name}")
-        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_windows[name], batch_size)
-        warmup_calls += calls
-    calls_per_round, windows = round_shape(policy, warm_ms, window, mode)
-    tails = {name: timer.tail_ms(fns[name]) for name, ms in warm_ms.items()
-             if not flush_l2 and mode != "wall" and ms >= policy.lead_in_below_ms}
-    idle_start = {name: tail for name, tail in tails.items() if tail <= policy.idle_tail_share * warm_ms[name]}
-    lead_in = {name: name not in idle_start for name in fns}
-
     demands = _peer_demands(criterion, preset, case, mode)
     least = criterion.speedup(preset.name, case.name, mode)
     # a peer the arm is judged against is timed twice a round, like the reference: where the
     # reference runs at another scale (a device-bound eager reference beside host-bound calls),
     # its A/A says nothing of the noise between the arm and that peer
     judged = list(dict.fromkeys(name for name, *_ in demands if name in fns and name not in (ref_name, arm_name)))
+    shared = (ref_name, arm_name, *judged)
+    # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
+    # eager reference spent 10 s a batch); the warm medians then size the rounds
+    first_ms = {name: timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=1)[0] for name in fns}
+    batch_size, warm_windows = round_shape(policy, first_ms, window, mode, shared)
+    warmup_calls, warm_ms = len(fns), {}
+    for name in fns:
+        say(f"warming up {name}")
+        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_windows[name], batch_size)
+        warmup_calls += calls
+    calls_per_round, windows = round_shape(policy, warm_ms, window, mode, shared)
+    # eager calls only: a graph replay's tail is its whole call, and a wall timing waits for it
+    tails = {name: timer.tail_ms(fns[name]) for name, ms in warm_ms.items()
+             if mode == "eager" and not flush_l2 and ms >= policy.lead_in_below_ms}
+    idle_start = {name: tail for name, tail in tails.items() if tail <= policy.idle_tail_share * warm_ms[name]}
+    lead_in = {name: name not in idle_start for name in fns}
+
     others = [name for name in fns if name != ref_name and name not in judged]
     first: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
     second: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
