@@ -424,11 +424,8 @@ def judge_arm(
     deterministic = None
     if nondeterministic is None and second_run:
         again = {n: t.detach() for n, t in arm(buffers, preset).items()}  # normal mode: what is timed
-        unequal = [n for n in sorted(outputs) if n in again and not bitwise_check(n, again[n], outputs[n]).passed]
-        deterministic = not unequal
-        if unequal:
-            failures.append(Failure(check=Check.DETERMINISM, message=(
-                f"two runs on the same inputs differ in {_preview(unequal)}")))
+        deterministic, failure = _same_bits(outputs, again)
+        failures.extend(failure)
     first = next((c for c in checks if not c.passed), None)
     kept, counts = _trimmed(checks)
     result = ParityResult(
@@ -443,6 +440,16 @@ def judge_arm(
         failures=failures,
     )
     return result, outputs
+
+
+def _same_bits(first: Outputs, again: Outputs, cause: str = "") -> tuple[bool, list[Failure]]:
+    """The determinism check: every output of the first run reproduced bit for bit by the
+    second (one it lacks differs)."""
+    unequal = [n for n in sorted(first) if n not in again or not bitwise_check(n, again[n], first[n]).passed]
+    if not unequal:
+        return True, []
+    message = f"two runs on the same inputs differ in {_preview(unequal)}{cause}"
+    return False, [Failure(check=Check.DETERMINISM, message=message)]
 
 
 def second_run(
@@ -461,12 +468,9 @@ def second_run(
         failures.append(Failure(check=Check.INPUTS, message=f"timing left the input buffers {changed} modified"))
     elif gate.nondeterministic is None:
         outputs = {n: t.detach() for n, t in gate.arm(buffers, preset).items()}
-        unequal = [n for n in sorted(first) if n not in outputs or not bitwise_check(n, outputs[n], first[n]).passed]
-        verdict.deterministic = not unequal
-        if unequal:
-            cause = " (the second after timing: the arm is nondeterministic, or timing changed its state)"
-            failures.append(Failure(check=Check.DETERMINISM, message=(
-                f"two runs on the same inputs differ in {_preview(unequal)}{cause if after_timing else ''}")))
+        cause = " (the second after timing: the arm is nondeterministic, or timing changed its state)"
+        verdict.deterministic, failure = _same_bits(first, outputs, cause if after_timing else "")
+        failures.extend(failure)
     elif after_timing:
         outputs = {n: t.detach() for n, t in gate.arm(buffers, preset).items()}
         _, more = _compare(gate, outputs, expected_outputs(gate, preset, buffers))

@@ -138,7 +138,7 @@ class ContenderTiming(Record):
     ceiling_fraction: float | None = None  # of the case's measured ceiling
     gpu_busy_ms: float | None = None  # host-bound benches: kernel time per call, beside the wall time
     host_us: float | None = None  # host time per call on the gate's host-probe shape
-    window: int | None = None  # calls per timing: the bench's window, or 1 for a call of 1 ms or more
+    window: int | None = None  # calls per timing: the case's window, or 1 for calls of 1 ms or more (round_shape)
     # timed without a lead-in call: the device work its call had queued on return (ms), the
     # most an idle start added to each timing
     idle_start_tail_ms: float | None = None
