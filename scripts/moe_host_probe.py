@@ -29,6 +29,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, Callable
 
 import torch
+from tabulate import tabulate
 
 from suite.arms import moe, moe_kernels as mk
 from suite.harness.timing import CudaTimer, host_us_per_call
@@ -136,10 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as fh:
             json.dump(result, fh, indent=2)
     print(f"{result['what']} ({result['device']}, torch {result['torch']}), shape {result['shape']}")
-    for row in result["rows"]:
-        device = f"{row['device_us']:9.1f}" if "device_us" in row else "        -"
-        print(f"  {row['call']:28} host {row['host_us']:8.1f} us   device {device} us")
-    print(f"  {'sum of the entry points':28} host {result['sum_of_entry_points_host_us']:8.1f} us")
+    rows = [[row["call"], row["host_us"], row.get("device_us")] for row in result["rows"]]
+    rows.append(["sum of the entry points", result["sum_of_entry_points_host_us"], None])
+    print(tabulate(rows, headers=["call", "host us", "device us"], floatfmt=".1f", missingval="-"))
     return 0
 
 
