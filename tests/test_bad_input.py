@@ -69,6 +69,21 @@ def with_nan_row() -> torch.Tensor:
     return x
 
 
+def moe_overflowing(dtype: torch.dtype, scale: float):
+    """moe-bwd's tiny recording in `dtype` (the router logits stay fp32) with x scaled beyond
+    what the experts' outputs can hold in it."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        assert invoke("record", "moe-bwd", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+        tensors, manifest = load_buffers(tmp / "rec")
+        tensors = {n: t if n == "logits" else t.to(dtype) for n, t in tensors.items()}
+        tensors["x"] = tensors["x"] * scale
+        params = {**manifest.params, "dtype": str(dtype).removeprefix("torch.")}
+        save_buffers(tensors, tmp / "dump", params=params, gate="moe-bwd", preset="tiny")
+
+    return prepare
+
+
 def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     assert invoke("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
 
@@ -114,6 +129,47 @@ def arm_median(value: float):
         path.write_text(json.dumps(data))
 
     return edit
+
+
+def arm_rounds_nan(path: Path) -> None:
+    """The arm's median doubled, its rounds NaN: what a compare used to read as "same"."""
+    data = json.loads(path.read_text())
+    arm = next(c for c in data["results"][0]["bench"][0]["contenders"] if c["role"] == "arm")
+    arm["median_ms"] *= 2
+    arm["round_medians_ms"] = ["NaN"] * len(arm["round_medians_ms"])
+    path.write_text(json.dumps(data))
+
+
+def comparison_ci_nan(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["results"][0]["bench"][0]["comparisons"][0]["ci_low"] = "NaN"
+    path.write_text(json.dumps(data))
+
+
+def entry_field(field: str, value):
+    def edit(path: Path) -> None:
+        data = json.loads(path.read_text())
+        next(e for e in data["entries"] if e["role"] == "arm")[field] = value
+        path.write_text(json.dumps(data))
+
+    return edit
+
+
+def gate_renamed(path: Path) -> None:
+    data = json.loads(path.read_text())
+    data["gate"] = "muon"
+    path.write_text(json.dumps(data))
+
+
+def report_edited(edit: Callable[[Path], None]):
+    """A bench report under {tmp}/reports, saved as a baseline under {tmp}/baselines, then the
+    report `edit`ed."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        save_baseline(make_report(), tmp / "baselines")
+        edit(write_report(make_report(run_id="20261130T130000Z-ef34"), tmp / "reports", "bench") / "report.json")
+
+    return prepare
 
 
 def to_utf16(path: Path) -> None:
@@ -204,11 +260,9 @@ def env(name: str, value: str):
 
 
 def report_with_infinity(tmp: Path, mp: pytest.MonkeyPatch) -> None:
-    """A tolerance check against an all-zero truth has an infinite relative error, and an arm
-    timed at zero an infinite speedup."""
+    """A tolerance check against an all-zero truth has an infinite relative error."""
     result = make_tolerance_result()
     result.parity.tensors[0] = tolerance_check("y", [4, 8], arm=float("inf"), ref=0.0)
-    result.bench[0].comparisons[0].speedup = float("inf")
     write_report(make_report(results=[result], skipped=[]), tmp / "reports", "run")
 
 
@@ -310,6 +364,7 @@ class Case:
 
 
 CPU = ("--device", "cpu", "--reports", "{tmp}/reports")
+COMPARE = ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines")
 TOO_BIG = str(2**70)  # beyond torch's 64-bit seed
 NOT_UTF8 = b"\xff\xfe\x00\x80not json\x81"
 OK = ExitCode.OK
@@ -398,6 +453,22 @@ CASES = [
     Case("17", "an arm that raises, --verbose", ("gate", "toy-raises", "--verbose", *CPU), COULD_NOT_RUN,
          "traceback of toy-raises [tiny]", toy_gate(RAISES), traceback_on_stderr),
     # smaller points
+    # reliability, round two (issue 23)
+    Case("23.1", "a report whose arm rounds are NaN (its median doubled)", COMPARE, USAGE,
+         "contenders.1.round_medians_ms.0: Input should be a finite number", report_edited(arm_rounds_nan)),
+    Case("23.1", "a report whose comparison CI is NaN", COMPARE, USAGE,
+         "comparisons.0.ci_low: Input should be a finite number", report_edited(comparison_ci_nan)),
+    Case("23.1", "a baseline entry with NaN rounds", COMPARE, USAGE,
+         "round_medians_ms.0: Input should be a finite number", baseline_saved(entry_field("round_medians_ms", ["NaN"]))),
+    Case("23.1", "a baseline entry with a negative noise floor", COMPARE, USAGE,
+         "noise_floor: Input should be greater than or equal to 0", baseline_saved(entry_field("noise_floor", -0.01))),
+    Case("23.1", "a baseline whose gate field is another gate's", COMPARE, USAGE,
+         "its gate field says 'muon' but the file is named for 'rmsnorm'", baseline_saved(gate_renamed)),
+    Case("23.2", "moe-bwd buffers in fp16 with x scaled by 3000", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
+         COULD_NOT_RUN, "the buffers overflow float16: NaN/Inf in both the reference and the arm where the float64 truth is "
+         "finite (out: ", moe_overflowing(torch.float16, 3000.0)),
+    Case("23.2", "moe-bwd buffers in fp32 with x scaled by 1e30", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
+         COULD_NOT_RUN, "the buffers overflow float32", moe_overflowing(torch.float32, 1e30)),
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
     Case("-", "save_buffers of a meta tensor", lambda tmp: save_buffers({"x": torch.empty(2, device="meta")}, tmp / "dump"),

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from suite.errors import CouldNotRun
 from suite.harness import parity, render
 from suite.harness.results import Check
 from suite.harness.gate import Bitwise, Gate, Preset, Tolerance
@@ -139,6 +140,42 @@ def test_tolerance_flags_nan_where_truth_is_finite_as_poison():
     arm[3, 7] = float("nan")
     check = _tol(arm, truth.float(), truth)
     assert not check.passed and check.problems[0].check == Check.POISON
+
+
+def test_tolerance_excuses_nonfinite_the_reference_shares_where_the_truth_is_finite():
+    """The buffers overflow the working dtype: not the arm's fault, counted apart."""
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    ref, arm = truth.float(), truth.float()
+    ref[1, 2] = arm[1, 2] = float("nan")
+    ref[2, 3] = arm[2, 3] = float("inf")
+    check = _tol(arm, ref, truth)
+    assert check.passed and check.overflowed == 2 and check.nonfinite_match
+
+
+def test_tolerance_still_blames_nonfinite_the_reference_does_not_share():
+    truth = torch.randn(4, 8, dtype=torch.float64)
+    ref, arm = truth.float(), truth.float()
+    ref[1, 2] = arm[1, 2] = float("inf")
+    arm[3, 4] = float("nan")
+    check = _tol(arm, ref, truth)
+    assert not check.passed and check.problems[0].check == Check.POISON and check.overflowed == 1
+
+
+def test_judge_says_the_buffers_overflow_when_both_paths_do():
+    buffers = toy_buffers()
+    buffers["x"][2] = 3e38  # y = 3x overflows bf16 and fp32, not the float64 truth
+    with pytest.raises(CouldNotRun, match=r"the buffers overflow bfloat16: .*\(y: 16 elements\)"):
+        judge(toy_gate(), buffers)
+
+
+def test_judge_fails_an_arm_that_overflows_where_the_reference_does_not():
+    def overflowing(buffers, preset):
+        out = toy_reference(buffers, preset)
+        out["y"][0, 0] = float("inf")
+        return out
+
+    result = judge(toy_gate(overflowing))
+    assert not result.passed and any(f.check == Check.NONFINITE for f in result.failures)
 
 
 def test_tolerance_rejects_constant_output():

@@ -29,6 +29,7 @@ from suite.errors import UsageError
 from suite.harness import atomic
 from suite.harness.fingerprint import fingerprint_class, imitates_rtx
 from suite.harness.results import (
+    Amount,
     BenchResult,
     Fingerprint,
     GateResult,
@@ -36,6 +37,7 @@ from suite.harness.results import (
     Role,
     RunReport,
     ContenderTiming,
+    Positive,
     TimingMode,
     read_versioned_json,
     validation_summary,
@@ -66,14 +68,14 @@ class BaselineEntry(Record):
     role: Role
     run_id: str
     median_ms: float
-    round_medians_ms: list[float]
-    gbps: float | None = None
-    tflops: float | None = None
-    ceiling_fraction: float | None = None
-    noise_floor: float  # of the run that produced it, relative (0.012 = 1.2%)
+    round_medians_ms: list[Positive]
+    gbps: Amount | None = None
+    tflops: Amount | None = None
+    ceiling_fraction: Amount | None = None
+    noise_floor: Amount  # of the run that produced it, relative (0.012 = 1.2%)
     # host time per call on the gate's host-probe shape: a record beside the figure, not compared
     # (best of 5 batches on a shape of its own, it is not the median the verdicts are about)
-    host_us: float | None = None
+    host_us: Amount | None = None
 
     @model_validator(mode="after")
     def _median_is_a_time(self) -> BaselineEntry:
@@ -179,7 +181,15 @@ def baseline_path(baselines_dir: str | Path, fp: Fingerprint, gate: str) -> Path
 
 
 def load_baseline(path: str | Path) -> Baseline:
-    return read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline", upgrades={3: _from_schema_3})
+    baseline = read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline", upgrades={3: _from_schema_3})
+    # compare finds a gate's figures by the file's name: another gate's figures under it would
+    # be judged as this gate's
+    if Path(path).stem != baseline.gate:
+        raise UsageError(
+            f"{path} is not a valid baseline: its gate field says {baseline.gate!r} but the file is named for "
+            f"{Path(path).stem!r}; rename it to {baseline.gate}.json or save the baseline again"
+        )
+    return baseline
 
 
 def _entries(result: GateResult, run_id: str) -> list[BaselineEntry]:
@@ -438,12 +448,6 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
         seen = set()
         for bench in result.bench:
             timed = [c for c in bench.contenders if _a_figure_of_its_mode(c)]
-            for c in timed:
-                if not (math.isfinite(c.median_ms) and c.median_ms > 0):
-                    raise UsageError(
-                        f"run {report.run_id}: {result.gate}/{result.preset}/{bench.case}/{bench.mode}/"
-                        f"{c.name} has median_ms {c.median_ms}, not a positive time; the report was edited or is broken"
-                    )
             # how the bench's reference and peers moved: a slower machine shows in all of them
             moved = {c.name: c.median_ms / _center(saved[(bench.case, bench.mode, c.name)])
                      for c in timed if c.role != "arm" and (bench.case, bench.mode, c.name) in saved}

@@ -238,11 +238,14 @@ def tolerance_check(
     if ref.numel() == 0:
         return TensorCheck(**base, passed=True, compared=0, nonfinite_match=True, arm_rel_l2=0.0, ref_rel_l2=0.0)
     problems = []
-    nan_a, nan_t = torch.isnan(arm), torch.isnan(truth)
+    # Where the float64 truth is finite but the reference is not, the buffers overflow the
+    # working dtype: NaN/Inf of the arm there is the input's fault, not the arm's (judge_arm
+    # says so). Everywhere else the arm's NaN/Inf positions must be the truth's.
+    overflow = torch.isfinite(truth) & ~torch.isfinite(ref) & ~torch.isfinite(arm)
+    nan_a, nan_t = torch.isnan(arm) & ~overflow, torch.isnan(truth)
     unwritten = int((nan_a & ~nan_t).sum())
-    nonfinite_match = bool(torch.equal(nan_a, nan_t)) and bool(
-        torch.equal(torch.isposinf(arm), torch.isposinf(truth)) and torch.equal(torch.isneginf(arm), torch.isneginf(truth))
-    )
+    nonfinite_match = bool(torch.equal(nan_a, nan_t)) and all(
+        torch.equal(kind(arm) & ~overflow, kind(truth)) for kind in (torch.isposinf, torch.isneginf))
     if unwritten:
         problems.append(Failure(check=Check.POISON, message=(
             f"{name}: {unwritten} elements NaN where the truth is finite (unwritten output)")))
@@ -279,6 +282,7 @@ def tolerance_check(
         arm_zero_rows=arm_zero,
         ref_zero_rows=ref_zero,
         nonfinite_match=nonfinite_match,
+        overflowed=int(overflow.sum()),
     )
 
 
@@ -426,6 +430,9 @@ def judge_arm(
         again = {n: t.detach() for n, t in arm(buffers, preset).items()}  # normal mode: what is timed
         deterministic, failure = _same_bits(outputs, again)
         failures.extend(failure)
+    overflowed = [c for c in checks if c.overflowed]
+    if overflowed and not failures:
+        raise CouldNotRun(_overflow_message(overflowed))
     first = next((c for c in checks if not c.passed), None)
     kept, counts = _trimmed(checks)
     result = ParityResult(
@@ -440,6 +447,16 @@ def judge_arm(
         failures=failures,
     )
     return result, outputs
+
+
+def _overflow_message(checks: list[TensorCheck]) -> str:
+    # the narrowest dtype overflowed first: wider outputs are NaN only downstream of it
+    dtypes = {c.dtype.removeprefix("torch.") for c in checks}
+    narrowest = min(dtypes, key=lambda name: torch.finfo(getattr(torch, name)).max)
+    where = "; ".join(f"{c.name}: {c.overflowed} elements" for c in checks[:KEPT_FAILURES])
+    return (f"the buffers overflow {narrowest}: NaN/Inf in both the reference and the arm where the float64 "
+            f"truth is finite ({where}); parity cannot judge values the working dtype cannot hold. Record "
+            "inputs scaled into its range, or in a wider dtype")
 
 
 def _same_bits(first: Outputs, again: Outputs, cause: str = "") -> tuple[bool, list[Failure]]:

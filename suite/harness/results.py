@@ -10,7 +10,7 @@ import json
 import re
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +26,12 @@ Role = Literal["reference", "arm", "peer"]
 # timed with CUDA events; wall: the host's clock, for arms that are not CUDA kernels
 TimingMode = Literal["graph", "eager", "wall"]
 CeilingKind = Literal["copy", "gemm", "none"]
+
+# What timing measured: a NaN, an infinity or a negative figure is a broken or edited report,
+# never a measurement, and a comparison would read it as "no change"
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a time or ratio comparisons divide by
+Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a floor, a rate, a host time
+LogRatio = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class Record(BaseModel):
@@ -84,6 +90,9 @@ class TensorCheck(Record):
     arm_zero_rows: float | None = None
     ref_zero_rows: float | None = None
     nonfinite_match: bool | None = None
+    # elements NaN/Inf in both the reference and the arm where the truth is finite: the
+    # buffers overflow the working dtype (not counted against the arm)
+    overflowed: int | None = None
 
     @property
     def message(self) -> str:
@@ -130,31 +139,31 @@ class ContenderTiming(Record):
     role: Role
     unavailable: str | None = None  # why it was not timed
     method: str = ""  # how it was timed, when not as the bench's mode says (e.g. capture failed)
-    cold_ms: float | None = None  # the first call (compile, autotune, capture), timed alone
-    median_ms: float | None = None  # median of the per-round medians
-    round_medians_ms: list[float] = Field(default_factory=list)
-    gbps: float | None = None
-    tflops: float | None = None
-    ceiling_fraction: float | None = None  # of the case's measured ceiling
-    gpu_busy_ms: float | None = None  # host-bound benches: kernel time per call, beside the wall time
-    host_us: float | None = None  # host time per call on the gate's host-probe shape
+    cold_ms: Amount | None = None  # the first call (compile, autotune, capture), timed alone
+    median_ms: Positive | None = None  # median of the per-round medians
+    round_medians_ms: list[Positive] = Field(default_factory=list)
+    gbps: Amount | None = None
+    tflops: Amount | None = None
+    ceiling_fraction: Amount | None = None  # of the case's measured ceiling
+    gpu_busy_ms: Amount | None = None  # host-bound benches: kernel time per call, beside the wall time
+    host_us: Amount | None = None  # host time per call on the gate's host-probe shape
     window: int | None = None  # calls per timing: the case's window, or 1 for calls of 1 ms or more (round_shape)
     # timed without a lead-in call: the device work its call had queued on return (ms), the
     # most an idle start added to each timing
-    idle_start_tail_ms: float | None = None
+    idle_start_tail_ms: Amount | None = None
 
 
 class Comparison(Record):
     """arm against one other contender: speedup = other's time / arm's time."""
 
     against: str
-    speedup: float
-    ci_low: float
-    ci_high: float
+    speedup: Positive
+    ci_low: Positive
+    ci_high: Positive
     verdict: Verdict
     # the relative floor it was judged against: the reference's A/A, or, for a peer the arm is
     # judged against, that peer's own A/A where it is wider
-    noise_floor: float
+    noise_floor: Amount
 
 
 class CriterionCheck(Record):
@@ -177,10 +186,10 @@ class BenchResult(Record):
     warmup_calls: int
     rounds: int
     calls_per_round: int
-    noise_floor: float  # relative spread of reference-vs-reference (A/A), e.g. 0.012 = 1.2%
-    aa_log_ratios: list[float]
+    noise_floor: Amount  # relative spread of reference-vs-reference (A/A), e.g. 0.012 = 1.2%
+    aa_log_ratios: list[LogRatio]
     # each peer the arm is judged against is timed twice a round too: its own A/A series
-    peer_aa_log_ratios: dict[str, list[float]]
+    peer_aa_log_ratios: dict[str, list[LogRatio]]
     contenders: list[ContenderTiming]
     comparisons: list[Comparison]
     criteria: list[CriterionCheck]
