@@ -2,12 +2,17 @@
 
 Routing (`route`) turns router logits [T, E] into a `Routing`: softmax in fp32, the top k
 experts of each token (ties to the lower expert id), their probabilities renormalised over
-the k when asked. Each (token t, slot s) pair is one row, flat index t * k + s. The rows are
-laid out expert-major; within an expert by flat index ascending, which is token order since
-a token picks an expert at most once. With a capacity factor an expert keeps only its first
-`capacity` rows in that order (the lowest tokens) and the rest are dropped: they have no
-sorted row and contribute nothing. Everything is built on the device without a host sync, so
-routing can sit inside a captured or overlapped step.
+the k when asked. `routing_from_topk` lays out a top-k choice someone else made (a model's own
+router). Each (token t, slot s) pair is one row, flat index t * k + s. The rows are laid out
+expert-major; within an expert by flat index ascending, which is token order. With a capacity
+factor an expert keeps only its first `capacity` rows in that order (the lowest tokens) and the
+rest are dropped: they have no sorted row and contribute nothing. Everything is built on the
+device without a host sync, so routing can sit inside a captured or overlapped step.
+
+The kernels index memory with the routing's integers, so a `Routing` is valid by construction
+(`route`, `routing_from_topk`) or checked when built by hand (`Routing(...)`,
+`dataclasses.replace`): on the CPU a ValueError naming the field, on a GPU a device-side
+assert with the same message, never a read out of bounds.
 
 The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]:
 
@@ -68,6 +73,11 @@ class Routing:
     capacity: int | None
     max_rows: int
 
+    def __post_init__(self) -> None:
+        # route() and routing_from_topk() skip this (_trusted_routing): they build valid layouts
+        _check_routing_shapes(self)
+        _check_routing_indices(self)
+
     @property
     def num_tokens(self) -> int:
         return self.expert_ids.shape[0]
@@ -88,27 +98,136 @@ class Routing:
         return self.row_id_map.view(self.num_tokens, self.k) >= 0
 
 
+def _trusted_routing(**fields) -> Routing:
+    """A Routing that route() or routing_from_topk() laid out: valid by construction, so it
+    skips the checks (a few dozen launches) that one built by hand gets."""
+    routing = object.__new__(Routing)
+    for name, value in fields.items():
+        object.__setattr__(routing, name, value)
+    return routing
+
+
+def _require(ok: torch.Tensor, message: str) -> None:
+    """An index check without a host sync: on a GPU a device-side assert (the process stops at
+    its next launch, printing `message`), on the CPU a ValueError now."""
+    if ok.device.type == "cpu":
+        if not bool(ok):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok, message)
+
+
+def _check_routing_shapes(r: Routing) -> None:
+    """A hand-built Routing's fields, types, shapes and devices: host metadata only."""
+    for name in ("num_experts", "k", "max_rows"):
+        if not _is_int(getattr(r, name)):
+            raise TypeError(f"Routing: {name} must be an int, got {getattr(r, name)!r}")
+    if r.capacity is not None and not (_is_int(r.capacity) and r.capacity >= 1):
+        raise ValueError(f"Routing: capacity must be a positive int or None, got {r.capacity!r}")
+    if not isinstance(r.expert_ids, torch.Tensor) or r.expert_ids.dim() != 2:
+        raise ValueError("Routing: expert_ids must be a tensor [tokens, k]; build a Routing with route() or "
+                         "routing_from_topk()")
+    tokens, k, num_experts = r.expert_ids.shape[0], r.k, r.num_experts
+    if num_experts < 1 or k < 1 or r.expert_ids.shape[1] != k:
+        raise ValueError(f"Routing: k ({k}) must be expert_ids.shape[1] ({r.expert_ids.shape[1]}), and k and "
+                         f"num_experts ({num_experts}) at least 1")
+    if not 0 <= r.max_rows <= tokens * k:
+        raise ValueError(f"Routing: max_rows must be in 0..{tokens * k} (tokens x k), got {r.max_rows}")
+    expected = {
+        "probs": ((tokens, k), None),
+        "expert_ids": ((tokens, k), torch.int32),
+        "offsets": ((num_experts + 1,), torch.int32),
+        "row_id_map": ((tokens * k,), torch.int32),
+        "source_of_row": ((r.max_rows,), torch.int32),
+        "token_of_row": ((r.max_rows,), torch.int32),
+        "routed_counts": ((num_experts,), torch.int32),
+    }
+    for name, (shape, dtype) in expected.items():
+        t = getattr(r, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"Routing: {name} must be a tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"Routing: {name} must have shape {shape}, got {tuple(t.shape)}")
+        if dtype is None and not t.is_floating_point():
+            raise TypeError(f"Routing: {name} must be floating point, not {t.dtype}")
+        if dtype is not None and t.dtype != dtype:
+            raise TypeError(f"Routing: {name} must be {dtype}, not {t.dtype}")
+        if t.device != r.expert_ids.device:
+            raise ValueError(f"Routing: {name} is on {t.device}, expert_ids on {r.expert_ids.device}")
+
+
+def _check_routing_indices(r: Routing) -> None:
+    """A hand-built Routing's integers describe a layout the kernels can index safely: every id
+    in range, the rows of expert e at offsets[e]:offsets[e+1] below max_rows, and the maps from
+    rows to (token, slot) and back inverse to each other. Checked on the device (`_require`)."""
+    tokens, k, num_experts, slots = r.num_tokens, r.k, r.num_experts, r.row_id_map.numel()
+    device = r.offsets.device
+    if slots:
+        lowest, highest = torch.aminmax(r.expert_ids)
+        _require(lowest.ge(0) & highest.lt(num_experts), f"Routing: expert_ids hold an id outside 0..{num_experts - 1}")
+    counts = r.offsets.diff()
+    num_rows = r.offsets[-1]
+    _require(r.offsets[0].eq(0) & counts.ge(0).all() & num_rows.le(r.max_rows),
+             f"Routing: offsets must rise from 0 to at most max_rows ({r.max_rows})")
+    kept_ok = counts.le(r.routed_counts).all()
+    if r.capacity is not None:
+        kept_ok &= counts.le(r.capacity).all()
+    _require(kept_ok, "Routing: an expert keeps more rows (offsets) than were routed to it or than its capacity")
+    rows = torch.arange(r.max_rows, device=device, dtype=torch.int32)
+    live = rows < num_rows
+    source, token = r.source_of_row.long(), r.token_of_row.long()
+    _require(torch.where(live, source.ge(0) & source.lt(slots), source.eq(-1)).all(),
+             "Routing: source_of_row must hold a flat index t * k + s below offsets[E] and -1 past it")
+    _require(torch.where(live, token.eq(source.div(k, rounding_mode="floor")), token.eq(-1)).all(),
+             "Routing: token_of_row must be source_of_row // k below offsets[E] and -1 past it")
+    row_of = r.row_id_map.long()
+    _require((row_of.ge(-1) & row_of.lt(num_rows)).all(), "Routing: row_id_map must hold -1 or a row below offsets[E]")
+    if r.max_rows == 0:
+        return
+    # the two maps invert each other, and each row sits in the range of the expert it chose
+    # (the gathers clamp: on a GPU the checks above have not stopped anything yet)
+    flat = torch.arange(slots, device=device)
+    _require(torch.where(row_of.ge(0), source[row_of.clamp(0, r.max_rows - 1)].eq(flat), True).all(),
+             "Routing: source_of_row[row_id_map[j]] must be j for every kept slot j")
+    from_row = source.clamp(0, slots - 1)
+    expert_of_row = torch.searchsorted(r.offsets[1:].contiguous(), rows, right=True)
+    _require(torch.where(live, row_of[from_row].eq(rows) & r.expert_ids.reshape(-1)[from_row].eq(expert_of_row),
+                         True).all(),
+             "Routing: each row below offsets[E] must map back to its slot and sit in its chosen expert's range")
+
+
 def expert_capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
     """ceil(capacity_factor * T * k / E), exact: the factor is read as the decimal it prints as,
     so 1.1 * 10 rows is 11, not the 12 that binary 1.1 (slightly above 1.1) would round up to."""
     return math.ceil(Fraction(repr(float(capacity_factor))) * num_tokens * k / num_experts)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_capacity_factor(fn: str, capacity_factor) -> None:
+    if capacity_factor is None:
+        return
+    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool) or not (
+            math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor!r}")
+
+
 def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None) -> Routing:
     """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"route: logits must be a tensor [tokens, experts], got {type(logits).__name__}")
     if logits.dim() != 2 or logits.shape[1] == 0:
         raise ValueError(f"route: logits must be [tokens, experts] with experts >= 1, got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"route: logits must be floating point, not {logits.dtype}")
-    num_tokens, num_experts = logits.shape
+    num_experts = logits.shape[1]
+    if not _is_int(k):
+        raise TypeError(f"route: k must be an int (the experts each token picks), got {type(k).__name__} {k!r}")
     if not 1 <= k <= num_experts:
         raise ValueError(f"route: k must be in 1..{num_experts} (the experts), got {k}")
-    if capacity_factor is not None and not (math.isfinite(capacity_factor) and capacity_factor > 0):
-        raise ValueError(f"route: capacity_factor must be a positive number or None, got {capacity_factor}")
-    num_slots = num_tokens * k
-    if num_slots > _MAX_ROWS:
-        raise ValueError(f"route: T * k = {num_slots} rows do not fit the int32 row indices")
-    device = logits.device
+    _check_capacity_factor("route", capacity_factor)
 
     full = torch.softmax(logits.float(), dim=-1)
     # A stable descending sort keeps equal probabilities in expert-id order, so ties go to the
@@ -118,7 +237,47 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     probs = full.gather(1, chosen)
     if renormalize:
         probs = probs / probs.sum(dim=-1, keepdim=True)
-    expert_ids = chosen.to(torch.int32)
+    return _layout(chosen.to(torch.int32), probs, num_experts, capacity_factor)
+
+
+def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                      capacity_factor: float | None = None) -> Routing:
+    """The expert-sorted layout (see `Routing`) of a top-k choice made elsewhere, a model's own
+    router: top_k_index [T, k] (any integer dtype), top_k_weights [T, k] the combine weights,
+    kept as `probs` in fp32 with their autograd link (router gradients flow back through them).
+
+    The expert ids come from user code, so they are checked on the device: an id outside
+    0..num_experts-1 is a ValueError on the CPU and a device-side assert on a GPU, no sync."""
+    fn = "routing_from_topk"
+    for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{fn}: {name} must be a tensor [tokens, k], got {shape}")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[1] == 0:
+        raise ValueError(f"{fn}: top_k_index {tuple(top_k_index.shape)} and top_k_weights "
+                         f"{tuple(top_k_weights.shape)} must share one shape [tokens, k >= 1]")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise TypeError(f"{fn}: top_k_index must hold integer expert ids, not {top_k_index.dtype}")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{fn}: top_k_weights must be floating point, not {top_k_weights.dtype}")
+    if top_k_index.device != top_k_weights.device:
+        raise ValueError(f"{fn}: top_k_index is on {top_k_index.device}, top_k_weights on {top_k_weights.device}")
+    if not _is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    _check_capacity_factor(fn, capacity_factor)
+    if top_k_index.numel():
+        lowest, highest = torch.aminmax(top_k_index)
+        _require(lowest.ge(0) & highest.lt(num_experts), f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
+    return _layout(top_k_index.to(torch.int32), top_k_weights.float(), num_experts, capacity_factor)
+
+
+def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None) -> Routing:
+    """The sorted layout of valid expert ids [T, k] int32 and their weights [T, k] fp32."""
+    num_tokens, k = expert_ids.shape
+    num_slots = num_tokens * k
+    if num_slots > _MAX_ROWS:
+        raise ValueError(f"routing: T * k = {num_slots} rows do not fit the int32 row indices")
+    device = expert_ids.device
 
     # Flat rows t * k + s are already in (token, slot) order, so a stable sort by expert alone
     # gives the layout: expert-major, then (token, slot) ascending.
@@ -152,7 +311,7 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     source_of_row = source[:max_rows]
     token_of_row = torch.where(source_of_row >= 0, source_of_row.div(k, rounding_mode="floor"), -1)
 
-    return Routing(
+    return _trusted_routing(
         probs=probs,
         expert_ids=expert_ids,
         offsets=offsets.to(torch.int32),
@@ -168,6 +327,14 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
 
 
 def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
+    if not isinstance(routing, Routing):
+        raise TypeError(f"experts: routing must be a Routing from route() or routing_from_topk(), got "
+                        f"{type(routing).__name__}")
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"experts: {name} must be a tensor, got {type(t).__name__}")
+    if w_gate.dim() != 3:
+        raise ValueError(f"experts: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
     num_experts, d, f = w_gate.shape
     if x.dim() != 2 or x.shape[1] != d:
         raise ValueError(f"experts: x must be [tokens, {d}], got shape {tuple(x.shape)}")

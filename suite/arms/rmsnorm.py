@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 
@@ -718,6 +719,16 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _native_rms_norm = torch._fused_rms_norm
 
 
+def _checked_scalars(eps, offset) -> tuple[float, float]:
+    """eps and offset as floats, or a ValueError: a string, a negative or a NaN eps (or a
+    non-finite offset) would give NaN rows without a word."""
+    for name, value, lowest in (("eps", eps, 0.0), ("offset", offset, -math.inf)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not lowest <= float(value) < math.inf:
+            bound = "a finite number >= 0" if name == "eps" else "a finite number"
+            raise ValueError(f"rms_norm: {name} must be {bound}, got {value!r}")
+    return float(eps), float(offset)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,
              impl: str = "auto") -> torch.Tensor:
     """RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype.
@@ -725,6 +736,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     impl="fused": our Triton kernels. impl="auto" (the default): the same, except where an eager
     loop runs faster on torch's native kernel (`routes_to_native`: small CUDA tensors, outside
     torch.compile and CUDA-graph capture), which then computes it."""
+    if not (type(eps) is float and 0.0 <= eps < math.inf and type(offset) is float and math.isfinite(offset)):
+        eps, offset = _checked_scalars(eps, offset)  # the plain floats above are the hot path
     if impl == "auto":
         # routes_to_native inlined, cheapest checks first: on this path every fraction of a
         # microsecond of Python is host time F.rms_norm does not pay. Inside a CUDA-graph
