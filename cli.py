@@ -172,7 +172,14 @@ _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EIO}
 
 
 def _unwritable(option: str, path: Path, exc: OSError) -> SuiteError:
-    reason = "it is a file, not a directory" if path.is_file() else exc.strerror or str(exc)
+    # the nearest existing ancestor: where a path "exists" as a file, mkdir only says EEXIST
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if path.is_file():
+        reason = "it is a file, not a directory"
+    elif existing is not None and not existing.is_dir():
+        reason = f"{existing} is a file, not a directory"
+    else:
+        reason = exc.strerror or str(exc)
     if exc.errno in _NO_ROOM:
         return CouldNotRun(f"cannot write {option} {path}: {reason}; free space there or pass another {option}")
     return UsageError(f"cannot write {option} {path}: {reason}; pass {option} a directory you can write to")
@@ -428,6 +435,9 @@ def baseline_compare(
     from suite.harness.render import render_comparison
     from suite.harness.results import load_report
 
+    if not baselines.is_dir():
+        raise UsageError(f"--baselines {baselines} is not a directory; pass the baselines directory "
+                         "(suite baseline save writes baselines/ by default)")
     result = compare(load_report(_report_path(report, reports)), baselines, force=force)
     sys.stdout.write(render_comparison(result) + "\n")
     if not result.judged:  # a comparison that compared nothing must not read as a pass

@@ -29,6 +29,7 @@ import torch
 from gates.optim_loop import MUON_LR, WEIGHT_DECAY, lambda_schedule, newton_schulz_float64
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon, muon_scale, newton_schulz
+from suite.errors import BadBuffers
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -113,7 +114,33 @@ def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
 
 
 def buffer_params(buffers: Buffers) -> dict[str, Any]:
-    return dict(steps=len({k.split("/")[0] for k in buffers if k.startswith("grad")}))
+    """The preset's params of recorded buffers, which must describe each case whole: its split,
+    its weight, and one gradient of the weight's shape per step."""
+    steps = len({k.split("/")[0] for k in buffers if k.startswith("grad")})
+    fix = "record them again with `suite record split-muon --out DIR`"
+    if steps == 0:
+        raise BadBuffers(f"split-muon buffers hold no gradients (grad00/<case>, ...); {fix}")
+    for case in CASES:
+        for name in (f"sizes/{case}", f"dim/{case}", f"param/{case}", *(f"grad{s:02d}/{case}" for s in range(steps))):
+            if name not in buffers:
+                raise BadBuffers(f"split-muon buffers lack {name!r} ({steps} steps of gradients found); {fix}")
+        param, sizes, dim = buffers[f"param/{case}"], buffers[f"sizes/{case}"], buffers[f"dim/{case}"]
+        if param.dim() != 2 or not param.is_floating_point():
+            raise BadBuffers(f"split-muon buffer 'param/{case}' must be a floating-point matrix, got "
+                             f"{param.dtype} of shape {list(param.shape)}; {fix}")
+        if dim.numel() != 1 or dim.is_floating_point() or int(dim.item()) not in (0, 1):
+            raise BadBuffers(f"split-muon buffer 'dim/{case}' must be [0] or [1], got {dim.tolist()}; {fix}")
+        along = param.shape[int(dim.item())]
+        if (sizes.dim() != 1 or sizes.is_floating_point() or sizes.numel() == 0 or bool((sizes <= 0).any())
+                or int(sizes.sum()) != along):
+            raise BadBuffers(f"split-muon buffer 'sizes/{case}' must be positive block sizes summing to param/{case}'s "
+                             f"{along} along dim {int(dim.item())}, got {sizes.tolist()}; {fix}")
+        for s in range(steps):
+            grad = buffers[f"grad{s:02d}/{case}"]
+            if grad.shape != param.shape or grad.dtype != param.dtype:
+                raise BadBuffers(f"split-muon buffer 'grad{s:02d}/{case}' must match param/{case} "
+                                 f"({param.dtype}, {list(param.shape)}), got {grad.dtype}, {list(grad.shape)}; {fix}")
+    return dict(steps=steps)
 
 
 def _split(buffers: Buffers, case: str) -> tuple[tuple[int, ...], int]:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import itertools
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,6 +36,8 @@ import suite.harness.atomic as atomic
 import suite.harness.buffers as buffers_module
 import suite.harness.store as store
 from cli import app
+from suite.arms import moe
+from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
 from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
@@ -82,6 +87,64 @@ def moe_overflowing(dtype: torch.dtype, scale: float):
         save_buffers(tensors, tmp / "dump", params=params, gate="moe-bwd", preset="tiny")
 
     return prepare
+
+
+def split_muon_edited(edit: Callable[[dict], None]):
+    """split-muon's tiny recording, `edit`ed and saved again whole (its digest matches)."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        assert invoke("record", "split-muon", "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+        tensors, manifest = load_buffers(tmp / "rec")
+        edit(tensors)
+        save_buffers(tensors, tmp / "dump", params=manifest.params, gate="split-muon", preset="tiny")
+
+    return prepare
+
+
+def moe_routing(tokens: int = 6, experts: int = 4, k: int = 2):
+    return moe.route(torch.randn(tokens, experts, generator=torch.Generator().manual_seed(0)), k, capacity_factor=1.0)
+
+
+def routing_with(field: str, index: int, value: int):
+    """A routing built by hand: route()'s, with one index of `field` set to `value`."""
+    def call(tmp: Path):
+        routing = moe_routing()
+        bad = getattr(routing, field).clone()
+        bad[index] = value
+        return dataclasses.replace(routing, **{field: bad})
+
+    return call
+
+
+def topk_with_expert(expert: int):
+    def call(tmp: Path):
+        ids = moe_routing().expert_ids.long()
+        ids[2, 1] = expert
+        return moe.routing_from_topk(ids, torch.full(ids.shape, 0.5), 4)
+
+    return call
+
+
+def experts_call(**change):
+    def call(tmp: Path):
+        routing = moe_routing()
+        gen = torch.Generator().manual_seed(1)
+        args = dict(x=torch.randn(6, 8, generator=gen), routing=routing, w_gate=torch.randn(4, 8, 5, generator=gen),
+                    w_up=torch.randn(4, 8, 5, generator=gen), w_down=torch.randn(4, 5, 8, generator=gen))
+        return moe.experts(**{**args, **change})
+
+    return call
+
+
+def library(fn, *args, **kwargs):
+    return lambda tmp: fn(*args, **kwargs)
+
+
+def rms_norm_eps(eps):
+    def call(tmp: Path):
+        return rms_norm(torch.randn(4, 8), torch.ones(8), eps=eps)
+
+    return call
 
 
 def recording(tmp: Path, mp: pytest.MonkeyPatch) -> None:
@@ -344,6 +407,11 @@ def comparison_does_not_say_passed(tmp: Path, outcome: Outcome) -> None:
     assert "passed" not in outcome.stdout and "nothing compared" in outcome.stdout
 
 
+def files_share_the_umask_mode(tmp: Path, outcome: Outcome) -> None:
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp / "rec").iterdir()}
+    assert set(modes.values()) == {0o666 & ~atomic.umask()}, modes
+
+
 def both_names_kept(tmp: Path, outcome: Outcome) -> None:
     loaded, _ = load_buffers(tmp / "dump")
     assert torch.equal(loaded["a"], loaded["b"])
@@ -435,7 +503,8 @@ CASES = [
     Case("12", "disk full during record", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
          COULD_NOT_RUN, "No space left on device", disk_full_while_recording, absent("rec")),
     Case("13", "baseline compare with no baseline", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/none"),
-         COULD_NOT_RUN, "nothing compared", bench_report, comparison_does_not_say_passed),
+         COULD_NOT_RUN, "nothing compared", both(bench_report, lambda tmp, mp: (tmp / "none").mkdir()),
+         comparison_does_not_say_passed),
     Case("14", "bench --strict on the CPU (nothing timed)", ("bench", "rmsnorm", "--strict", *CPU), COULD_NOT_RUN,
          "bench skipped under --strict: timing needs CUDA"),
     Case("15", "SUITE_PROFILE=rtx", ("gate", "rmsnorm", "--no-sabotage", *CPU), OK, "passed", env("SUITE_PROFILE", "rtx"),
@@ -469,6 +538,53 @@ CASES = [
          "finite (out: ", moe_overflowing(torch.float16, 3000.0)),
     Case("23.2", "moe-bwd buffers in fp32 with x scaled by 1e30", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
          COULD_NOT_RUN, "the buffers overflow float32", moe_overflowing(torch.float32, 1e30)),
+    Case("23.3", "routing_from_topk with an expert id past the experts", topk_with_expert(4), USAGE,
+         "routing_from_topk: top_k_index holds an expert id outside 0..3"),
+    Case("23.3", "routing_from_topk with an expert id -1", topk_with_expert(-1), USAGE,
+         "routing_from_topk: top_k_index holds an expert id outside 0..3"),
+    Case("23.3", "a hand-built Routing whose offsets pass the rows", routing_with("offsets", -1, 100), USAGE,
+         "Routing: offsets must rise from 0 to at most max_rows (12)"),
+    Case("23.3", "a hand-built Routing whose offsets are negative", routing_with("offsets", 1, -2), USAGE,
+         "Routing: offsets must rise from 0"),
+    Case("23.3", "a hand-built Routing with token_of_row -5", routing_with("token_of_row", 0, -5), USAGE,
+         "Routing: token_of_row must be source_of_row // k below offsets[E] and -1 past it"),
+    Case("23.3", "a hand-built Routing with token_of_row past the tokens", routing_with("token_of_row", 0, 6), USAGE,
+         "Routing: token_of_row must be source_of_row // k"),
+    Case("23.3", "a hand-built Routing with row_id_map -2", routing_with("row_id_map", 0, -2), USAGE,
+         "Routing: row_id_map must hold -1 or a row below offsets[E]"),
+    Case("23.3", "a hand-built Routing with row_id_map past the rows", routing_with("row_id_map", 0, 12), USAGE,
+         "Routing: row_id_map must hold -1 or a row below offsets[E]"),
+    Case("23.3", "a hand-built Routing with source_of_row past the slots", routing_with("source_of_row", 0, 12), USAGE,
+         "Routing: source_of_row must hold a flat index"),
+    Case("23.3", "a hand-built Routing with expert_ids past the experts", routing_with("expert_ids", 0, 4), USAGE,
+         "Routing: expert_ids hold an id outside 0..3"),
+    Case("23.6", "split-muon buffers whose split sizes miss the weight", ("gate", "split-muon", "--buffers", "{tmp}/dump",
+         "--no-sabotage", *CPU), COULD_NOT_RUN, "split-muon buffer 'sizes/qkv' must be positive block sizes summing to "
+         "param/qkv's 24 along dim 0, got [16, 16, 8]; record them again",
+         split_muon_edited(lambda t: t.__setitem__("sizes/qkv", torch.tensor([16, 16, 8])))),
+    Case("23.6", "split-muon buffers without gradients", ("gate", "split-muon", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "split-muon buffers hold no gradients",
+         split_muon_edited(lambda t: [t.pop(n) for n in [n for n in t if n.startswith("grad")]])),
+    Case("23.6", "split-muon buffers missing one step's gradient", ("gate", "split-muon", "--buffers", "{tmp}/dump",
+         "--no-sabotage", *CPU), COULD_NOT_RUN, "split-muon buffers lack 'grad03/qkv'",
+         split_muon_edited(lambda t: t.pop("grad03/qkv"))),
+    Case("23.6", "record --out under a file", ("record", "rmsnorm", "--preset", "tiny", "--out", "{tmp}/afile/sub"), USAGE,
+         "cannot write --out {tmp}/afile/sub: {tmp}/afile is a file, not a directory", file_at("afile", b"")),
+    Case("23.6", "baseline compare --baselines a missing directory", ("baseline", "compare", "--reports", "{tmp}/reports",
+         "--baselines", "{tmp}/missing"), USAGE, "--baselines {tmp}/missing is not a directory", bench_report),
+    Case("23.6", "suite report of a baseline file", ("report", "{tmp}/baselines/nvidia-h200/rmsnorm.json"), USAGE,
+         "rmsnorm.json is a baseline, not a run report", baseline_saved(lambda path: None)),
+    Case("23.6", "route with k=2.0", library(moe.route, torch.zeros(3, 4), 2.0), USAGE, "route: k must be an int (the experts each token picks), got float 2.0"),
+    Case("23.6", "route with k='2'", library(moe.route, torch.zeros(3, 4), "2"), USAGE, "route: k must be an int (the experts each token picks), got str '2'"),
+    Case("23.6", "experts with routing=None", experts_call(routing=None), USAGE,
+         "experts: routing must be a Routing from route() or routing_from_topk(), got NoneType"),
+    Case("23.6", "experts with a 2-D w_gate", experts_call(w_gate=torch.randn(8, 5)), USAGE,
+         "experts: w_gate must be [experts, hidden, ffn], got shape (8, 5)"),
+    Case("23.6", "rms_norm with eps '0.5'", rms_norm_eps("0.5"), USAGE, "rms_norm: eps must be a finite number >= 0, got '0.5'"),
+    Case("23.6", "rms_norm with eps -1", rms_norm_eps(-1), USAGE, "rms_norm: eps must be a finite number >= 0, got -1"),
+    Case("23.6", "rms_norm with eps NaN", rms_norm_eps(float("nan")), USAGE, "rms_norm: eps must be a finite number >= 0, got nan"),
+    Case("23.7", "a recording's two files", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
+         OK, "rec", check=files_share_the_umask_mode),
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
     Case("-", "save_buffers of a meta tensor", lambda tmp: save_buffers({"x": torch.empty(2, device="meta")}, tmp / "dump"),
@@ -495,11 +611,15 @@ def invoke(*args) -> Outcome:
 
 
 def run_case(case: Case, tmp: Path) -> Outcome:
+    """A library call's ValueError or TypeError (an argument it refuses) counts as exit 2, what
+    the CLI gives a usage error."""
     if callable(case.command):
         try:
             return Outcome(int(ExitCode.OK), str(case.command(tmp)))
         except SuiteError as exc:
             return Outcome(int(exc.exit_code), str(exc))
+        except (ValueError, TypeError) as exc:
+            return Outcome(int(ExitCode.USAGE), f"{type(exc).__name__}: {exc}")
     return invoke(*(arg.replace("{tmp}", str(tmp)) for arg in case.command))
 
 
@@ -528,12 +648,12 @@ def test_the_readme_lists_every_case():
 
 # ---- faults that need several processes or an outside signal -------------------------------
 
-OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130)}
+OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0)}
 
 
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
-    assert covered == {str(n) for n in range(1, 18)} | {"-"}
+    assert covered == {str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {"-"}
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
@@ -620,24 +740,150 @@ def test_6_concurrent_baseline_saves_keep_every_preset(tmp_path):
         assert sorted(r.preset for r in kept.runs) == presets
 
 
-def test_6_a_save_of_several_gates_is_all_or_nothing(tmp_path, monkeypatch):
-    save_baseline(make_report(), tmp_path)
-    before = {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")}
-    assert sorted(before) == ["muon.json", "rmsnorm.json"]
-    real_replace, calls = os.replace, []
+def saved_runs(directory: Path) -> dict[str, list[str]]:
+    """Each baseline file's run ids, as a reader finds them (load_baseline finishes a journal)."""
+    files = sorted(p for p in directory.glob("*.json") if not p.name.startswith("."))
+    return {p.name: sorted({r.run_id for r in load_baseline(p).runs}) for p in files}
 
-    def replace(src, dst):
-        calls.append(dst)
-        if len(calls) == 2:  # the first file is in place, the second fails
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_replace(src, dst)
 
-    monkeypatch.setattr(os, "replace", replace)
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()
+                  if p.name.startswith((atomic.TMP_PREFIX, atomic.OLD_PREFIX, atomic.JOURNAL_PREFIX)))
+
+
+@pytest.mark.parametrize("fail_at, saved", [(2, "before"), (5, "after")])
+def test_6_a_save_of_several_gates_that_fails_is_all_or_nothing(tmp_path, monkeypatch, fail_at, saved):
+    """An error while the files are staged changes none; one after the commit (the journal
+    published) is completed, so every file is new."""
+    save_baseline(make_report(run_id="before"), tmp_path)
+    directory = tmp_path / "nvidia-h200"
+    real = {"stage": atomic._stage_file, "rename": os.rename, "replace": os.replace}
+    calls = []
+
+    def failing(kind):
+        def call(*args):
+            calls.append(kind)
+            if len(calls) == fail_at:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real[kind](*args)
+        return call
+
+    # the calls: stage muon, stage rmsnorm, stage the journal, publish it, replace, replace
+    for kind, owner, name in (("stage", atomic, "_stage_file"), ("rename", os, "rename"), ("replace", os, "replace")):
+        monkeypatch.setattr(owner, name, failing(kind))
     with pytest.raises(OSError):
-        save_baseline(make_report(run_id="second"), tmp_path)
+        save_baseline(make_report(run_id="after"), tmp_path)
     monkeypatch.undo()
-    assert {p.name: p.read_text() for p in (tmp_path / "nvidia-h200").glob("*.json")} == before
-    assert not list((tmp_path / "nvidia-h200").glob(atomic.TMP_PREFIX + "*"))
+    assert saved_runs(directory) == {"muon.json": [saved], "rmsnorm.json": [saved]}
+    assert leftovers(directory) == []
+
+
+def _killed_at(point: int, target: Callable[[], None], ops: list[tuple[object, str]]) -> bool:
+    """Run target in a forked child that SIGKILLs itself at the point-th of the calls `ops`
+    make (before the even points' call, after the odd points'); whether it was killed."""
+    pid = os.fork()
+    if pid == 0:
+        count = [0]
+
+        def instrument(owner, name):
+            real = getattr(owner, name)
+
+            def call(*args, **kwargs):
+                count[0] += 1
+                index = count[0]  # its own: a call may make others (fsync_path an fsync)
+                if index * 2 == point:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                result = real(*args, **kwargs)
+                if index * 2 + 1 == point:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return result
+
+            setattr(owner, name, call)
+
+        try:
+            for owner, name in ops:
+                instrument(owner, name)
+            target()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+FILE_OPS = [(os, "rename"), (os, "replace"), (os, "unlink"), (atomic, "fsync_path"), (os, "fsync")]
+
+
+def test_23_4_a_save_of_several_gates_killed_at_any_point_is_all_old_or_all_new(tmp_path):
+    """SIGKILL before and after every rename, unlink and fsync of a two-gate save: a reader
+    finds both files old or both new, and the next save leaves nothing of the killed one."""
+    points = 0
+    for point in itertools.count(2):
+        root = tmp_path / f"k{point}"
+        save_baseline(make_report(run_id="old"), root)
+        directory = root / "nvidia-h200"
+        if not _killed_at(point, lambda: save_baseline(make_report(run_id="new"), root), FILE_OPS):
+            break
+        points += 1
+        found = saved_runs(directory)
+        assert found in ({"muon.json": ["old"], "rmsnorm.json": ["old"]}, {"muon.json": ["new"], "rmsnorm.json": ["new"]}), \
+            f"killed at point {point}: {found}"
+        save_baseline(make_report(run_id="next"), root)
+        assert leftovers(directory) == [], f"killed at point {point}"
+    assert points >= 20  # six staged writes, a commit, two renames, the journal's removal, their syncs
+
+
+def test_23_5_a_recording_replaced_and_killed_at_any_point_is_whole_and_tidied(tmp_path):
+    """SIGKILL around every rename, unlink and fsync of `record --overwrite`: the recording
+    loads (old or new), and the next write in its directory removes or puts back what the
+    killed one left, at once (its owner is dead), not an hour later."""
+    points = 0
+    for point in itertools.count(2):
+        parent = tmp_path / f"k{point}"
+        save_buffers({"x": torch.zeros(64)}, parent / "rec", seed=1)
+        replace = lambda: save_buffers({"x": torch.ones(64)}, parent / "rec", seed=2, overwrite=True)  # noqa: E731
+        if not _killed_at(point, replace, FILE_OPS + [(shutil, "rmtree")]):
+            break
+        points += 1
+        save_buffers({"y": torch.ones(1)}, parent / "other")  # the next write in that directory
+        _, manifest = load_buffers(parent / "rec")
+        assert manifest.seed in (1, 2), f"killed at point {point}"
+        assert leftovers(parent) == [], f"killed at point {point}"
+    assert points >= 8
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_23_5_leftovers_of_a_live_writer_stay_and_of_a_dead_one_go(tmp_path):
+    host = atomic._HOST
+    dead, live = f"{_dead_pid()}.{host}", f"{os.getpid()}.{host}"
+    names = {
+        "dead temp": f"{atomic.TMP_PREFIX}{dead}-rmsnorm.json-1a2b3c4d",
+        "live temp": f"{atomic.TMP_PREFIX}{live}-rmsnorm.json-1a2b3c4d",
+        "another host's temp": f"{atomic.TMP_PREFIX}{_dead_pid()}.ffff-rmsnorm.json-1a2b3c4d",
+        "an old version's fresh temp": f"{atomic.TMP_PREFIX}rmsnorm.json-1a2b3c4d",
+        "an old version's stale temp": f"{atomic.TMP_PREFIX}muon.json-1a2b3c4d",
+        "dead aside, its name back": f"{atomic.OLD_PREFIX}{dead}-1a2b3c4d-rec",
+        "dead aside, its name gone": f"{atomic.OLD_PREFIX}{dead}-5e6f7a8b-gone",
+        "an old version's stale aside": f"{atomic.OLD_PREFIX}rec2-1a2b3c4d",
+    }
+    for what, name in names.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "buffers.safetensors").write_bytes(b"x")
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec2").mkdir()
+    hour_ago = time.time() - 2 * atomic.STALE_TMP_S
+    for what in ("an old version's stale temp", "an old version's stale aside"):
+        os.utime(tmp_path / names[what], (hour_ago, hour_ago))
+    atomic.tidy(tmp_path)
+    kept = {what for what, name in names.items() if (tmp_path / name).exists()}
+    assert kept == {"live temp", "another host's temp", "an old version's fresh temp"}
+    assert (tmp_path / "gone" / "buffers.safetensors").exists()  # put back: its replacement never arrived
 
 
 def test_7_sigterm_from_outside_stops_a_run_with_130(tmp_path):

@@ -192,6 +192,7 @@ def test_compare_that_compares_nothing_is_not_a_pass(reports, tmp_path):
     from suite.harness.store import write_report
 
     path = write_report(make_report(), reports, "bench")
+    (tmp_path / "none").mkdir()
     result = invoke("baseline", "compare", path, "--baselines", tmp_path / "none")
     assert result.exit_code == ExitCode.COULD_NOT_RUN and "nothing compared" in result.output
 

@@ -3,28 +3,54 @@ baselines reach the disk.
 
 Everything is written under a hidden temporary name in the destination's own directory (so
 the rename stays on one filesystem), flushed with fsync, published by one rename, and then the
-directory is fsynced so that the rename itself survives a power cut. An interrupt (an
-exception, SIGINT, SIGTERM, SIGHUP) removes the temporaries on the way out; one left by a
-writer that could not clean up (SIGKILL, a power cut) is removed by the next writer in that
-directory once it is STALE_TMP_S old.
+directory is fsynced so that the rename itself survives a power cut. Several files that must
+change together (`replace_files`) are published through a journal: once every new file is
+staged and synced, a journal naming their renames is published, and from then on the change
+is committed; whoever finds a journal (the next writer, or a reader of one of its files)
+completes it. A crash at any point leaves every file old or every file new.
+
+What a writer leaves when it cannot clean up (SIGKILL, a power cut) is tidied by the next
+writer in that directory. Every such entry names its owner, `<pid>.<host>`, the writer's
+process id and a hash of its host's name:
+
+    .tmp-<owner>-<what>-<random>      a file or directory being staged: removed
+    .old-<owner>-<random>-<name>      `name` moved aside to be replaced: removed when `name`
+                                      exists again, else moved back (the replacement never
+                                      arrived, so the old one is the whole one)
+    .journal-<owner>-<random>.json    renames to complete: completed, then removed
+
+An entry is another writer's to tidy once its owner process no longer runs on this host, or,
+where that cannot be known (another host, a reused pid, a name without an owner), once it is
+STALE_TMP_S old.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
+import re
 import secrets
 import shutil
-import tempfile
+import socket
 import time
 from pathlib import Path
 from typing import Iterator
 
 TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+JOURNAL_PREFIX = ".journal-"
 STALE_TMP_S = 3600  # older than any write takes: its writer is gone
 # what a rename onto an existing, non-empty directory fails with (Linux, BSD)
 _TAKEN = (errno.EEXIST, errno.ENOTEMPTY)
+_HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:4]
+_OWNER = re.compile(r"(\d+)\.([0-9a-f]{4})")
+
+
+def _owner() -> str:
+    return f"{os.getpid()}.{_HOST}"  # read at each write: a forked child is a writer of its own
 
 
 def fsync_path(path: Path) -> None:
@@ -36,18 +62,95 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def remove_stale_temps(directory: Path) -> None:
-    cutoff = time.time() - STALE_TMP_S
-    for leftover in directory.glob(TMP_PREFIX + "*"):
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _abandoned(entry: Path, owner: str | None) -> bool:
+    """Whether `entry`'s writer is gone: its owner no longer runs here, or it is stale."""
+    match = _OWNER.fullmatch(owner or "")
+    if match and match.group(2) == _HOST and not _pid_runs(int(match.group(1))):
+        return True
+    try:
+        return entry.lstat().st_mtime < time.time() - STALE_TMP_S
+    except FileNotFoundError:
+        return False  # its writer finished meanwhile
+
+
+def _remove(entry: Path) -> None:
+    try:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    except FileNotFoundError:
+        pass  # another writer removed it first
+
+
+def _owner_of(name: str, prefix: str) -> str | None:
+    """The `<pid>.<host>` after the prefix, None for a name of an older version (no owner)."""
+    head = name[len(prefix):].split("-", 1)[0]
+    return head if _OWNER.fullmatch(head) else None
+
+
+def complete_journals(directory: Path) -> None:
+    """Finish the renames of every journal in `directory` (each published only once all its new
+    files were staged and synced, so finishing it is always right), then remove it. Readers call
+    this before reading, writers before writing. Idempotent: renames already done are skipped."""
+    for journal in sorted(directory.glob(JOURNAL_PREFIX + "*.json")):
         try:
-            if leftover.lstat().st_mtime >= cutoff:
-                continue  # may belong to a writer still at work
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink()
-        except OSError:
-            pass  # another writer removed it first
+            renames = json.loads(journal.read_text(encoding="utf-8"))["renames"]
+        except FileNotFoundError:
+            continue  # its writer completed it meanwhile
+        except (ValueError, KeyError) as exc:
+            raise OSError(f"{journal} is not a journal this suite wrote ({exc}); remove it by hand") from exc
+        for staged, final in renames:
+            try:
+                os.replace(directory / staged, directory / final)
+            except FileNotFoundError:
+                pass  # renamed already
+        fsync_path(directory)
+        journal.unlink(missing_ok=True)
+        fsync_path(directory)
+
+
+def tidy(directory: Path) -> None:
+    """What writers that died left in `directory` (see the module's rules): journals completed,
+    staged temporaries removed, old directories removed or put back."""
+    complete_journals(directory)
+    for entry in directory.glob(TMP_PREFIX + "*"):
+        if _abandoned(entry, _owner_of(entry.name, TMP_PREFIX)):
+            _remove(entry)
+    for entry in directory.glob(OLD_PREFIX + "*"):
+        owner = _owner_of(entry.name, OLD_PREFIX)
+        if owner is not None:
+            name = entry.name.split("-", 3)[3]  # .old-<owner>-<random>-<name>
+        else:  # an older version's .old-<name>-<random>
+            name = entry.name[len(OLD_PREFIX):].rsplit("-", 1)[0]
+        if not _abandoned(entry, owner):
+            continue
+        if (directory / name).exists():
+            _remove(entry)
+        else:
+            with contextlib.suppress(OSError):  # another writer put it back first
+                os.rename(entry, directory / name)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux tells it."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -63,9 +166,9 @@ def staging_directory(parent: Path, stem: str) -> Iterator[Path]:
     """A hidden temporary directory in `parent` to build a whole directory in, removed on the
     way out unless publish_directory moved it into place."""
     parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(parent)
+    tidy(parent)
     while True:
-        staged = parent / f"{TMP_PREFIX}{stem}-{secrets.token_hex(4)}"
+        staged = parent / f"{TMP_PREFIX}{_owner()}-{stem}-{secrets.token_hex(4)}"
         try:
             staged.mkdir()  # not mkdtemp: the published directory keeps the umask's permissions
             break
@@ -83,7 +186,8 @@ def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> No
     An existing non-empty `final` fails with OSError (EEXIST / ENOTEMPTY) unless `replace`.
     Replacing moves the old directory aside first and puts it back if the new one cannot take
     its place, so an error or an interrupt leaves the old directory or the new one, never
-    neither; only a SIGKILL between the two renames leaves the old one beside it as `.old-*`.
+    neither; a SIGKILL between the two renames leaves the old one aside, and the next writer
+    in the parent puts it back (`tidy`).
     """
     fsync_path(staged)
     aside: list[Path] = []
@@ -95,7 +199,7 @@ def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> No
             except OSError as exc:
                 if exc.errno not in _TAKEN or not replace:
                     raise
-            moved = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+            moved = final.with_name(f"{OLD_PREFIX}{_owner()}-{secrets.token_hex(4)}-{final.name}")
             with contextlib.suppress(FileNotFoundError):  # a concurrent writer moved it first
                 os.rename(final, moved)
                 aside.append(moved)
@@ -110,45 +214,55 @@ def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> No
 
 
 def _stage_file(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}-", dir=path.parent)
+    """`data` written and synced under a temporary name beside `path`."""
+    while True:
+        tmp = path.with_name(f"{TMP_PREFIX}{_owner()}-{path.name}-{secrets.token_hex(4)}")
+        try:
+            # O_EXCL: a name of its own; mode 0o666 less the umask, as open() would give the file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; these files are shared and committed
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return Path(tmp)
+    return tmp
 
 
 def replace_files(contents: dict[Path, str]) -> None:
-    """Replace each file whole, and all of them or none: every file is staged and synced
-    before the first rename, and an error or interrupt while renaming puts back the files
-    already replaced."""
-    staged: dict[Path, Path] = {}
-    replaced: dict[Path, bytes | None] = {}  # path -> what it held before (None: nothing)
+    """Replace each file of one directory whole, and all of them or none, whatever stops the
+    writer: every file is staged and synced, then a journal of their renames is published (the
+    commit), then the renames are made and the journal removed. An error or interrupt before
+    the commit leaves every file as it was; after it, the renames are completed (here, or by
+    the next writer or reader of the directory)."""
+    parents = {path.parent for path in contents}
+    if len(parents) != 1:
+        raise ValueError(f"replace_files writes the files of one directory, got {sorted(map(str, parents))}")
+    (directory,) = parents
+    directory.mkdir(parents=True, exist_ok=True)
+    tidy(directory)
+    staged: list[Path] = []
+    committed = False
     try:
-        for parent in {path.parent for path in contents}:
-            parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(parent)
+        renames = []
         for path, text in contents.items():
-            staged[path] = _stage_file(path, text.encode("utf-8"))
-        for path, tmp in staged.items():
-            before = path.read_bytes() if path.exists() else None
-            os.replace(tmp, path)
-            replaced[path] = before
-    except BaseException:
-        for path, before in replaced.items():
-            if before is None:
-                path.unlink(missing_ok=True)
-            else:
-                os.replace(_stage_file(path, before), path)
-        raise
+            staged.append(_stage_file(path, text.encode("utf-8")))
+            renames.append([staged[-1].name, path.name])
+        staged.append(_stage_file(directory / "journal", json.dumps({"renames": renames}).encode("utf-8")))
+        os.rename(staged[-1], directory / f"{JOURNAL_PREFIX}{_owner()}-{secrets.token_hex(4)}.json")
+        committed = True
+        fsync_path(directory)  # the journal, and the staged files it names, on the disk before any rename
     finally:
-        for tmp in staged.values():
-            tmp.unlink(missing_ok=True)  # already renamed away when published
-    for parent in {path.parent for path in contents}:
-        fsync_path(parent)
+        if not committed:
+            for tmp in staged:
+                tmp.unlink(missing_ok=True)
+    try:
+        complete_journals(directory)
+    except BaseException:
+        complete_journals(directory)  # interrupted between renames: they take microseconds
+        raise

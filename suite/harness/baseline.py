@@ -181,6 +181,10 @@ def baseline_path(baselines_dir: str | Path, fp: Fingerprint, gate: str) -> Path
 
 
 def load_baseline(path: str | Path) -> Baseline:
+    try:  # a save of several files that was stopped midway is finished before any is read
+        atomic.complete_journals(Path(path).parent)
+    except OSError as exc:
+        raise UsageError(f"cannot finish an interrupted baseline save in {Path(path).parent}: {exc}") from exc
     baseline = read_versioned_json(path, Baseline, BASELINE_SCHEMA_VERSION, "baseline", upgrades={3: _from_schema_3})
     # compare finds a gate's figures by the file's name: another gate's figures under it would
     # be judged as this gate's

@@ -154,6 +154,8 @@ def save_buffers(
     out = Path(os.path.abspath(out_dir))  # "." and ".." named: the rename needs the real parent
     with atomic.staging_directory(out.parent, out.name) as staged:
         save_file(host, str(staged / TENSORS))
+        # safetensors creates its file private; the recording's files share the umask's mode
+        os.chmod(staged / TENSORS, 0o666 & ~atomic.umask())
         atomic.fsync_path(staged / TENSORS)
         manifest = BufferManifest(
             gate=gate,

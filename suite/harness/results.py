@@ -281,6 +281,18 @@ def slugify(text: str) -> str:
 
 M = TypeVar("M", bound=BaseModel)
 
+# the fields that tell the suite's documents apart, and what each is for
+_KINDS = {
+    "run report": {"run_id", "results", "fingerprint"},
+    "baseline": {"gate", "fingerprint_class", "entries"},
+    "buffer manifest": {"manifest_version", "tensors"},
+}
+_KIND_USE = {
+    "run report": "render it with `suite report PATH`, judge it with `suite baseline compare PATH`",
+    "baseline": "`suite baseline compare` reads it from --baselines; pass a run's report.json here",
+    "buffer manifest": "pass its directory to `suite gate NAME --buffers DIR`",
+}
+
 
 def read_versioned_json(
     path: str | Path, model: type[M], schema_version: int, kind: str,
@@ -310,6 +322,9 @@ def read_versioned_json(
         ) from exc
     if not isinstance(data, dict):
         raise UsageError(f"{path} is not a {kind}: expected a JSON object, found {type(data).__name__}")
+    other = next((name for name, keys in _KINDS.items() if name != kind and keys <= data.keys()), None)
+    if other is not None:
+        raise UsageError(f"{path} is a {other}, not a {kind}; {_KIND_USE[other]}")
     found = data.get("schema_version")
     if found != schema_version and isinstance(found, int) and found in (upgrades or {}):
         data = upgrades[found](data)
