@@ -184,6 +184,18 @@ def test_tolerance_rejects_constant_output():
     assert not check.passed and "degenerate" in check.message
 
 
+def test_a_constant_the_reference_gives_too_is_not_degenerate():
+    """An exact constant (the gradient of probabilities renormalised over one expert is zero)
+    whose float64 truth is rounding noise around it: the arm matching the reference passes; a
+    constant arm beside a reference that varies still fails."""
+    truth = torch.randn(4, 8, dtype=torch.float64) * 1e-17
+    zeros = torch.zeros(4, 8)
+    assert parity.tolerance_check("t", zeros, zeros.clone(), truth, k=2.0, floor=1e-6).passed
+    varying = truth.float() + torch.randn(4, 8) * 1e-3
+    check = parity.tolerance_check("t", zeros, varying, varying.double(), k=2.0, floor=1.0)
+    assert not check.passed and "degenerate" in check.message
+
+
 def test_tolerance_zero_truth_row_must_be_reproduced_exactly():
     truth = torch.randn(4, 8, dtype=torch.float64)
     truth[2] = 0

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from fractions import Fraction
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,10 +112,10 @@ def _trusted_routing(**fields) -> Routing:
 def _require(ok: torch.Tensor, message: str) -> None:
     """An index check without a host sync: on a GPU a device-side assert (the process stops at
     its next launch, printing `message`), on the CPU a ValueError now."""
-    if ok.device.type == "cpu":
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok):
             raise ValueError(message)
-    else:
+    else:  # also on the CPU under torch.compile, where reading the flag would break the graph
         torch._assert_async(ok, message)
 
 
@@ -198,8 +200,11 @@ def _check_routing_indices(r: Routing) -> None:
 
 def expert_capacity(capacity_factor: float, num_tokens: int, k: int, num_experts: int) -> int:
     """ceil(capacity_factor * T * k / E), exact: the factor is read as the decimal it prints as,
-    so 1.1 * 10 rows is 11, not the 12 that binary 1.1 (slightly above 1.1) would round up to."""
-    return math.ceil(Fraction(repr(float(capacity_factor))) * num_tokens * k / num_experts)
+    so 1.1 * 10 rows is 11, not the 12 that binary 1.1 (slightly above 1.1) would round up to.
+    Integer arithmetic only, so a symbolic T under torch.compile(dynamic=True) passes through."""
+    factor = capacity_factor if isinstance(capacity_factor, Fraction) else Fraction(repr(float(capacity_factor)))
+    scale = factor.denominator * num_experts
+    return (factor.numerator * num_tokens * k + scale - 1) // scale
 
 
 def _is_int(value) -> bool:
@@ -209,8 +214,9 @@ def _is_int(value) -> bool:
 def _check_capacity_factor(fn: str, capacity_factor) -> None:
     if capacity_factor is None:
         return
-    if not isinstance(capacity_factor, (int, float)) or isinstance(capacity_factor, bool) or not (
-            math.isfinite(capacity_factor) and capacity_factor > 0):
+    # comparisons, not math.isfinite: under torch.compile(dynamic=True) the factor may be symbolic
+    if not isinstance(capacity_factor, numbers.Real) or isinstance(capacity_factor, bool) or not (
+            0 < capacity_factor < math.inf):
         raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor!r}")
 
 
@@ -229,15 +235,53 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
         raise ValueError(f"route: k must be in 1..{num_experts} (the experts), got {k}")
     _check_capacity_factor("route", capacity_factor)
 
+    if torch.compiler.is_compiling():
+        probs, expert_ids, _ = _topk_op(logits, k, renormalize)
+    else:
+        probs, expert_ids = _TopK.apply(logits, k, renormalize)
+    return _layout(expert_ids, probs, num_experts, capacity_factor)
+
+
+# ---- top-k and its gradient: one implementation behind eager calls and the custom op ----
+
+
+def _topk_forward(logits: torch.Tensor, k: int, renormalize: bool):
+    """-> (probs fp32 [T, k], expert_ids int32 [T, k], the full softmax fp32 [T, E])."""
     full = torch.softmax(logits.float(), dim=-1)
     # A stable descending sort keeps equal probabilities in expert-id order, so ties go to the
-    # lower id (torch.topk does not promise that). Only the indices are taken from the sort;
-    # the values are gathered so that probs stays differentiable.
-    chosen = torch.sort(full.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
-    probs = full.gather(1, chosen)
-    if renormalize:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return _layout(chosen.to(torch.int32), probs, num_experts, capacity_factor)
+    # lower id (torch.topk does not promise that).
+    chosen = torch.sort(full, dim=-1, descending=True, stable=True).indices[:, :k]
+    picked = full.gather(1, chosen)
+    probs = picked / picked.sum(dim=-1, keepdim=True) if renormalize else picked
+    return probs, chosen.to(torch.int32), full
+
+
+def _topk_backward(grad_probs, full, expert_ids, probs, renormalize: bool) -> torch.Tensor:
+    """d logits (fp32) of `_topk_forward`'s probs, the choice held fixed."""
+    chosen = expert_ids.long()
+    picked = full.gather(1, chosen)
+    if renormalize:  # q = p / sum(p): dp = (dq - sum(dq * q)) / sum(p)
+        grad_picked = (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) / picked.sum(-1, keepdim=True)
+    else:
+        grad_picked = grad_probs
+    # softmax: dz = s * (ds - sum(ds * s)), ds zero off the chosen experts
+    grad_full = torch.zeros_like(full).scatter_(1, chosen, grad_picked)
+    return full * (grad_full - (grad_picked * picked).sum(-1, keepdim=True))
+
+
+class _TopK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, k, renormalize):
+        probs, expert_ids, full = _topk_forward(logits, k, renormalize)
+        ctx.save_for_backward(full, expert_ids, probs)
+        ctx.renormalize, ctx.dtype = renormalize, logits.dtype
+        ctx.mark_non_differentiable(expert_ids)
+        return probs, expert_ids
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_ids):
+        full, expert_ids, probs = ctx.saved_tensors
+        return _topk_backward(grad_probs, full, expert_ids, probs, ctx.renormalize).to(ctx.dtype), None, None
 
 
 def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
@@ -272,13 +316,28 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
 
 
 def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None) -> Routing:
-    """The sorted layout of valid expert ids [T, k] int32 and their weights [T, k] fp32."""
+    """The Routing of valid expert ids [T, k] int32 and their weights [T, k] fp32."""
     num_tokens, k = expert_ids.shape
     num_slots = num_tokens * k
     if num_slots > _MAX_ROWS:
         raise ValueError(f"routing: T * k = {num_slots} rows do not fit the int32 row indices")
-    device = expert_ids.device
+    capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
+    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
+    index = _layout_op if torch.compiler.is_compiling() else _layout_indices
+    offsets, row_id_map, source_of_row, token_of_row, routed_counts = index(expert_ids, num_experts, capacity)
+    return _trusted_routing(
+        probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
+        token_of_row=token_of_row, routed_counts=routed_counts, num_experts=num_experts, k=k, capacity=capacity,
+        max_rows=max_rows,
+    )
 
+
+def _layout_indices(expert_ids: torch.Tensor, num_experts: int, capacity: int | None):
+    """-> (offsets, row_id_map, source_of_row, token_of_row, routed_counts), int32 (see Routing)."""
+    num_tokens, k = expert_ids.shape
+    num_slots = num_tokens * k
+    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
+    device = expert_ids.device
     # Flat rows t * k + s are already in (token, slot) order, so a stable sort by expert alone
     # gives the layout: expert-major, then (token, slot) ascending.
     flat_ids = expert_ids.reshape(-1)
@@ -289,16 +348,10 @@ def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, cap
     routed_counts = routed_start.diff()
     position = torch.arange(num_slots, device=device, dtype=torch.int64)
     rank = position - routed_start.index_select(0, sorted_ids)  # place within its expert, lowest token first
-
-    if capacity_factor is None:
-        capacity, max_rows = None, num_slots
-        kept_counts = routed_counts
-        kept = torch.ones_like(rank, dtype=torch.bool)
+    if capacity is None:
+        kept_counts, kept = routed_counts, torch.ones_like(rank, dtype=torch.bool)
     else:
-        capacity = expert_capacity(capacity_factor, num_tokens, k, num_experts)
-        max_rows = min(num_slots, num_experts * capacity)
-        kept_counts = routed_counts.clamp(max=capacity)
-        kept = rank < capacity
+        kept_counts, kept = routed_counts.clamp(max=capacity), rank < capacity
     offsets = torch.zeros(num_experts + 1, device=device, dtype=torch.int64)
     offsets[1:] = kept_counts.cumsum(0)
     # kept rows keep their relative order: the row is the expert's kept start plus the rank
@@ -310,20 +363,7 @@ def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, cap
     source = torch.full((max_rows + 1,), -1, device=device, dtype=torch.int64).scatter_(0, target, order)
     source_of_row = source[:max_rows]
     token_of_row = torch.where(source_of_row >= 0, source_of_row.div(k, rounding_mode="floor"), -1)
-
-    return _trusted_routing(
-        probs=probs,
-        expert_ids=expert_ids,
-        offsets=offsets.to(torch.int32),
-        row_id_map=row_id_map.to(torch.int32),
-        source_of_row=source_of_row.to(torch.int32),
-        token_of_row=token_of_row.to(torch.int32),
-        routed_counts=routed_counts.to(torch.int32),
-        num_experts=num_experts,
-        k=k,
-        capacity=capacity,
-        max_rows=max_rows,
-    )
+    return tuple(t.to(torch.int32) for t in (offsets, row_id_map, source_of_row, token_of_row, routed_counts))
 
 
 def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
@@ -384,40 +424,150 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     return experts_reference(x.double(), wide, w_gate.double(), w_up.double(), w_down.double())
 
 
+def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+    """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
+    routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
+    never read."""
+    a, g, u = moe_kernels.expert_up(x, w_gate, w_up, token_of_row, offsets)
+    y_rows = moe_kernels.expert_down(a, w_down, offsets)
+    return moe_kernels.combine(y_rows, row_id_map, probs), a, g, u, y_rows
+
+
+def _experts_backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+    """-> (dx, dprobs, dw_gate, dw_up, dw_down)."""
+    grad_rows, grad_probs = moe_kernels.combine_backward(grad_out.contiguous(), y_rows, probs, row_id_map)
+    dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
+    # each token's k slots summed in slot order, so dx repeats its bits run to run
+    dx = moe_kernels.combine(dx_rows, row_id_map, top_k=probs.shape[1])
+    return dx, grad_probs, dw_gate, dw_up, dw_down
+
+
 class _ExpertsFunction(torch.autograd.Function):
-    """The experts on the kernels. Every buffer is sized by routing.max_rows (a host bound), so
-    neither pass reads R on the host; rows past R are never read."""
+    """Eager calls: the kernels behind autograd without the custom op's dispatch (about 20 us a
+    call of host time; scripts/moe_host_probe.py measures the entry points)."""
 
     @staticmethod
-    def forward(ctx, x, probs, w_gate, w_up, w_down, routing):
-        a, g, u = moe_kernels.expert_up(x, w_gate, w_up, routing.token_of_row, routing.offsets)
-        y_rows = moe_kernels.expert_down(a, w_down, routing.offsets)
-        out = moe_kernels.combine(y_rows, routing.row_id_map, probs)
-        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, a, g, u, y_rows)
-        ctx.routing = routing
+    def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+        out, *saved = _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, probs, w_gate, w_up, w_down, a, g, u, y_rows = ctx.saved_tensors
-        routing = ctx.routing
-        grad_rows, grad_probs = moe_kernels.combine_backward(grad_out.contiguous(), y_rows, probs, routing.row_id_map)
-        dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, routing.offsets)
-        dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(
-            dg, du, x, w_gate, w_up, routing.token_of_row, routing.offsets
-        )
-        # each token's k slots summed in slot order, so dx repeats its bits run to run
-        dx = moe_kernels.combine(dx_rows, routing.row_id_map, top_k=routing.k)
-        return dx, grad_probs, dw_gate, dw_up, dw_down, None
+        return *_experts_backward(grad_out, *ctx.saved_tensors), None, None, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
     autograd the gradients for x, the three weights and routing.probs (hence the logits).
-    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout."""
+    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout. Under
+    torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    return _ExpertsFunction.apply(x.contiguous(), probs, w_gate, w_up, w_down, routing)
+    args = (x.contiguous(), probs, w_gate, w_up, w_down, routing.token_of_row, routing.offsets, routing.row_id_map)
+    if torch.compiler.is_compiling():
+        return _experts_op(*args)[0]
+    return _ExpertsFunction.apply(*args)
+
+
+# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
+
+
+@torch.library.custom_op("suite::moe_topk", mutates_args=())
+def _topk_op(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _topk_forward(logits, k, renormalize)
+
+
+@_topk_op.register_fake
+def _(logits, k, renormalize):
+    tokens = logits.shape[0]
+    return (logits.new_empty(tokens, k, dtype=torch.float32), logits.new_empty(tokens, k, dtype=torch.int32),
+            logits.new_empty(logits.shape, dtype=torch.float32))
+
+
+@torch.library.custom_op("suite::moe_topk_backward", mutates_args=())
+def _topk_backward_op(grad_probs: torch.Tensor, full: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor,
+                      renormalize: bool) -> torch.Tensor:
+    return _topk_backward(grad_probs, full, expert_ids, probs, renormalize)
+
+
+@_topk_backward_op.register_fake
+def _(grad_probs, full, expert_ids, probs, renormalize):
+    return full.new_empty(full.shape)
+
+
+def _topk_setup(ctx, inputs, output):
+    logits, _, renormalize = inputs
+    probs, expert_ids, full = output
+    ctx.save_for_backward(full, expert_ids, probs)
+    ctx.mark_non_differentiable(expert_ids, full)
+    ctx.renormalize, ctx.dtype = renormalize, logits.dtype
+
+
+def _topk_op_backward(ctx, grad_probs, _grad_ids, _grad_full):
+    full, expert_ids, probs = ctx.saved_tensors
+    return _topk_backward_op(grad_probs, full, expert_ids, probs, ctx.renormalize).to(ctx.dtype), None, None
+
+
+_topk_op.register_autograd(_topk_op_backward, setup_context=_topk_setup)
+
+
+@torch.library.custom_op("suite::moe_layout", mutates_args=())
+def _layout_op(expert_ids: torch.Tensor, num_experts: int, capacity: Optional[int]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _layout_indices(expert_ids, num_experts, capacity)
+
+
+@_layout_op.register_fake
+def _(expert_ids, num_experts, capacity):
+    num_slots = expert_ids.numel()
+    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
+    return tuple(expert_ids.new_empty(n, dtype=torch.int32)
+                 for n in (num_experts + 1, num_slots, max_rows, max_rows, num_experts))
+
+
+@torch.library.custom_op("suite::moe_experts", mutates_args=())
+def _experts_op(x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                token_of_row: torch.Tensor, offsets: torch.Tensor, row_id_map: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+
+
+@_experts_op.register_fake
+def _(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+    rows, (_, d, f) = token_of_row.shape[0], w_gate.shape
+    return (x.new_empty(x.shape[0], d), x.new_empty(rows, f), x.new_empty(rows, f), x.new_empty(rows, f),
+            x.new_empty(rows, d))
+
+
+@torch.library.custom_op("suite::moe_experts_backward", mutates_args=())
+def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor,
+                         w_up: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                         y_rows: torch.Tensor, token_of_row: torch.Tensor, offsets: torch.Tensor,
+                         row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    return _experts_backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
+                             row_id_map)
+
+
+@_experts_backward_op.register_fake
+def _(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+    return (x.new_empty(x.shape), probs.new_empty(probs.shape), w_gate.new_empty(w_gate.shape),
+            w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
+
+
+def _experts_setup(ctx, inputs, output):
+    x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map = inputs
+    ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *output[1:], token_of_row, offsets, row_id_map)
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _experts_op_backward(ctx, grad_out, *_grad_saved):
+    return *_experts_backward_op(grad_out, *ctx.saved_tensors), None, None, None
+
+
+_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_setup)
 
 
 EXPERTS_IMPLS = ("fused", "eager")
@@ -435,7 +585,10 @@ class MoEExperts(nn.Module):
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
         self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
+        _check_capacity_factor("MoEExperts", capacity_factor)
         self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
+        # exact, and a constant to torch.compile (a float attribute turns symbolic under dynamic=True)
+        self._capacity = None if capacity_factor is None else Fraction(repr(float(capacity_factor)))
         factory = dict(device=device, dtype=dtype)
         self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
         self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
@@ -451,7 +604,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, self.hidden_size)
-        routing = route(self.router(tokens), self.top_k, self.renormalize, self.capacity_factor)
+        routing = route(self.router(tokens), self.top_k, self.renormalize, self._capacity)
         run = experts if self.impl == "fused" else experts_reference
         return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
 

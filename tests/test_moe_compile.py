@@ -1,0 +1,175 @@
+"""The MoE arm inside torch.compile: routing and the experts as custom ops with fake shapes and
+registered autograd, no graph break, the eager arm's bits. On the CPU the kernels run under
+Triton's interpreter (the aot_eager backend: inductor's CPU code is not what a GPU user runs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suite.arms import moe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HIDDEN, FFN, EXPERTS, K = 16, 12, 4, 2
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def layer(capacity_factor=None, dtype=torch.float32, device=DEVICE, hidden=HIDDEN, ffn=FFN, experts=EXPERTS, k=K):
+    torch.manual_seed(0)
+    return moe.MoEExperts(hidden, ffn, experts, k, capacity_factor=capacity_factor, device=device, dtype=dtype)
+
+
+def inputs(tokens, dtype=torch.float32, device=DEVICE, hidden=HIDDEN, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    return x, (torch.randn(tokens, hidden, generator=gen) * 1e-2).to(device, dtype)
+
+
+def out_and_grads(fn, module, x, dy):
+    """The output and the gradients of x and every parameter (the router's too)."""
+    x = x.detach().requires_grad_()
+    out = fn(x)
+    params = [p for _, p in sorted(module.named_parameters())]
+    return [out.detach(), *torch.autograd.grad(out, [x, *params], dy)]
+
+
+def assert_same_bits(got, expected):
+    assert len(got) == len(expected)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.dtype == e.dtype and g.shape == e.shape, i
+        assert torch.equal(g.view(torch.uint8), e.view(torch.uint8)) if g.numel() else True, i
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_the_layer_traces_to_one_graph_of_custom_ops(capacity_factor):
+    module = layer(capacity_factor)
+    x, _ = inputs(9)
+    explained = torch._dynamo.explain(module)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    code = explained.graphs[0].code
+    assert all(f"suite.moe_{op}" in code for op in ("topk", "layout", "experts")), code
+
+
+def test_routing_from_topk_traces_without_a_break():
+    def model_router(x, weight):
+        probs = torch.softmax(x @ weight, dim=-1)
+        top_w, top_i = torch.topk(probs, K)
+        return moe.routing_from_topk(top_i, top_w, EXPERTS).offsets
+
+    x, _ = inputs(9)
+    explained = torch._dynamo.explain(model_router)(x, torch.randn(HIDDEN, EXPERTS, device=DEVICE))
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_fullgraph_compile_gives_the_eager_bits(capacity_factor):
+    module = layer(capacity_factor)
+    x, dy = inputs(9)
+    expected = out_and_grads(module, module, x, dy)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    assert_same_bits(out_and_grads(compiled, module, x, dy), expected)
+
+
+def test_dynamic_token_counts_compile_once():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    module = layer(1.25)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(module, fullgraph=True, backend=counter, dynamic=True)
+    for tokens in (7, 13, 22):
+        x, dy = inputs(tokens, seed=tokens)
+        assert_same_bits(out_and_grads(compiled, module, x, dy), out_and_grads(module, module, x, dy))
+    assert counter.frame_count == 1
+
+
+def test_eager_calls_skip_the_custom_ops(monkeypatch):
+    def dispatched(*args):
+        raise AssertionError("an eager call went through a custom op")
+
+    for name in ("_topk_op", "_layout_op", "_experts_op"):
+        monkeypatch.setattr(moe, name, dispatched)
+    module = layer(1.0)
+    x, dy = inputs(9)
+    out_and_grads(module, module, x, dy)
+
+
+def _op_args(tokens=9, capacity=None):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(tokens, EXPERTS, generator=gen).to(DEVICE).requires_grad_()
+    routing = moe.route(logits.detach(), K)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE).requires_grad_()
+    weights = [(torch.randn(EXPERTS, *shape, generator=gen) * 0.3).to(DEVICE).requires_grad_()
+               for shape in ((HIDDEN, FFN), (HIDDEN, FFN), (FFN, HIDDEN))]
+    probs = routing.probs.clone().requires_grad_()
+    return logits, routing, x, probs, weights
+
+
+def test_opcheck_passes_for_each_op():
+    logits, routing, x, probs, weights = _op_args()
+    r = routing
+    torch.library.opcheck(moe._topk_op, (logits, K, True))
+    torch.library.opcheck(moe._topk_op, (logits, K, False))
+    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, None))
+    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, 3))
+    torch.library.opcheck(moe._experts_op, (x, probs, *weights, r.token_of_row, r.offsets, r.row_id_map))
+    out, a, g, u, y_rows = moe._experts_op(x.detach(), probs.detach(), *[w.detach() for w in weights],
+                                           r.token_of_row, r.offsets, r.row_id_map)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(moe._experts_backward_op, (grad_out, x.detach(), probs.detach(), *[w.detach() for w in weights],
+                                                     a, g, u, y_rows, r.token_of_row, r.offsets, r.row_id_map))
+    _, expert_ids, full = moe._topk_op(logits.detach(), K, True)
+    torch.library.opcheck(moe._topk_backward_op, (torch.randn(9, K, device=DEVICE), full, expert_ids, r.probs, True))
+
+
+def test_the_topk_gradient_is_the_softmax_chain_rule():
+    """_topk_backward against autograd through softmax, gather and the renormalisation in
+    float64: the analytic gradient the arm and the custom op share."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(11, 6, generator=gen, dtype=torch.float64)
+    upstream = torch.randn(11, 3, generator=gen, dtype=torch.float64)
+    for renormalize in (True, False):
+        routing = moe.route(logits.float(), 3, renormalize)
+        wide = logits.clone().requires_grad_()
+        picked = torch.softmax(wide, -1).gather(1, routing.expert_ids.long())
+        probs = picked / picked.sum(-1, keepdim=True) if renormalize else picked
+        (expected,) = torch.autograd.grad(probs, wide, upstream)
+        full = torch.softmax(logits, -1)
+        got = moe._topk_backward(upstream, full, routing.expert_ids, probs.detach(), renormalize)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+
+# ---- on the GPU: inductor, and CUDA graphs ---------------------------------------------------
+
+
+def _gpu_layer():
+    return layer(None, torch.bfloat16, "cuda", hidden=256, ffn=384, experts=8, k=2)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_inductor_gives_the_eager_bits(capacity_factor):
+    module = layer(capacity_factor, torch.bfloat16, "cuda", hidden=256, ffn=384, experts=8, k=2)
+    x, dy = inputs(1000, torch.bfloat16, "cuda", hidden=256)
+    expected = out_and_grads(module, module, x, dy)
+    compiled = torch.compile(module, fullgraph=True)
+    assert_same_bits(out_and_grads(compiled, module, x, dy), expected)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_reduce_overhead_replays_cuda_graphs_with_the_eager_bits():
+    module = _gpu_layer()
+    compiled = torch.compile(module, fullgraph=True, mode="reduce-overhead")
+    for step in range(4):  # warm-up, record, then replays
+        x, dy = inputs(1000, torch.bfloat16, "cuda", hidden=256, seed=step)
+        got = out_and_grads(compiled, module, x, dy)
+        assert_same_bits(got, out_and_grads(module, module, x, dy))
