@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from suite.arms import moe_kernels
 from suite.arms.moe import expert_rows, experts, experts_reference, route
@@ -320,6 +321,84 @@ def grouped_mm_experts(x, routing, w_gate, w_up, w_down) -> torch.Tensor:
     return _combine_in_torch(y_rows, routing)
 
 
+def gate_up_layout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights as transformers 5 stores a model's experts: gate_up_proj [E, 2f, d] (gate then
+    up, each row an output feature) and down_proj [E, d, f]; fresh leaves, made at build time."""
+    w_gate, w_up, w_down = (w.detach() for w in weights)
+    gate_up = torch.cat([w_gate, w_up], dim=2).transpose(1, 2).contiguous()
+    return [nn.Parameter(gate_up), nn.Parameter(w_down.transpose(1, 2).contiguous())]
+
+
+def grouped_mm_gate_up(x, routing, gate_up, down) -> torch.Tensor:
+    """transformers 5's grouped_mm experts on the same expert-sorted rows: gate and up in one
+    torch._grouped_mm over the concatenated weight, torch's own silu * up in x's dtype, the
+    down projection, the combine in torch."""
+    ends = routing.offsets[1:]
+    x_rows = x[routing.token_of_row.long().clamp(min=0)]
+    gate, up = torch._grouped_mm(x_rows, gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+    y_rows = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=ends)
+    return _combine_in_torch(y_rows, routing)
+
+
+# Compiled peers are timed at the model presets alone: compiling a forward and backward takes
+# tens of seconds of the H200 host's time per contender and shape, which `suite run` (top2-small)
+# cannot spend within its budget.
+COMPILED_AT = ("olmoe", "qwen3-30b-a3b", "mixtral")
+_compiled: dict[tuple, Callable] = {}
+
+
+def compiled(fn: Callable, preset: Preset) -> Callable:
+    """fn under torch.compile(fullgraph=True, dynamic=False), once per preset: its cases, modes
+    and rotated inputs share the compiled code. A new preset starts dynamo afresh: past its
+    recompile limit (8 shapes of one function) it would run the eager code without a word."""
+    if preset.name not in COMPILED_AT:
+        raise ValueError(f"compiled peers are timed at {', '.join(COMPILED_AT)} only (compile time)")
+    key = (fn, preset.name, tuple(sorted(preset.params.items())))
+    if key not in _compiled:
+        if not any(k[1:] == key[1:] for k in _compiled):
+            torch._dynamo.reset()
+            _compiled.clear()
+        _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compiled[key]
+
+
+def transformers_experts(routing) -> Callable:
+    """transformers' own experts (an OLMoE experts module of this shape, its experts
+    implementation "grouped_mm"), called as a model calls it: with the top-k ids and weights,
+    its own sort and gathers included. Weights in its layout (gate_up_layout)."""
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+    if routing.capacity is not None:
+        raise ValueError("transformers' experts take no capacity factor: every routed slot is computed")
+    top_k_index = routing.expert_ids.long()
+    modules = {}  # one module per weight set (a rotation's inputs each have their own)
+
+    def run(x, routing, gate_up, down):
+        module = modules.get(id(gate_up))
+        if module is None:
+            num_experts, two_f, d = gate_up.shape
+            config = OlmoeConfig(hidden_size=d, intermediate_size=two_f // 2, num_experts=num_experts,
+                                 num_experts_per_tok=routing.k, hidden_act="silu")
+            config._experts_implementation = "grouped_mm"
+            module = modules[id(gate_up)] = OlmoeExperts(config)
+            module.gate_up_proj, module.down_proj = gate_up, down  # its parameters are the timed leaves
+        return module(x, top_k_index, routing.probs)
+
+    return run
+
+
+def _transformers_missing(device: torch.device) -> str | None:
+    try:
+        import transformers
+        from transformers.models.olmoe.modeling_olmoe import OlmoeExperts  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install 'suite[hf]')"
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return f"transformers {transformers.__version__} has no experts interface (needs >= 5)"
+    return _grouped_mm_missing(device)
+
+
 def padded_bmm(routing) -> Callable:
     """The experts as batched GEMMs over [E, C, ...], every expert padded to the largest one's
     C rows (read on the host here, once, as padded implementations do per step)."""
@@ -373,13 +452,17 @@ def _on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
     return result
 
 
-def _build(layer_for: Callable[[Any], Callable]) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
-    """A contender's build; `layer_for(routing)` gives its experts call, whatever it needs to
-    know of the layout read once here, at build time, so the timed call never syncs."""
+def _build(layer_for: Callable[..., Callable], weights_for: Callable[[list], list] | None = None,
+           ) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
+    """A contender's build; `layer_for(routing, preset)` gives its experts call, whatever it
+    needs to know of the layout read once here, at build time, so the timed call never syncs;
+    `weights_for` puts the weights in the contender's own layout (once, here)."""
 
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         x, weights, routing = _leaves(buffers, preset)
-        run = layer_for(routing)
+        if weights_for is not None:
+            weights = weights_for(weights)
+        run = layer_for(routing, preset)
         inputs, grad_out = (x, *weights, routing.probs), buffers["grad_out"]
         if case.name == "fwd+bwd":
             return lambda: torch.autograd.grad(run(x, routing, *weights), inputs, grad_out)
@@ -437,17 +520,31 @@ EXPERT_CASES = ("fwd+bwd", "bwd")
 
 CONTENDERS = (
     Contender("reference", "reference",
-              _per_case(_build(lambda routing: partial(experts_reference, rows=expert_rows(routing))),
+              _per_case(_build(lambda routing, _: partial(experts_reference, rows=expert_rows(routing))),
                         _build_combine_backward(kernel=False)),
               note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
                    "it can be captured); eager torch for the combine's backward"),
-    Contender("arm", "arm", _per_case(_build(lambda routing: experts), _build_combine_backward(kernel=True)),
+    Contender("arm", "arm", _per_case(_build(lambda routing, _: experts), _build_combine_backward(kernel=True)),
               note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd)"),
-    Contender("padded-bmm", "peer", _build(padded_bmm), cases=EXPERT_CASES,
+    Contender("padded-bmm", "peer", _build(lambda routing, _: padded_bmm(routing)), cases=EXPERT_CASES,
               note="torch.bmm over every expert padded to the largest one's rows"),
-    Contender("grouped_mm", "peer", _build(lambda routing: grouped_mm_experts), unavailable=_grouped_mm_missing,
+    Contender("grouped_mm", "peer", _build(lambda routing, _: grouped_mm_experts), unavailable=_grouped_mm_missing,
               cases=EXPERT_CASES,
               note="torch._grouped_mm for the three GEMMs on the same layout, gathers and combine in torch"),
+    Contender("grouped_mm gate|up", "peer", _build(lambda routing, _: grouped_mm_gate_up, gate_up_layout),
+              unavailable=_grouped_mm_missing, cases=EXPERT_CASES,
+              note="transformers 5's layout: gate and up in one torch._grouped_mm, torch's silu * up"),
+    Contender("grouped_mm gate|up compiled", "peer",
+              _build(lambda routing, preset: compiled(grouped_mm_gate_up, preset), gate_up_layout),
+              unavailable=_grouped_mm_missing, cases=("fwd+bwd",),
+              note="the same under torch.compile(fullgraph=True): what a compiled model with those experts runs"),
+    Contender("transformers grouped_mm", "peer", _build(lambda routing, _: transformers_experts(routing), gate_up_layout),
+              unavailable=_transformers_missing, cases=EXPERT_CASES,
+              note="transformers' OLMoE experts, implementation grouped_mm, from the top-k ids (its sort included)"),
+    # fwd+bwd alone: "bwd" runs the backward of one forward again and again (retain_graph),
+    # which a compiled backward that donates its buffers refuses
+    Contender("arm compiled", "peer", _build(lambda routing, preset: compiled(experts, preset)), cases=("fwd+bwd",),
+              note="the arm inside torch.compile(fullgraph=True): its custom ops as a compiled model calls them"),
     Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
               note="a device copy of the combine backward's bytes: what a transfer of this size reaches"),
 )
@@ -494,6 +591,7 @@ BENCHES = (
 )
 
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
+STRONGEST_PEERS = ("grouped_mm gate|up", "grouped_mm gate|up compiled", "transformers grouped_mm")
 
 PERF = PerfCriterion(
     not_slower_than=("reference",),
@@ -508,6 +606,11 @@ PERF = PerfCriterion(
         **{(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
            for name in MODEL_PRESETS for case in EXPERT_CASES},
         ("mixtral", "bwd"): {"grouped_mm": 0.8},
+        # the strongest peers a user can run instead (transformers 5's grouped_mm experts, eager
+        # and compiled): the arm ahead of each by 10% at olmoe and qwen3-30b-a3b, level at mixtral
+        **{(name, "fwd+bwd"): {"grouped_mm": 0.9 if name == "mixtral" else 1.0,
+                               **{peer: 1.0 if name == "mixtral" else 1.1 for peer in STRONGEST_PEERS}}
+           for name in COMPILED_AT},
         # the combine backward at 80% of copy bandwidth: of a copy of its own bytes timed beside
         # it (the copy ceiling is measured on 2 GB, and at top2-small's 84 MB a copy itself
         # reaches 79.7% of that; the ceiling's fraction is still reported). A device-time claim,

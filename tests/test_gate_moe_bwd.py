@@ -9,6 +9,7 @@ import torch
 
 import gatecheck
 import gates
+import gates.moe_bwd as moe_bwd
 from suite.arms import moe
 
 GATE = gates.get("moe-bwd")
@@ -111,24 +112,89 @@ def _assert_all_close(got, want):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
+def _in_reference_layout(got):
+    """A gate|up contender's gradients (x, gate_up [E, 2f, d], down [E, d, f], probs) as the
+    reference's (x, w_gate, w_up, w_down, probs)."""
+    if len(got) != 4:
+        return got
+    dx, d_gate_up, d_down, dprobs = got
+    f = d_gate_up.shape[1] // 2
+    return dx, d_gate_up[:, :f].transpose(1, 2), d_gate_up[:, f:].transpose(1, 2), d_down.transpose(1, 2), dprobs
+
+
+@pytest.fixture
+def compiled_on_the_cpu(monkeypatch):
+    """The compiled peers at the tiny presets, on aot_eager: inductor's CPU code is not what is
+    timed, the peers' maths is."""
+    from functools import partial
+
+    monkeypatch.setattr(moe_bwd, "COMPILED_AT", tuple(p.name for p in GATE.presets))
+    monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
+
+
 @pytest.mark.parametrize("case", [c.name for c in GATE.benches])
-def test_every_contender_matches_the_reference_in_every_case(case):
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny-top2"])
+def test_every_contender_matches_the_reference_in_every_case(case, preset_name, compiled_on_the_cpu):
     bench = next(c for c in GATE.benches if c.name == case)
-    preset = GATE.preset("tiny")  # capacity drops: dropped slots and padding rows must give nothing
+    # tiny: capacity drops (dropped slots and padding rows must give nothing); tiny-top2: none,
+    # which transformers' experts need
+    preset = GATE.preset(preset_name)
     buffers = GATE.make_buffers(preset, 1, CPU)
     contenders = {c.name: c for c in GATE.contenders_for(bench)}
     want = contenders.pop("reference").build(bench, buffers, preset)()
+    checked = set()
     for name, contender in contenders.items():
         if contender.unavailable(CPU):
             continue
+        if name == "transformers grouped_mm" and preset.params["capacity_factor"] is not None:
+            with pytest.raises(ValueError, match="take no capacity factor"):
+                contender.build(bench, buffers, preset)
+            continue
         got = contender.build(bench, buffers, preset)()
+        checked.add(name)
         if name == "copy":  # a yardstick, not an implementation: it moves the combine's bytes
             assert 2 * got.numel() * got.element_size() == bench.bytes(preset)
             continue
         if case == "combine-bwd":  # rows past R are never read
             rows = int(moe.route(buffers["logits"], 3, capacity_factor=1.0).num_rows)
             got, want = (got[0][:rows], got[1]), (want[0][:rows], want[1])
-        _assert_all_close(got, want)
+        _assert_all_close(_in_reference_layout(got), want)
+    if case == "fwd+bwd":
+        assert "arm compiled" in checked
+
+
+def _gate_up_grads(layer, buffers, preset, dtype=torch.float32):
+    buffers = {n: t.to(dtype) if n != "logits" else t for n, t in buffers.items()}
+    x, weights, routing = moe_bwd._leaves(buffers, preset)
+    gate_up, down = moe_bwd.gate_up_layout(weights)
+    out = layer(x, routing, gate_up, down)
+    return torch.autograd.grad(out, (x, gate_up, down, routing.probs), buffers["grad_out"]), (x, weights, routing)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_the_gate_up_peer_computes_the_experts():
+    """transformers 5's layout and one grouped_mm for gate and up: the reference's output and
+    gradients, once its weights' gradients are mapped back (timed on CUDA only; checked here
+    where torch runs grouped_mm on the CPU), and the same under torch.compile (bf16: the only
+    dtype grouped_mm compiles for)."""
+    preset = GATE.preset("tiny-top2")
+    buffers = GATE.make_buffers(preset, 1, CPU)
+    got, (x, weights, routing) = _gate_up_grads(moe_bwd.grouped_mm_gate_up, buffers, preset)
+    want = torch.autograd.grad(moe.experts_reference(x, routing, *weights), (x, *weights, routing.probs),
+                               buffers["grad_out"])
+    _assert_all_close(_in_reference_layout(got), want)
+    eager, _ = _gate_up_grads(moe_bwd.grouped_mm_gate_up, buffers, preset, torch.bfloat16)
+    layer = torch.compile(moe_bwd.grouped_mm_gate_up, backend="aot_eager", fullgraph=True)
+    for g, e in zip(_gate_up_grads(layer, buffers, preset, torch.bfloat16)[0], eager):
+        torch.testing.assert_close(g, e)
+
+
+def test_compiled_peers_are_timed_at_the_model_presets_alone():
+    bench = next(c for c in GATE.benches if c.name == "fwd+bwd")
+    peer = next(c for c in GATE.contenders_for(bench) if c.name == "arm compiled")
+    preset = GATE.preset("tiny")
+    with pytest.raises(ValueError, match="compiled peers are timed at olmoe, qwen3-30b-a3b, mixtral only"):
+        peer.build(bench, GATE.make_buffers(preset, 1, CPU), preset)
 
 
 @pytest.mark.cuda
@@ -148,7 +214,11 @@ def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
     for contender in GATE.contenders_for(bench):
         if contender.unavailable(cuda):
             continue
-        call = contender.build(bench, buffers, preset)
+        try:
+            call = contender.build(bench, buffers, preset)
+        except ValueError as exc:  # the compiled peers, at the model presets alone
+            assert "compiled peers are timed at" in str(exc)
+            continue
         want = [t.clone() for t in call()]
         outputs = []
         replay = timer.capture(lambda: outputs.append(call()))
