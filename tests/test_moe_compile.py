@@ -69,7 +69,7 @@ def test_routing_from_topk_traces_without_a_break():
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75, 1.0])
 def test_fullgraph_compile_gives_the_eager_bits(capacity_factor):
     module = layer(capacity_factor)
     x, dy = inputs(9)

@@ -214,6 +214,10 @@ def _is_int(value) -> bool:
 def _check_capacity_factor(fn: str, capacity_factor) -> None:
     if capacity_factor is None:
         return
+    if isinstance(capacity_factor, Fraction):  # MoEExperts' exact factor: ints (dynamo cannot compare a Fraction)
+        if capacity_factor.numerator <= 0:
+            raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor}")
+        return
     # comparisons, not math.isfinite: under torch.compile(dynamic=True) the factor may be symbolic
     if not isinstance(capacity_factor, numbers.Real) or isinstance(capacity_factor, bool) or not (
             0 < capacity_factor < math.inf):
