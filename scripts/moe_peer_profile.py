@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Where the time of one MoE forward+backward goes, kernel by kernel, for the arm and the peers
+it is measured against (the gate's own contenders, buffers and routing):
+
+    python scripts/moe_peer_profile.py --preset mixtral --contender arm --contender "grouped_mm gate|up compiled"
+
+On the GPU machine: `bash scripts/device_check.sh python scripts/moe_peer_profile.py --preset olmoe`.
+Each contender's fwd+bwd call is warmed up, then run --calls times under torch.profiler; the
+table gives each contender's device time per call split by kernel (the largest first, grouped by
+kernel name), so a loss to a peer can be traced to the GEMM that holds it. Writes
+$OUT/moe_peer_profile.json (or --json) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import torch
+from tabulate import tabulate
+from torch.profiler import ProfilerActivity, profile
+
+from gates.moe_bwd import GATE
+
+DEFAULT_CONTENDERS = ("arm", "grouped_mm gate|up compiled", "grouped_mm gate|up")
+
+
+def kernel_times(call, calls: int) -> dict[str, float]:
+    """ms per call of each kernel name, over `calls` calls after two untimed ones."""
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time / 1000 / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
+    parser.add_argument("--contender", action="append", help=f"contender (repeatable; default {DEFAULT_CONTENDERS})")
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--top", type=int, default=8, help="kernels listed per contender")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bench = next(c for c in GATE.benches if c.name == "fwd+bwd")
+    contenders = {c.name: c for c in GATE.contenders_for(bench)}
+    figures = {}
+    for preset_name in args.preset or ["olmoe"]:
+        preset = GATE.preset(preset_name)
+        buffers = GATE.make_buffers(preset, 0, device)
+        for name in args.contender or DEFAULT_CONTENDERS:
+            times = kernel_times(contenders[name].build(bench, buffers, preset), args.calls)
+            figures[f"{preset_name}/{name}"] = times
+            rows = [(k[:90], f"{ms:.4f}", f"{100 * ms / sum(times.values()):.1f}%") for k, ms in list(times.items())[:args.top]]
+            print(f"\n{preset_name} / {name}: {sum(times.values()):.4f} ms of kernels a call, {len(times)} kernel names")
+            print(tabulate(rows, headers=("kernel", "ms/call", "share")))
+        del buffers
+    path = args.json or os.path.join(os.environ.get("OUT", "."), "moe_peer_profile.json")
+    with open(path, "w") as fh:
+        json.dump(figures, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
