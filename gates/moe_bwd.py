@@ -503,16 +503,21 @@ def _per_case(experts_build, combine_build):
 
 
 def _grouped_mm_missing(device: torch.device) -> str | None:
+    """torch._grouped_mm runs on every CUDA card of SM80 and up, but (torch's GroupedBlas.cpp)
+    only SM90 and SM100 take its CUTLASS kernels; any other card, the RTX's sm_120 among them,
+    takes its fallback: the offsets copied to the host (a sync each call) and one mm per
+    expert. That fallback is what an RTX user gets, so on such a card it is timed; the rtx
+    profile on a Hopper card would time the CUTLASS path instead, so there it is not."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
     if device.type != "cuda":
         return "torch._grouped_mm's kernels are timed on CUDA devices only"
     major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) not in ((9, 0), (10, 0)):
-        return f"torch._grouped_mm runs on SM90 / SM100 only; this device is sm_{major}{minor}"
-    if active_profile(device) == "rtx":
-        # the profile stands in for the RTX card: its peers are the ones that card can run
-        return "the rtx profile stands in for the RTX card (sm_120), where torch._grouped_mm does not run"
+    if major < 8:
+        return f"torch._grouped_mm needs SM80 or newer; this device is sm_{major}{minor}"
+    if active_profile(device) == "rtx" and major != 12:
+        return ("the rtx profile stands in for the RTX card (sm_120), where torch._grouped_mm takes its fallback "
+                "(offsets read on the host, one mm per expert); this card would time its CUTLASS path instead")
     return None
 
 

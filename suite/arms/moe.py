@@ -315,7 +315,8 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
     _check_capacity_factor(fn, capacity_factor)
     if top_k_index.numel():
         lowest, highest = torch.aminmax(top_k_index)
-        _require(lowest.ge(0) & highest.lt(num_experts), f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
+        _require(lowest.ge(0) & highest.lt(num_experts),
+                 f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
     return _layout(top_k_index.to(torch.int32), top_k_weights.float(), num_experts, capacity_factor)
 
 
@@ -411,8 +412,9 @@ def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> t
     wide = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
     for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
-        # a token picks an expert at most once, so `tokens` has no repeats and index_add_
-        # below adds each row once: the sum's order is the expert order, run to run
+        # route() picks an expert at most once a token, so `tokens` has no repeats and index_add_
+        # below adds each row once: the sum's order is the expert order, run to run (a top-k
+        # from routing_from_topk that names an expert twice for one token adds in any order)
         v = x[tokens]
         hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
         y = hidden.to(x.dtype) @ w_down[e]
