@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from suite.arms import moe_kernels
-from suite.arms.moe import expert_rows, experts, experts_reference, route
+from suite.arms.moe import expert_rows, experts, experts_reference, route, router_z_loss, routing_from_topk
 from suite.device_profile import active_profile
 from suite.harness.gate import (
     BenchCase,
@@ -44,8 +44,12 @@ from suite.harness.results import Check
 #   none            plain random logits
 #   empty-expert    expert 1 is never chosen
 #   one-expert      every token's first choice is expert 0
-#   skewed          a linear bias over the experts, so the first ones overflow a capacity
+#   skewed          logits in halves plus a linear bias over the experts: the first experts
+#                   overflow a capacity, and equal probabilities (ties to the lower id) occur
 SKEWS = ("none", "empty-expert", "one-expert", "skewed")
+# The router z-loss's weight in the judged loss (out . grad_out + Z_WEIGHT * z_loss): OLMo-core's
+# default coefficient, so its gradient in dlogits is of the size a training step gives it.
+Z_WEIGHT = 1e-3
 
 
 def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none") -> dict[str, Any]:
@@ -128,7 +132,7 @@ def _router_logits(p: dict[str, Any], gen: torch.Generator, device: torch.device
     elif p["skew"] == "one-expert":
         logits[:, 0] = 30.0
     elif p["skew"] == "skewed":
-        logits += torch.linspace(2.0, -1.0, num_experts, device=device)
+        logits = logits.mul(2).round().div(2) + torch.linspace(2.0, -1.0, num_experts, device=device)
     return logits
 
 
@@ -157,35 +161,59 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     return dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
 
 
-def _route(buffers: Buffers, preset: Preset):
-    """-> (logits leaf, routing): routed in fp32 with a gradient path to the logits."""
+def _route(buffers: Buffers, preset: Preset, ties_to_higher_id: bool = False):
+    """-> (logits leaf, routing with its z-loss): routed in fp32 with a gradient path to the
+    logits. ties_to_higher_id: a saboteur's routing, which breaks equal probabilities the
+    other way."""
     logits = buffers["logits"].detach().requires_grad_()
     p = preset.params
-    return logits, route(logits, p["top_k"], capacity_factor=p["capacity_factor"])
+    if not ties_to_higher_id:
+        return logits, route(logits, p["top_k"], capacity_factor=p["capacity_factor"], z_loss=True)
+    full = torch.softmax(logits.float(), dim=-1)
+    reversed_ids = torch.sort(full.flip(-1), dim=-1, descending=True, stable=True).indices[:, :p["top_k"]]
+    chosen = full.shape[-1] - 1 - reversed_ids
+    picked = full.gather(1, chosen)
+    routing = routing_from_topk(chosen, picked / picked.sum(-1, keepdim=True), full.shape[-1], p["capacity_factor"])
+    return logits, dataclasses.replace(routing, z_loss=router_z_loss(logits))
+
+
+def _z_loss_reference(logits: torch.Tensor) -> torch.Tensor:
+    """The router z-loss written out apart from the arm's: mean of (max + log sum exp(l - max))^2."""
+    wide = logits.float()
+    peak = wide.max(dim=-1, keepdim=True).values
+    lse = peak.squeeze(-1) + (wide - peak).exp().sum(dim=-1).log()
+    return (lse * lse).mean()
+
+
+def _to_logits(logits, routing, dprobs, z_loss) -> torch.Tensor:
+    """dlogits of the judged loss: through probs, and through the z-loss at Z_WEIGHT."""
+    (dlogits,) = torch.autograd.grad((routing.probs, z_loss), logits, (dprobs, torch.full_like(z_loss, Z_WEIGHT)))
+    return dlogits
 
 
 def _routing_outputs(routing) -> Outputs:
     return {"expert_ids": routing.expert_ids, "offsets": routing.offsets, "row_id_map": routing.row_id_map}
 
 
-def _forward_backward(layer, buffers: Buffers, preset: Preset) -> Outputs:
+def _forward_backward(layer, buffers: Buffers, preset: Preset, z_loss_of) -> Outputs:
+    """Routing with its z-loss, the experts, and the backward of out . grad_out + Z_WEIGHT * z."""
     logits, routing = _route(buffers, preset)
     x = buffers["x"].detach().requires_grad_()
     weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
     out = layer(x, routing, *weights)
-    dx, dw_gate, dw_up, dw_down, dprobs, dlogits = torch.autograd.grad(
-        out, (x, *weights, routing.probs, logits), buffers["grad_out"]
-    )
+    dx, dw_gate, dw_up, dw_down, dprobs = torch.autograd.grad(out, (x, *weights, routing.probs), buffers["grad_out"])
+    z_loss = z_loss_of(logits, routing)
     return {"out": out.detach(), "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down,
-            "dprobs": dprobs, "dlogits": dlogits, **_routing_outputs(routing)}
+            "dprobs": dprobs, "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
+            **_routing_outputs(routing)}
 
 
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts_reference, buffers, preset)
+    return _forward_backward(experts_reference, buffers, preset, lambda logits, routing: _z_loss_reference(logits))
 
 
 def arm(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts, buffers, preset)
+    return _forward_backward(experts, buffers, preset, lambda logits, routing: routing.z_loss)
 
 
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
@@ -221,18 +249,22 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
         dws["w_gate"][e], dws["w_up"][e] = v.T @ dg, v.T @ du
         dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
     (dlogits,) = torch.autograd.grad(probs, logits, dprobs)
+    # the z-loss and its gradient, closed form: d/dl mean(lse^2) = 2 lse softmax / T
+    lse = torch.logsumexp(logits.detach(), dim=-1)
+    dlogits += Z_WEIGHT * 2 * lse[:, None] * torch.softmax(logits.detach(), dim=-1) / max(lse.numel(), 1)
     return {"out": out, "dx": dx, "dw_gate": dws["w_gate"], "dw_up": dws["w_up"], "dw_down": dws["w_down"],
-            "dprobs": dprobs, "dlogits": dlogits}
+            "dprobs": dprobs, "dlogits": dlogits, "z_loss": lse.square().mean()}
 
 
 # ---- saboteurs: known-bad variants assembled from the arm's kernels ----
 
 
 def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, dropped_unwritten=False,
-                  dx_gate_term_only=False, slot_order=None) -> Outputs:
+                  dx_gate_term_only=False, slot_order=None, ties_to_higher_id=False, z_unsquared=False) -> Outputs:
     """The arm's forward and backward launched kernel by kernel (the same bits as `experts`),
     so that a saboteur can tamper between them."""
-    logits, routing = _route(buffers, preset)
+    logits, routing = _route(buffers, preset, ties_to_higher_id)
+    z_loss = torch.logsumexp(logits.float(), dim=-1).mean() if z_unsquared else routing.z_loss
     x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
     probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
     a, g, u = moe_kernels.expert_up(x, w_gate, w_up, tor, offsets)
@@ -250,9 +282,9 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
     if slot_order is not None:
         row_id_map = slot_order(row_id_map.view(routing.num_tokens, routing.k)).reshape(-1).contiguous()
     dx = moe_kernels.combine(dx_rows, row_id_map, top_k=routing.k)
-    (dlogits,) = torch.autograd.grad(routing.probs, logits, dprobs)
     return {"out": out, "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down, "dprobs": dprobs,
-            "dlogits": dlogits, **_routing_outputs(routing)}
+            "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
+            **_routing_outputs(routing)}
 
 
 _calls = itertools.count(1)
@@ -273,6 +305,11 @@ SABOTEURS = (
              applies=lambda p: p.params["capacity_factor"] is not None),
     Saboteur("dx-one-term", "dx from the gate projection's term alone (the up projection's missing)",
              lambda b, p: _kernel_chain(b, p, dx_gate_term_only=True)),
+    Saboteur("ties-to-higher-id", "equal probabilities go to the higher expert id, not the lower",
+             lambda b, p: _kernel_chain(b, p, ties_to_higher_id=True),
+             applies=lambda p: p.params["skew"] == "skewed"),
+    Saboteur("z-loss-unsquared", "the router z-loss as the mean of logsumexp(logits), not of its square",
+             lambda b, p: _kernel_chain(b, p, z_unsquared=True)),
     Saboteur("slot-order-varies", "dx sums each token's k slots in an order that changes from call to call",
              lambda b, p: _kernel_chain(b, p, slot_order=_rotated_slots), caught_by=Check.DETERMINISM,
              # two fp32 terms add the same either way round

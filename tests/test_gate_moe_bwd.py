@@ -25,7 +25,8 @@ def judged(request):
 def test_arm_passes(judged):
     result, _ = gatecheck.arm_result(GATE, judged)
     assert {t.name for t in result.tensors} == {
-        "out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits", "expert_ids", "offsets", "row_id_map"}
+        "out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits", "z_loss", "expert_ids", "offsets",
+        "row_id_map"}
 
 
 def test_each_preset_is_the_case_it_names(judged):
@@ -70,8 +71,10 @@ def test_closed_form_truth_matches_float64_autograd(name):
     probs = probs / probs.sum(-1, keepdim=True)
     leaves = [buffers[n].double().requires_grad_() for n in ("x", "w_gate", "w_up", "w_down")]
     out = moe.experts_reference(leaves[0], dataclasses.replace(routing, probs=probs), *leaves[1:])
-    grads = torch.autograd.grad(out, (*leaves, probs, logits), buffers["grad_out"].double())
-    want = dict(zip(("dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits"), grads), out=out)
+    z_loss = torch.logsumexp(logits, -1).square().mean()
+    grads = torch.autograd.grad((out, z_loss), (*leaves, probs, logits),
+                                (buffers["grad_out"].double(), torch.tensor(moe_bwd.Z_WEIGHT, dtype=torch.float64)))
+    want = dict(zip(("dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits"), grads), out=out, z_loss=z_loss)
     assert set(got) == set(want)
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-10, atol=1e-14, msg=key)

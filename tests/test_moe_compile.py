@@ -173,3 +173,16 @@ def test_reduce_overhead_replays_cuda_graphs_with_the_eager_bits():
         x, dy = inputs(1000, torch.bfloat16, "cuda", hidden=256, seed=step)
         got = out_and_grads(compiled, module, x, dy)
         assert_same_bits(got, out_and_grads(module, module, x, dy))
+
+
+def test_the_z_loss_layer_traces_without_a_break():
+    torch.manual_seed(0)
+    module = moe.MoEExperts(HIDDEN, FFN, EXPERTS, K, z_loss=True, device=DEVICE)
+    x, _ = inputs(9)
+    explained = torch._dynamo.explain(module)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    compiled(x)
+    eager_z = module.last_z_loss
+    module(x)
+    assert torch.equal(eager_z, module.last_z_loss)

@@ -378,3 +378,59 @@ def test_reference_with_rows_found_once_gives_the_same_bits():
     plain = moe.experts_reference(x, routing, *weights)
     found_once = moe.experts_reference(x, routing, *weights, rows=moe.expert_rows(routing))
     assert torch.equal(plain, found_once)
+
+
+# --------------------------------------------------------------------------------------------
+# Router z-loss and input jitter
+# --------------------------------------------------------------------------------------------
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_and_differentiable():
+    logits = random_logits(9, 5, seed=20).requires_grad_()
+    routing = moe.route(logits, 2, z_loss=True)
+    wide = logits.detach().double().requires_grad_()
+    truth = torch.logsumexp(wide, -1).square().mean()
+    torch.testing.assert_close(routing.z_loss.double(), truth.detach(), rtol=1e-6, atol=0)
+    (grad,) = torch.autograd.grad(routing.z_loss, logits)
+    (want,) = torch.autograd.grad(truth, wide)
+    torch.testing.assert_close(grad.double(), want, rtol=1e-5, atol=1e-8)
+    assert moe.route(logits, 2).z_loss is None
+    assert float(moe.route(torch.zeros(0, 5), 2, z_loss=True).z_loss) == 0.0
+
+
+def test_jitter_is_reproducible_for_a_seed_and_bounded():
+    logits = random_logits(40, 6, seed=21)
+
+    def jittered(seed):
+        return moe.route(logits, 2, jitter_eps=0.3, generator=torch.Generator().manual_seed(seed))
+
+    first, again, other = jittered(5), jittered(5), jittered(6)
+    assert torch.equal(first.probs, again.probs) and torch.equal(first.expert_ids, again.expert_ids)
+    assert not torch.equal(first.probs, other.probs)
+    noise = torch.empty_like(logits).uniform_(0.7, 1.3, generator=torch.Generator().manual_seed(5))
+    assert bool(((noise >= 0.7) & (noise <= 1.3)).all())
+    assert torch.equal(first.probs, moe.route(logits * noise, 2).probs)
+
+
+@pytest.mark.parametrize("eps", [-0.1, 1.0, float("nan"), "0.1", True])
+def test_a_bad_jitter_eps_is_named(eps):
+    with pytest.raises(ValueError, match="jitter_eps must be a number in"):
+        moe.route(random_logits(4, 3, seed=22), 2, jitter_eps=eps)
+    with pytest.raises(ValueError, match="MoEExperts: jitter_eps must be a number in"):
+        moe.MoEExperts(8, 6, 3, 2, jitter_eps=eps, impl="eager")
+
+
+def test_the_layer_leaves_its_z_loss_and_jitters_its_router_input_while_training():
+    torch.manual_seed(0)
+    layer = moe.MoEExperts(8, 6, 4, 2, impl="eager", z_loss=True, jitter_eps=0.5,
+                           generator=torch.Generator().manual_seed(1))
+    x = torch.randn(7, 8)
+    layer.eval()
+    plain = layer(x)
+    (grad,) = torch.autograd.grad(layer.last_z_loss, layer.router.weight)
+    assert bool((grad != 0).any())
+    still = moe.MoEExperts(8, 6, 4, 2, impl="eager")
+    still.load_state_dict(layer.state_dict())
+    assert torch.equal(plain, still(x))  # no jitter in eval mode
+    layer.train()
+    assert not torch.equal(layer(x), plain)

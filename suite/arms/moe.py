@@ -61,6 +61,8 @@ class Routing:
     num_experts, k               E and k, host ints
     capacity                     rows an expert keeps (host int), None: no limit
     max_rows                     host bound on R: T * k, or min(T * k, E * capacity)
+    z_loss         fp32 []       the router z-loss, mean over tokens of logsumexp(logits)^2,
+                                 differentiable to the logits; None unless route() was asked
     """
 
     probs: torch.Tensor
@@ -74,6 +76,7 @@ class Routing:
     k: int
     capacity: int | None
     max_rows: int
+    z_loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # route() and routing_from_topk() skip this (_trusted_routing): they build valid layouts
@@ -104,7 +107,7 @@ def _trusted_routing(**fields) -> Routing:
     """A Routing that route() or routing_from_topk() laid out: valid by construction, so it
     skips the checks (a few dozen launches) that one built by hand gets."""
     routing = object.__new__(Routing)
-    for name, value in fields.items():
+    for name, value in {"z_loss": None, **fields}.items():
         object.__setattr__(routing, name, value)
     return routing
 
@@ -156,6 +159,9 @@ def _check_routing_shapes(r: Routing) -> None:
             raise TypeError(f"Routing: {name} must be {dtype}, not {t.dtype}")
         if t.device != r.expert_ids.device:
             raise ValueError(f"Routing: {name} is on {t.device}, expert_ids on {r.expert_ids.device}")
+    if r.z_loss is not None and not (isinstance(r.z_loss, torch.Tensor) and r.z_loss.dim() == 0
+                                     and r.z_loss.is_floating_point()):
+        raise TypeError("Routing: z_loss must be None or a 0-d floating-point tensor")
 
 
 def _check_routing_indices(r: Routing) -> None:
@@ -224,8 +230,15 @@ def _check_capacity_factor(fn: str, capacity_factor) -> None:
         raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor!r}")
 
 
-def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None) -> Routing:
-    """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`)."""
+def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None,
+          z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None) -> Routing:
+    """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`).
+
+    z_loss: also the router z-loss (Routing.z_loss), which a training loop adds to its loss
+    with a small weight (OLMo-core's router uses 1e-3) to keep the logits from growing.
+    jitter_eps: multiply the logits by noise uniform in [1 - eps, 1 + eps] first (from
+    `generator`, else torch's global generator; a generator object stops torch.compile's graph),
+    as `MoEExperts` does to the router's input."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"route: logits must be a tensor [tokens, experts], got {type(logits).__name__}")
     if logits.dim() != 2 or logits.shape[1] == 0:
@@ -238,12 +251,30 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     if not 1 <= k <= num_experts:
         raise ValueError(f"route: k must be in 1..{num_experts} (the experts), got {k}")
     _check_capacity_factor("route", capacity_factor)
+    if jitter_eps is not None:
+        logits = jittered(logits, jitter_eps, generator, "route")
 
     if torch.compiler.is_compiling():
         probs, expert_ids, _ = _topk_op(logits, k, renormalize)
     else:
         probs, expert_ids = _TopK.apply(logits, k, renormalize)
-    return _layout(expert_ids, probs, num_experts, capacity_factor)
+    routing = _layout(expert_ids, probs, num_experts, capacity_factor)
+    if z_loss:
+        object.__setattr__(routing, "z_loss", router_z_loss(logits))
+    return routing
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """mean over tokens of logsumexp(logits)^2, in fp32 (0 for no tokens)."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    return lse.square().sum() / max(lse.numel(), 1)
+
+
+def jittered(t: torch.Tensor, eps: float, generator: torch.Generator | None = None, fn: str = "jitter") -> torch.Tensor:
+    """t times noise uniform in [1 - eps, 1 + eps], drawn in t's dtype on its device."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < 1:
+        raise ValueError(f"{fn}: jitter_eps must be a number in [0, 1), got {eps!r}")
+    return t * torch.empty_like(t).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
 
 
 # ---- top-k and its gradient: one implementation behind eager calls and the custom op ----
@@ -586,10 +617,17 @@ class MoEExperts(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
+                 z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None,
                  device=None, dtype=None):
         super().__init__()
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
+        if jitter_eps is not None:
+            jittered(torch.empty(0), jitter_eps, fn="MoEExperts")  # checks eps now, not at the first step
+        # z_loss: each forward leaves the router z-loss in last_z_loss, for the loop to add to its
+        # loss; jitter_eps: the router's input times noise in [1 - eps, 1 + eps] while training
+        self.z_loss, self.jitter_eps, self.generator = z_loss, jitter_eps, generator
+        self.last_z_loss: torch.Tensor | None = None
         self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
         _check_capacity_factor("MoEExperts", capacity_factor)
         self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
@@ -610,7 +648,11 @@ class MoEExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, self.hidden_size)
-        routing = route(self.router(tokens), self.top_k, self.renormalize, self._capacity)
+        router_input = tokens
+        if self.training and self.jitter_eps is not None:
+            router_input = jittered(tokens, self.jitter_eps, self.generator)
+        routing = route(self.router(router_input), self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
+        self.last_z_loss = routing.z_loss
         run = experts if self.impl == "fused" else experts_reference
         return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
 
