@@ -1,10 +1,11 @@
 """Gate `moe-bwd`: the MoE experts on the Triton kernels (suite.arms.moe.experts), forward and
 backward, against the eager per-expert reference.
 
-One call routes the router logits (top-k, optional capacity) and runs the SwiGLU experts forward
-and backward: the output and every gradient (x, the three expert weights, the combine weights
-probs and through them the logits) are judged in tolerance mode against a closed-form float64
-truth; the routing's integers (expert_ids, offsets, row_id_map) must be exact. Buffers are drawn
+One call routes the router logits (top-k, optional capacity; the arm's routing kernels, the
+reference's torch ops) and runs the SwiGLU experts forward and backward: the output, the router
+z-loss and every gradient (x, the three expert weights, the combine weights probs and through
+them the logits) are judged in tolerance mode against a closed-form float64 truth; the
+routing's integers (ROUTING_INTEGERS) must equal the reference's exactly. Buffers are drawn
 at the scales of a trained layer: unit-RMS activations, fan-in-scaled weights, router logits of
 a few units, gradients of order 1e-3.
 
@@ -23,8 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from suite.arms import moe_kernels
-from suite.arms.moe import expert_rows, experts, experts_reference, route, router_z_loss, routing_from_topk
+from suite.arms import moe_kernels, moe_route_kernels
+from suite.arms.moe import (
+    expert_rows,
+    experts,
+    experts_reference,
+    route,
+    route_reference,
+    router_z_loss,
+    routing_from_topk,
+)
 from suite.device_profile import active_profile
 from suite.harness.gate import (
     BenchCase,
@@ -161,19 +170,20 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     return dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
 
 
-def _route(buffers: Buffers, preset: Preset, ties_to_higher_id: bool = False):
-    """-> (logits leaf, routing with its z-loss): routed in fp32 with a gradient path to the
-    logits. ties_to_higher_id: a saboteur's routing, which breaks equal probabilities the
-    other way."""
+def _route(buffers: Buffers, preset: Preset, route_fn=route, ties_to_higher_id: bool = False):
+    """-> (logits leaf, routing with its z-loss): routed by route_fn (the arm's kernels or the
+    reference's torch ops) with a gradient path to the logits. ties_to_higher_id: a saboteur,
+    the routing kernel breaking equal logits the other way."""
     logits = buffers["logits"].detach().requires_grad_()
     p = preset.params
     if not ties_to_higher_id:
-        return logits, route(logits, p["top_k"], capacity_factor=p["capacity_factor"], z_loss=True)
-    full = torch.softmax(logits.float(), dim=-1)
-    reversed_ids = torch.sort(full.flip(-1), dim=-1, descending=True, stable=True).indices[:, :p["top_k"]]
-    chosen = full.shape[-1] - 1 - reversed_ids
-    picked = full.gather(1, chosen)
-    routing = routing_from_topk(chosen, picked / picked.sum(-1, keepdim=True), full.shape[-1], p["capacity_factor"])
+        return logits, route_fn(logits, p["top_k"], capacity_factor=p["capacity_factor"], z_loss=True)
+    routed = route(logits.detach(), p["top_k"], capacity_factor=p["capacity_factor"])
+    capacity = routed.capacity if routed.capacity is not None else routed.row_id_map.numel()
+    _, chosen, *_ = moe_route_kernels.route_forward(logits.detach(), p["top_k"], True, capacity, routed.max_rows,
+                                                    False, ties_to_higher_id=True)
+    picked = torch.softmax(logits.float(), dim=-1).gather(1, chosen.long())
+    routing = routing_from_topk(chosen, picked / picked.sum(-1, keepdim=True), logits.shape[1], p["capacity_factor"])
     return logits, dataclasses.replace(routing, z_loss=router_z_loss(logits))
 
 
@@ -191,13 +201,17 @@ def _to_logits(logits, routing, dprobs, z_loss) -> torch.Tensor:
     return dlogits
 
 
+# The layout the routing kernels make, judged exactly against the reference's torch routing
+ROUTING_INTEGERS = ("expert_ids", "offsets", "row_id_map", "source_of_row", "token_of_row", "routed_counts")
+
+
 def _routing_outputs(routing) -> Outputs:
-    return {"expert_ids": routing.expert_ids, "offsets": routing.offsets, "row_id_map": routing.row_id_map}
+    return {name: getattr(routing, name) for name in ROUTING_INTEGERS}
 
 
-def _forward_backward(layer, buffers: Buffers, preset: Preset, z_loss_of) -> Outputs:
+def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_of) -> Outputs:
     """Routing with its z-loss, the experts, and the backward of out . grad_out + Z_WEIGHT * z."""
-    logits, routing = _route(buffers, preset)
+    logits, routing = _route(buffers, preset, route_fn)
     x = buffers["x"].detach().requires_grad_()
     weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
     out = layer(x, routing, *weights)
@@ -209,11 +223,12 @@ def _forward_backward(layer, buffers: Buffers, preset: Preset, z_loss_of) -> Out
 
 
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts_reference, buffers, preset, lambda logits, routing: _z_loss_reference(logits))
+    return _forward_backward(experts_reference, route_reference, buffers, preset,
+                             lambda logits, routing: _z_loss_reference(logits))
 
 
 def arm(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts, buffers, preset, lambda logits, routing: routing.z_loss)
+    return _forward_backward(experts, route, buffers, preset, lambda logits, routing: routing.z_loss)
 
 
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
@@ -221,7 +236,7 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
     are one expert's rows), independent of the reference's autograd; the routing's choices are
     the fp32 routing's, its probabilities recomputed in float64 (the dlogits path by autograd
     through the softmax and the renormalisation alone)."""
-    routing = route(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
+    routing = route_reference(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
     chosen, kept = routing.expert_ids.long(), routing.kept
     logits = buffers["logits"].double().requires_grad_()
     probs = torch.softmax(logits, dim=-1).gather(1, chosen)
@@ -263,7 +278,7 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
                   dx_gate_term_only=False, slot_order=None, ties_to_higher_id=False, z_unsquared=False) -> Outputs:
     """The arm's forward and backward launched kernel by kernel (the same bits as `experts`),
     so that a saboteur can tamper between them."""
-    logits, routing = _route(buffers, preset, ties_to_higher_id)
+    logits, routing = _route(buffers, preset, ties_to_higher_id=ties_to_higher_id)
     z_loss = torch.logsumexp(logits.float(), dim=-1).mean() if z_unsquared else routing.z_loss
     x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
     probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
@@ -679,7 +694,7 @@ GATE = Gate(
     truth=truth,
     parity=Tolerance(k=2.0, floor=1e-6),
     parity_by_output={
-        "expert_ids": Bitwise(), "offsets": Bitwise(), "row_id_map": Bitwise(),
+        **{name: Bitwise() for name in ROUTING_INTEGERS},
         # each element is a dot product over d (dlogits: a few of them), and some tokens' cancel to
         # near zero, where a row's own relative error is rounding noise over a tiny number, a
         # draw between arm and reference (H200: gpu-empty-expert 0.35 vs 0.16 on one row; tiny

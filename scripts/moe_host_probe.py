@@ -44,23 +44,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--calls", type=int, default=200, help="calls a timed batch")
     parser.add_argument("--json", default=None, help="where to write the figures (default: $OUT/moe_host_probe.json)")
+    parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                        help="also cProfile this many calls of each layer and print the top functions")
     return parser.parse_args(argv)
 
 
 @contextmanager
 def launches_stubbed():
     """The entry points' Python alone: no kernel launches, and CPU tensors accepted."""
-    saved = mk.launch, mk._require_runnable
-    mk.launch, mk._require_runnable = (lambda *args, **meta: None), (lambda t, fn: None)
+    saved = mk.launch_kept, mk._require_runnable
+    mk.launch_kept, mk._require_runnable = (lambda *args, **meta: None), (lambda t, fn: None)
     try:
         yield
     finally:
-        mk.launch, mk._require_runnable = saved
+        mk.launch_kept, mk._require_runnable = saved
 
 
-def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]], Callable[[], Any]]:
+def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]],
+                                                                          dict[str, Callable[[], Any]]]:
     """Each entry point with caller-owned buffers (as the autograd Function calls them, minus
-    its allocations), and the whole layer's forward+backward."""
+    its allocations), and the layers: the experts' forward+backward on a routing made once,
+    the routing alone, and a whole MoEExperts layer's forward+backward from its input."""
     gen = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     t, d, f, e, k = args.tokens, args.hidden, args.ffn, args.experts, args.top_k
@@ -97,11 +101,39 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
     layer_probs = routing.probs.detach().requires_grad_()
     layer_routing = dataclasses.replace(routing, probs=layer_probs)
 
-    def layer():
+    def experts_layer():
         result = moe.experts(leaves[0], layer_routing, *leaves[1:])
         return torch.autograd.grad(result, [*leaves, layer_probs], grad_out)
 
-    return calls, layer
+    logits = torch.randn(t, e, generator=gen).to(device)
+    module = moe.MoEExperts(d, f, e, k, device=device, dtype=dtype)
+    module_x = x.clone().requires_grad_()
+
+    def module_layer():
+        out = module(module_x)
+        return torch.autograd.grad(out, [module_x, *module.parameters()], grad_out)
+
+    layers = {
+        "experts fwd+bwd (autograd)": experts_layer,
+        "route (logits -> Routing)": lambda: moe.route(logits, k),
+        "MoEExperts fwd+bwd (router, route, experts)": module_layer,
+    }
+    return calls, layers
+
+
+def print_profile(fn: Callable[[], Any], calls: int, sync: Callable[[], None], top: int = 25) -> None:
+    """Where the host's time goes: the functions with the most own time over `calls` calls."""
+    import cProfile
+    import pstats
+
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    sync()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -110,8 +142,8 @@ def measure(args: argparse.Namespace) -> dict:
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     rows = []
     with nullcontext() if cuda else launches_stubbed():
-        calls, layer = entry_points(args, device)
-        named = [*calls.items(), *([("layer fwd+bwd (autograd)", layer)] if cuda else [])]
+        calls, layers = entry_points(args, device)
+        named = [*calls.items(), *(layers.items() if cuda else [])]
         timer = CudaTimer(device) if cuda else None
         for name, fn in named:
             fn()  # compiles
@@ -120,6 +152,10 @@ def measure(args: argparse.Namespace) -> dict:
                 replay = timer.capture(fn)
                 row["device_us"] = 1e3 * min(timer.time_calls(replay, 20, flush_l2=False, window=10))
             rows.append(row)
+        if cuda and args.profile:
+            for name, fn in layers.items():
+                print(f"--- cProfile of {args.profile} calls: {name}")
+                print_profile(fn, args.profile, sync)
     return {
         "what": "launched on CUDA" if cuda else "python only: launches stubbed, CPU tensors",
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),

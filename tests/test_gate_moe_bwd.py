@@ -26,7 +26,7 @@ def test_arm_passes(judged):
     result, _ = gatecheck.arm_result(GATE, judged)
     assert {t.name for t in result.tensors} == {
         "out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs", "dlogits", "z_loss", "expert_ids", "offsets",
-        "row_id_map"}
+        "row_id_map", "source_of_row", "token_of_row", "routed_counts"}
 
 
 def test_each_preset_is_the_case_it_names(judged):

@@ -55,7 +55,7 @@ def test_the_layer_traces_to_one_graph_of_custom_ops(capacity_factor):
     explained = torch._dynamo.explain(module)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     code = explained.graphs[0].code
-    assert all(f"suite.moe_{op}" in code for op in ("topk", "layout", "experts")), code
+    assert all(f"suite.moe_{op}" in code for op in ("route", "experts")), code
 
 
 def test_routing_from_topk_traces_without_a_break():
@@ -94,7 +94,7 @@ def test_eager_calls_skip_the_custom_ops(monkeypatch):
     def dispatched(*args):
         raise AssertionError("an eager call went through a custom op")
 
-    for name in ("_topk_op", "_layout_op", "_experts_op"):
+    for name in ("_route_op", "_layout_op", "_experts_op"):
         monkeypatch.setattr(moe, name, dispatched)
     module = layer(1.0)
     x, dy = inputs(9)
@@ -115,35 +115,42 @@ def _op_args(tokens=9, capacity=None):
 def test_opcheck_passes_for_each_op():
     logits, routing, x, probs, weights = _op_args()
     r = routing
-    torch.library.opcheck(moe._topk_op, (logits, K, True))
-    torch.library.opcheck(moe._topk_op, (logits, K, False))
-    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, None))
-    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, 3))
+    slots = 9 * K
+    for renormalize, capacity, z_loss in ((True, slots, True), (False, 3, False)):
+        max_rows = min(slots, EXPERTS * capacity)
+        torch.library.opcheck(moe._route_op, (logits, K, renormalize, capacity, max_rows, z_loss))
+    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, slots, slots))
+    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, 3, EXPERTS * 3))
     torch.library.opcheck(moe._experts_op, (x, probs, *weights, r.token_of_row, r.offsets, r.row_id_map))
     out, a, g, u, y_rows = moe._experts_op(x.detach(), probs.detach(), *[w.detach() for w in weights],
                                            r.token_of_row, r.offsets, r.row_id_map)
     grad_out = torch.randn_like(out)
     torch.library.opcheck(moe._experts_backward_op, (grad_out, x.detach(), probs.detach(), *[w.detach() for w in weights],
                                                      a, g, u, y_rows, r.token_of_row, r.offsets, r.row_id_map))
-    _, expert_ids, full = moe._topk_op(logits.detach(), K, True)
-    torch.library.opcheck(moe._topk_backward_op, (torch.randn(9, K, device=DEVICE), full, expert_ids, r.probs, True))
+    probs, expert_ids, *_, lse, _ = moe._route_op(logits.detach(), K, True, slots, slots, True)
+    grad_probs = torch.randn(9, K, device=DEVICE)
+    for grad_z in (torch.tensor(0.5, device=DEVICE), None):
+        torch.library.opcheck(moe._route_backward_op, (grad_probs, grad_z, logits.detach(), lse, expert_ids, probs, True))
 
 
-def test_the_topk_gradient_is_the_softmax_chain_rule():
-    """_topk_backward against autograd through softmax, gather and the renormalisation in
-    float64: the analytic gradient the arm and the custom op share."""
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_the_routing_gradient_is_the_softmax_chain_rule(renormalize):
+    """The routing kernels' backward (probs and z-loss) against autograd in float64 through
+    softmax, gather, the renormalisation and mean(logsumexp^2): the gradient eager calls and
+    the custom op share."""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(11, 6, generator=gen, dtype=torch.float64)
     upstream = torch.randn(11, 3, generator=gen, dtype=torch.float64)
-    for renormalize in (True, False):
-        routing = moe.route(logits.float(), 3, renormalize)
-        wide = logits.clone().requires_grad_()
-        picked = torch.softmax(wide, -1).gather(1, routing.expert_ids.long())
-        probs = picked / picked.sum(-1, keepdim=True) if renormalize else picked
-        (expected,) = torch.autograd.grad(probs, wide, upstream)
-        full = torch.softmax(logits, -1)
-        got = moe._topk_backward(upstream, full, routing.expert_ids, probs.detach(), renormalize)
-        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    routing = moe.route(logits.float(), 3, renormalize, z_loss=True)
+    wide = logits.clone().requires_grad_()
+    picked = torch.softmax(wide, -1).gather(1, routing.expert_ids.long())
+    probs = picked / picked.sum(-1, keepdim=True) if renormalize else picked
+    z_loss = torch.logsumexp(wide, -1).square().mean()
+    (expected,) = torch.autograd.grad((probs, z_loss), wide, (upstream, torch.tensor(0.7, dtype=torch.float64)))
+    narrow = logits.float().requires_grad_()
+    again = moe.route(narrow, 3, renormalize, z_loss=True)
+    (got,) = torch.autograd.grad((again.probs, again.z_loss), narrow, (upstream.float(), torch.tensor(0.7)))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- on the GPU: inductor, and CUDA graphs ---------------------------------------------------

@@ -161,9 +161,10 @@ def test_renormalisation():
     plain = moe.route(logits, 3, renormalize=False)
     norm = moe.route(logits, 3)
     full = torch.softmax(logits, -1)
-    assert torch.equal(plain.probs, full.gather(1, plain.expert_ids.long()))
+    # the kernel's softmax, not torch's: the same to fp32 rounding
+    torch.testing.assert_close(plain.probs, full.gather(1, plain.expert_ids.long()), rtol=3e-7, atol=0)
     torch.testing.assert_close(norm.probs.sum(-1), torch.ones(9), rtol=0, atol=1e-6)
-    torch.testing.assert_close(norm.probs, plain.probs / plain.probs.sum(-1, keepdim=True), rtol=0, atol=0)
+    torch.testing.assert_close(norm.probs, plain.probs / plain.probs.sum(-1, keepdim=True), rtol=3e-7, atol=0)
     assert torch.equal(moe.route(logits, 1).probs, torch.ones(9, 1))
 
 
@@ -434,3 +435,61 @@ def test_the_layer_leaves_its_z_loss_and_jitters_its_router_input_while_training
     assert torch.equal(plain, still(x))  # no jitter in eval mode
     layer.train()
     assert not torch.equal(layer(x), plain)
+
+
+# ---- the routing kernels against the torch routing: the same layout, exactly ----------------
+
+
+def same_routing(got: moe.Routing, want: moe.Routing) -> None:
+    for name in ("expert_ids", "offsets", "row_id_map", "source_of_row", "token_of_row", "routed_counts"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert (got.capacity, got.max_rows) == (want.capacity, want.max_rows)
+    torch.testing.assert_close(got.probs, want.probs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, k, capacity_factor, integer", [
+    (50, 7, 3, 0.6, False),  # several programs, loop steps, drops
+    (37, 20, 2, None, True),  # ties everywhere, experts past one tile
+    (64, 3, 3, 1.0, True),  # every expert chosen by every token
+    (5, 9, 8, 0.3, False),  # capacity below one row per token
+])
+def test_route_kernels_lay_out_what_the_torch_routing_does(num_tokens, num_experts, k, capacity_factor, integer):
+    gen = torch.Generator().manual_seed(num_tokens)
+    logits = (torch.randint(0, 3, (num_tokens, num_experts), generator=gen).float() if integer
+              else torch.randn(num_tokens, num_experts, generator=gen))
+    fused = moe.route(logits, k, capacity_factor=capacity_factor, z_loss=True)
+    want = moe.route_reference(logits, k, capacity_factor=capacity_factor, z_loss=True)
+    same_routing(fused, want)
+    torch.testing.assert_close(fused.z_loss, want.z_loss, rtol=1e-6, atol=0)
+    weights = torch.rand(num_tokens, k, generator=gen)
+    # routing_from_topk's layout: the layout kernel alone
+    same_routing(moe.routing_from_topk(want.expert_ids, weights, num_experts, capacity_factor),
+                 dataclasses.replace(want, probs=weights))
+
+
+def test_route_falls_back_to_torch_where_the_kernels_cannot_run(monkeypatch):
+    monkeypatch.setattr(moe.moe_route_kernels, "runs_on", lambda t: False)
+    logits = random_logits(12, 5, seed=3)
+    fallen_back = moe.route(logits, 2, capacity_factor=1.0)
+    monkeypatch.undo()
+    same_routing(fallen_back, moe.route_reference(logits, 2, capacity_factor=1.0))
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("num_tokens, num_experts, k, capacity_factor", [
+    (8192, 64, 8, None), (8192, 128, 8, 1.25), (8192, 8, 2, None), (4099, 16, 2, 1.0), (70000, 256, 8, None)])
+@pytest.mark.parametrize("integer", [False, True])
+def test_route_kernels_on_the_gpu_lay_out_what_the_torch_routing_does(num_tokens, num_experts, k, capacity_factor,
+                                                                     integer):
+    gen = torch.Generator(device="cuda").manual_seed(num_experts)
+    logits = (torch.randint(0, 4, (num_tokens, num_experts), generator=gen, device="cuda").float() if integer
+              else 2 * torch.randn(num_tokens, num_experts, generator=gen, device="cuda")).requires_grad_()
+    fused = moe.route(logits, k, capacity_factor=capacity_factor, z_loss=True)
+    want = moe.route_reference(logits, k, capacity_factor=capacity_factor, z_loss=True)
+    same_routing(fused, want)
+    upstream = torch.randn(num_tokens, k, generator=gen, device="cuda")
+    got = torch.autograd.grad((fused.probs, fused.z_loss), logits, (upstream, torch.tensor(0.3, device="cuda")))
+    expected = torch.autograd.grad((want.probs, want.z_loss), logits, (upstream, torch.tensor(0.3, device="cuda")))
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.z_loss, want.z_loss, rtol=1e-5, atol=0)

@@ -1,9 +1,12 @@
 """Mixture-of-experts: top-k routing into an expert-sorted layout, and the experts' eager reference.
 
 Routing (`route`) turns router logits [T, E] into a `Routing`: softmax in fp32, the top k
-experts of each token (ties to the lower expert id), their probabilities renormalised over
-the k when asked. `routing_from_topk` lays out a top-k choice someone else made (a model's own
-router). Each (token t, slot s) pair is one row, flat index t * k + s. The rows are laid out
+experts of each token (chosen on the logits, ties to the lower expert id), their probabilities
+renormalised over the k when asked. On the GPU that is two launches of
+`suite.arms.moe_route_kernels` and its backward one; `route_reference` is the same routing in
+torch ops, what the gate judges the kernels against (and what `route` runs where the kernels
+cannot). `routing_from_topk` lays out a top-k choice someone else made (a model's own router).
+Each (token t, slot s) pair is one row, flat index t * k + s. The rows are laid out
 expert-major; within an expert by flat index ascending, which is token order. With a capacity
 factor an expert keeps only its first `capacity` rows in that order (the lowest tokens) and the
 rest are dropped: they have no sorted row and contribute nothing. Everything is built on the
@@ -38,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from suite.arms import moe_kernels
+from suite.arms import moe_kernels, moe_route_kernels
 
 # Row indices and flat (token, slot) indices are stored as int32.
 _MAX_ROWS = 2**31 - 1
@@ -51,7 +54,7 @@ class Routing:
 
     probs          fp32  [T, k]  combine weights, differentiable back to the logits
     expert_ids     int32 [T, k]  slot s of token t goes to expert expert_ids[t, s]; slots
-                                 in descending probability, ties to the lower id
+                                 in descending logit (so probability), ties to the lower id
     offsets        int32 [E + 1] expert e's kept rows are sorted rows offsets[e]:offsets[e + 1];
                                  offsets[E] = R
     row_id_map     int32 [T * k] the sorted row of (t, s) at t * k + s; -1 when dropped
@@ -230,38 +233,77 @@ def _check_capacity_factor(fn: str, capacity_factor) -> None:
         raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor!r}")
 
 
+def _check_route_args(fn: str, logits, k, capacity_factor) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{fn}: logits must be a tensor [tokens, experts], got {type(logits).__name__}")
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"{fn}: logits must be [tokens, experts] with experts >= 1, got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{fn}: logits must be floating point, not {logits.dtype}")
+    num_experts = logits.shape[1]
+    if not _is_int(k):
+        raise TypeError(f"{fn}: k must be an int (the experts each token picks), got {type(k).__name__} {k!r}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"{fn}: k must be in 1..{num_experts} (the experts), got {k}")
+    if logits.shape[0] * k > _MAX_ROWS:
+        raise ValueError(f"{fn}: T * k = {logits.shape[0] * k} rows do not fit the int32 row indices")
+    _check_capacity_factor(fn, capacity_factor)
+
+
 def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None,
           z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None) -> Routing:
-    """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`).
+    """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`), on
+    the GPU in two launches (suite.arms.moe_route_kernels) and its backward in one; where the
+    kernels cannot run (a CPU without Triton's interpreter), `route_reference`'s torch ops.
 
     z_loss: also the router z-loss (Routing.z_loss), which a training loop adds to its loss
     with a small weight (OLMo-core's router uses 1e-3) to keep the logits from growing.
     jitter_eps: multiply the logits by noise uniform in [1 - eps, 1 + eps] first (from
     `generator`, else torch's global generator; a generator object stops torch.compile's graph),
     as `MoEExperts` does to the router's input."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"route: logits must be a tensor [tokens, experts], got {type(logits).__name__}")
-    if logits.dim() != 2 or logits.shape[1] == 0:
-        raise ValueError(f"route: logits must be [tokens, experts] with experts >= 1, got shape {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise TypeError(f"route: logits must be floating point, not {logits.dtype}")
-    num_experts = logits.shape[1]
-    if not _is_int(k):
-        raise TypeError(f"route: k must be an int (the experts each token picks), got {type(k).__name__} {k!r}")
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"route: k must be in 1..{num_experts} (the experts), got {k}")
-    _check_capacity_factor("route", capacity_factor)
+    _check_route_args("route", logits, k, capacity_factor)
     if jitter_eps is not None:
         logits = jittered(logits, jitter_eps, generator, "route")
+    num_tokens, num_experts = logits.shape
+    if num_tokens == 0 or not moe_route_kernels.runs_on(logits):
+        return _route_in_torch(logits, k, renormalize, capacity_factor, z_loss)
+    capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
+    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    run = _route_op if torch.compiler.is_compiling() else _RouteFunction.apply
+    probs, expert_ids, offsets, row_id_map, source_of_row, token_of_row, routed_counts, _, z = run(
+        logits, k, renormalize, num_tokens * k if capacity is None else capacity, max_rows, z_loss)
+    return _trusted_routing(
+        probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
+        token_of_row=token_of_row, routed_counts=routed_counts, num_experts=num_experts, k=k, capacity=capacity,
+        max_rows=max_rows, z_loss=z if z_loss else None,
+    )
 
-    if torch.compiler.is_compiling():
-        probs, expert_ids, _ = _topk_op(logits, k, renormalize)
-    else:
-        probs, expert_ids = _TopK.apply(logits, k, renormalize)
-    routing = _layout(expert_ids, probs, num_experts, capacity_factor)
+
+def route_reference(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None,
+                    z_loss: bool = False) -> Routing:
+    """`route` in torch ops under autograd: what the gate judges the routing kernels against.
+    The same choice (the top k logits, ties to the lower id) and the same layout, exactly."""
+    _check_route_args("route_reference", logits, k, capacity_factor)
+    return _route_in_torch(logits, k, renormalize, capacity_factor, z_loss)
+
+
+def _route_in_torch(logits, k, renormalize, capacity_factor, z_loss) -> Routing:
+    wide = logits.float()
+    full = torch.softmax(wide, dim=-1)
+    # Chosen on the logits (softmax is monotone), as the kernel chooses: the choice then does
+    # not hang on exp's rounding. A stable sort keeps equal logits in expert-id order.
+    chosen = torch.sort(wide.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+    picked = full.gather(1, chosen)
+    probs = picked / picked.sum(dim=-1, keepdim=True) if renormalize else picked
+    routing = _layout(chosen.to(torch.int32), probs, logits.shape[1], capacity_factor, fused=False)
     if z_loss:
         object.__setattr__(routing, "z_loss", router_z_loss(logits))
     return routing
+
+
+def _max_rows(num_tokens: int, k: int, num_experts: int, capacity: int | None) -> int:
+    return num_tokens * k if capacity is None else min(num_tokens * k, num_experts * capacity)
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -277,46 +319,40 @@ def jittered(t: torch.Tensor, eps: float, generator: torch.Generator | None = No
     return t * torch.empty_like(t).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
 
 
-# ---- top-k and its gradient: one implementation behind eager calls and the custom op ----
+# ---- the routing kernels behind autograd: eager calls and the custom op share one backward ----
 
 
-def _topk_forward(logits: torch.Tensor, k: int, renormalize: bool):
-    """-> (probs fp32 [T, k], expert_ids int32 [T, k], the full softmax fp32 [T, E])."""
-    full = torch.softmax(logits.float(), dim=-1)
-    # A stable descending sort keeps equal probabilities in expert-id order, so ties go to the
-    # lower id (torch.topk does not promise that).
-    chosen = torch.sort(full, dim=-1, descending=True, stable=True).indices[:, :k]
-    picked = full.gather(1, chosen)
-    probs = picked / picked.sum(dim=-1, keepdim=True) if renormalize else picked
-    return probs, chosen.to(torch.int32), full
+def _route_setup(ctx, inputs, output) -> None:
+    logits, _, renormalize, _, _, z_loss = inputs
+    probs, expert_ids, *indices, lse, z = output
+    ctx.save_for_backward(logits, lse, expert_ids, probs)
+    ctx.renormalize, ctx.z_loss = renormalize, z_loss
+    ctx.mark_non_differentiable(expert_ids, *indices, lse, *([] if z_loss or z is None else [z]))
+    ctx.set_materialize_grads(False)
 
 
-def _topk_backward(grad_probs, full, expert_ids, probs, renormalize: bool) -> torch.Tensor:
-    """d logits (fp32) of `_topk_forward`'s probs, the choice held fixed."""
-    chosen = expert_ids.long()
-    picked = full.gather(1, chosen)
-    if renormalize:  # q = p / sum(p): dp = (dq - sum(dq * q)) / sum(p)
-        grad_picked = (grad_probs - (grad_probs * probs).sum(-1, keepdim=True)) / picked.sum(-1, keepdim=True)
-    else:
-        grad_picked = grad_probs
-    # softmax: dz = s * (ds - sum(ds * s)), ds zero off the chosen experts
-    grad_full = torch.zeros_like(full).scatter_(1, chosen, grad_picked)
-    return full * (grad_full - (grad_picked * picked).sum(-1, keepdim=True))
+def _route_grads(ctx, grad_probs, grad_z, backward) -> torch.Tensor | None:
+    logits, lse, expert_ids, probs = ctx.saved_tensors
+    grad_z = grad_z if ctx.z_loss else None
+    if grad_probs is None and grad_z is None:
+        return None
+    if grad_probs is None:
+        grad_probs = torch.zeros_like(probs)
+    return backward(grad_probs, grad_z, logits, lse, expert_ids, probs, ctx.renormalize)
 
 
-class _TopK(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, k, renormalize):
-        probs, expert_ids, full = _topk_forward(logits, k, renormalize)
-        ctx.save_for_backward(full, expert_ids, probs)
-        ctx.renormalize, ctx.dtype = renormalize, logits.dtype
-        ctx.mark_non_differentiable(expert_ids)
-        return probs, expert_ids
+class _RouteFunction(torch.autograd.Function):
+    """Eager calls: the routing kernels behind autograd without the custom op's dispatch."""
 
     @staticmethod
-    def backward(ctx, grad_probs, _grad_ids):
-        full, expert_ids, probs = ctx.saved_tensors
-        return _topk_backward(grad_probs, full, expert_ids, probs, ctx.renormalize).to(ctx.dtype), None, None
+    def forward(ctx, logits, k, renormalize, capacity, max_rows, z_loss):
+        output = moe_route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
+        _route_setup(ctx, (logits, k, renormalize, capacity, max_rows, z_loss), output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_probs, *grads):
+        return _route_grads(ctx, grad_probs, grads[-1], moe_route_kernels.route_backward), None, None, None, None, None
 
 
 def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
@@ -348,19 +384,26 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
         lowest, highest = torch.aminmax(top_k_index)
         _require(lowest.ge(0) & highest.lt(num_experts),
                  f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
-    return _layout(top_k_index.to(torch.int32), top_k_weights.float(), num_experts, capacity_factor)
+    return _layout(top_k_index.to(torch.int32).contiguous(), top_k_weights.float(), num_experts, capacity_factor,
+                   fused=moe_route_kernels.runs_on(top_k_index))
 
 
-def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None) -> Routing:
-    """The Routing of valid expert ids [T, k] int32 and their weights [T, k] fp32."""
+def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None,
+            fused: bool) -> Routing:
+    """The Routing of valid expert ids [T, k] int32 and their weights [T, k] fp32; fused: by
+    the routing kernels (two launches), else in torch ops."""
     num_tokens, k = expert_ids.shape
     num_slots = num_tokens * k
     if num_slots > _MAX_ROWS:
         raise ValueError(f"routing: T * k = {num_slots} rows do not fit the int32 row indices")
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
-    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
-    index = _layout_op if torch.compiler.is_compiling() else _layout_indices
-    offsets, row_id_map, source_of_row, token_of_row, routed_counts = index(expert_ids, num_experts, capacity)
+    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
+    if fused and num_tokens:
+        index = _layout_op if torch.compiler.is_compiling() else moe_route_kernels.layout
+        indices = index(expert_ids, num_experts, num_slots if capacity is None else capacity, max_rows)
+    else:
+        indices = _layout_indices(expert_ids, num_experts, capacity)
+    offsets, row_id_map, source_of_row, token_of_row, routed_counts = indices
     return _trusted_routing(
         probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
         token_of_row=token_of_row, routed_counts=routed_counts, num_experts=num_experts, k=k, capacity=capacity,
@@ -369,10 +412,11 @@ def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, cap
 
 
 def _layout_indices(expert_ids: torch.Tensor, num_experts: int, capacity: int | None):
-    """-> (offsets, row_id_map, source_of_row, token_of_row, routed_counts), int32 (see Routing)."""
+    """-> (offsets, row_id_map, source_of_row, token_of_row, routed_counts), int32 (see Routing),
+    in torch ops: the reference of the layout kernel."""
     num_tokens, k = expert_ids.shape
     num_slots = num_tokens * k
-    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
+    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
     device = expert_ids.device
     # Flat rows t * k + s are already in (token, slot) order, so a stable sort by expert alone
     # gives the layout: expert-major, then (token, slot) ascending.
@@ -511,57 +555,55 @@ def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
 # ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
 
 
-@torch.library.custom_op("suite::moe_topk", mutates_args=())
-def _topk_op(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _topk_forward(logits, k, renormalize)
+@torch.library.custom_op("suite::moe_route", mutates_args=())
+def _route_op(logits: torch.Tensor, k: int, renormalize: bool, capacity: int, max_rows: int, z_loss: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor]:
+    *routing, z = moe_route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
+    return *routing, logits.new_zeros((), dtype=torch.float32) if z is None else z
 
 
-@_topk_op.register_fake
-def _(logits, k, renormalize):
-    tokens = logits.shape[0]
-    return (logits.new_empty(tokens, k, dtype=torch.float32), logits.new_empty(tokens, k, dtype=torch.int32),
-            logits.new_empty(logits.shape, dtype=torch.float32))
+@_route_op.register_fake
+def _(logits, k, renormalize, capacity, max_rows, z_loss):
+    tokens, num_experts = logits.shape
+
+    def empty(*shape, dtype=torch.int32):
+        return logits.new_empty(shape, dtype=dtype)
+
+    return (empty(tokens, k, dtype=torch.float32), empty(tokens, k), empty(num_experts + 1), empty(tokens * k),
+            empty(max_rows), empty(max_rows), empty(num_experts), empty(tokens, dtype=torch.float32),
+            empty(dtype=torch.float32))
 
 
-@torch.library.custom_op("suite::moe_topk_backward", mutates_args=())
-def _topk_backward_op(grad_probs: torch.Tensor, full: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor,
-                      renormalize: bool) -> torch.Tensor:
-    return _topk_backward(grad_probs, full, expert_ids, probs, renormalize)
+@torch.library.custom_op("suite::moe_route_backward", mutates_args=())
+def _route_backward_op(grad_probs: torch.Tensor, grad_z: Optional[torch.Tensor], logits: torch.Tensor,
+                       lse: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor,
+                       renormalize: bool) -> torch.Tensor:
+    return moe_route_kernels.route_backward(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize)
 
 
-@_topk_backward_op.register_fake
-def _(grad_probs, full, expert_ids, probs, renormalize):
-    return full.new_empty(full.shape)
+@_route_backward_op.register_fake
+def _(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
 
-def _topk_setup(ctx, inputs, output):
-    logits, _, renormalize = inputs
-    probs, expert_ids, full = output
-    ctx.save_for_backward(full, expert_ids, probs)
-    ctx.mark_non_differentiable(expert_ids, full)
-    ctx.renormalize, ctx.dtype = renormalize, logits.dtype
+def _route_op_backward(ctx, grad_probs, *grads):
+    return _route_grads(ctx, grad_probs, grads[-1], _route_backward_op), None, None, None, None, None
 
 
-def _topk_op_backward(ctx, grad_probs, _grad_ids, _grad_full):
-    full, expert_ids, probs = ctx.saved_tensors
-    return _topk_backward_op(grad_probs, full, expert_ids, probs, ctx.renormalize).to(ctx.dtype), None, None
-
-
-_topk_op.register_autograd(_topk_op_backward, setup_context=_topk_setup)
+_route_op.register_autograd(_route_op_backward, setup_context=_route_setup)
 
 
 @torch.library.custom_op("suite::moe_layout", mutates_args=())
-def _layout_op(expert_ids: torch.Tensor, num_experts: int, capacity: Optional[int]) -> tuple[
+def _layout_op(expert_ids: torch.Tensor, num_experts: int, capacity: int, max_rows: int) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _layout_indices(expert_ids, num_experts, capacity)
+    return moe_route_kernels.layout(expert_ids, num_experts, capacity, max_rows)
 
 
 @_layout_op.register_fake
-def _(expert_ids, num_experts, capacity):
-    num_slots = expert_ids.numel()
-    max_rows = num_slots if capacity is None else min(num_slots, num_experts * capacity)
+def _(expert_ids, num_experts, capacity, max_rows):
     return tuple(expert_ids.new_empty(n, dtype=torch.int32)
-                 for n in (num_experts + 1, num_slots, max_rows, max_rows, num_experts))
+                 for n in (num_experts + 1, expert_ids.numel(), max_rows, max_rows, num_experts))
 
 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())

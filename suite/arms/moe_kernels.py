@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import interpreting, launch
+from suite.arms.triton_support import interpreting, launch_kept
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -564,7 +564,7 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     if n_rows and n_experts and f:
         cfg = _gemm_config("up", n_rows // n_experts, f, x.dtype, x.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
-        launch(
+        launch_kept(
             _up_kernel, _row_tile_grid(tiles, cfg),
             x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g, a if u is None else u,
             n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(), *tiles,
@@ -608,7 +608,7 @@ def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_stride
     if n_rows and n_experts and n_n:
         cfg = _gemm_config(kind, n_rows // n_experts, n_n, a.dtype, a.device)
         tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
-        launch(
+        launch_kept(
             _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
             a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c,
             n_experts, n_k, n_n, *w_strides, *(w2_strides or w_strides), *tiles,
@@ -622,7 +622,7 @@ def _swiglu_backward(d_a, gate, up, offsets, dg, du):
     n_experts = offsets.shape[0] - 1
     block = 64 if _interpreting() and d_a.device.type != "cuda" else SWIGLU_BLOCK
     if d_a.numel():
-        launch(_swiglu_backward_kernel, (_cdiv(d_a.numel(), block),), d_a, gate, up, dg, du, offsets, n_experts,
+        launch_kept(_swiglu_backward_kernel, (_cdiv(d_a.numel(), block),), d_a, gate, up, dg, du, offsets, n_experts,
                d_a.shape[1], BLOCK=block, num_warps=4)
 
 
@@ -634,7 +634,7 @@ def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
         two = grad2 is not None
         # the weight's rows take the place of the token rows: 128-row tiles once it has 128
         cfg = _gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, grad.dtype, grad.device, n_i * n_j)
-        launch(
+        launch_kept(
             _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts),
             x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,
             offsets, dw, dw if dw2 is None else dw2, n_i, n_j, x.stride(0),
@@ -667,7 +667,7 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
     result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
     if n_tokens and d:
         cfg = _combine_config(n_tokens, d, rows.device)
-        launch(
+        launch_kept(
             _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)),
             rows, row_id_map, rows if probs is None else probs, result, n_tokens, d,
             TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
@@ -698,7 +698,7 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
     if n_tokens:
         cfg = _combine_config(n_tokens, d, grad_out.device)
-        launch(
+        launch_kept(
             _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),),
             grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
             TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=_next_pow2(top_k),

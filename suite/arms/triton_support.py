@@ -383,6 +383,23 @@ def launchers_of(kernel) -> list[Launcher]:
     return [found for found in _launchers.values() if found.kernel is kernel]
 
 
+_kept_launches = KeptLaunches(limit=256)
+
+
+def launch_kept(kernel, grid, *args, **meta) -> None:
+    """launch(), for a kernel whose tensor arguments all come first: once a call with these
+    dtypes, scalars and grid has launched, later ones go through its kept DirectLaunch (see
+    KeptLaunches), about 5 us a launch on the H200's host where the Launcher's key over some
+    twenty arguments costs 10-25 (scripts/moe_host_probe.py)."""
+    n_tensors = 0
+    for arg in args:
+        if not isinstance(arg, _Tensor):
+            break
+        n_tensors += 1
+    tensors = args[:n_tensors]
+    _kept_launches(launcher(kernel, **meta), grid, (grid, *[t.dtype for t in tensors]), tensors, args[n_tensors:])
+
+
 def launch(kernel, grid, *args, **meta) -> None:
     """kernel[grid](*args, **meta), compiled or interpreted. A caller that launches one
     kernel with one meta often keeps `launcher(kernel, **meta)` and calls that instead."""
