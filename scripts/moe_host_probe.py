@@ -52,12 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 @contextmanager
 def launches_stubbed():
     """The entry points' Python alone: no kernel launches, and CPU tensors accepted."""
-    saved = mk.launch_kept, mk._require_runnable
-    mk.launch_kept, mk._require_runnable = (lambda *args, **meta: None), (lambda t, fn: None)
+    saved = mk.PlannedLaunch.__call__, mk._require_runnable
+    mk.PlannedLaunch.__call__, mk._require_runnable = (lambda self, *tensors: None), (lambda t, fn: None)
     try:
         yield
     finally:
-        mk.launch_kept, mk._require_runnable = saved
+        mk.PlannedLaunch.__call__, mk._require_runnable = saved
 
 
 def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]],

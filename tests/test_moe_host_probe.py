@@ -13,11 +13,11 @@ from suite.arms import moe_kernels
 
 def test_the_probe_times_every_entry_point_and_restores_the_launch(tmp_path, capsys):
     probe = load_script("moe_host_probe")
-    launch = moe_kernels.launch_kept
+    launch = moe_kernels.PlannedLaunch.__call__
     out = tmp_path / "probe.json"
     assert probe.main(["--tokens", "4", "--hidden", "32", "--ffn", "48", "--experts", "3", "--calls", "3",
                        "--json", str(out)]) == 0
-    assert moe_kernels.launch_kept is launch
+    assert moe_kernels.PlannedLaunch.__call__ is launch
     result = json.loads(out.read_text())
     calls = [row["call"] for row in result["rows"]]
     assert calls[:7] == ["expert_up", "expert_down", "combine", "combine_backward", "expert_down_backward",

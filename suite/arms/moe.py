@@ -508,7 +508,10 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
 def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
     """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
     routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
-    never read."""
+    never read. Through the call shape's kept LayerPlan where there is one."""
+    plan = moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+    if plan is not None:
+        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
     a, g, u = moe_kernels.expert_up(x, w_gate, w_up, token_of_row, offsets)
     y_rows = moe_kernels.expert_down(a, w_down, offsets)
     return moe_kernels.combine(y_rows, row_id_map, probs), a, g, u, y_rows
@@ -516,7 +519,12 @@ def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_
 
 def _experts_backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
     """-> (dx, dprobs, dw_gate, dw_up, dw_down)."""
-    grad_rows, grad_probs = moe_kernels.combine_backward(grad_out.contiguous(), y_rows, probs, row_id_map)
+    grad_out = grad_out.contiguous()
+    plan = moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+    if plan is not None and grad_out.dtype == plan.dtype:
+        return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
+                             row_id_map)
+    grad_rows, grad_probs = moe_kernels.combine_backward(grad_out, y_rows, probs, row_id_map)
     dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
     dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
     # each token's k slots summed in slot order, so dx repeats its bits run to run

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import interpreting, launch_kept
+from suite.arms.triton_support import PlannedLaunch, interpreting
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -540,6 +540,70 @@ def _upcast(dtype: torch.dtype) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True) -> PlannedLaunch:
+    cfg = _gemm_config("up", n_rows // n_experts, f, dtype, device)
+    tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
+    return PlannedLaunch(
+        _up_kernel, _row_tile_grid(tiles, cfg), (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
+        (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_next_pow2(n_experts), SAVE=save,
+        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device) -> PlannedLaunch:
+    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
+    through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c)."""
+    cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
+    tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
+    return PlannedLaunch(
+        _rows_gemm_kernel, _row_tile_grid(tiles, cfg), (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
+        (dtype, dtype, dtype, dtype, torch.int32, dtype),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_next_pow2(n_experts), TWO=two,
+        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
+    """dg, du from d_a and the pre-activations; called with (d_a, gate, up, dg, du, offsets)."""
+    block = 64 if _interpreting() and device.type != "cuda" else SWIGLU_BLOCK
+    return PlannedLaunch(_swiglu_backward_kernel, (_cdiv(n_rows * f, block),), (n_experts, f),
+                         (dtype,) * 5 + (torch.int32,), BLOCK=block, num_warps=4)
+
+
+def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device) -> PlannedLaunch:
+    """dw[e] = x_e^T @ grad_e (and dw2[e] = x_e^T @ grad2_e when two), x_e gathered through
+    token_of_row when gather; called with (x, token_of_row or grad, grad, grad2, offsets, dw, dw2)."""
+    # the weight's rows take the place of the token rows: 128-row tiles once it has 128
+    cfg = _gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, dtype, device, n_i * n_j)
+    return PlannedLaunch(
+        _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts), (n_i, n_j, x_stride),
+        (dtype, torch.int32 if gather else dtype, dtype, dtype, torch.int32, dtype, dtype),
+        BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k, GATHER=gather, TWO=two,
+        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _combine_launch(n_tokens, d, top_k, weighted, dtype, device) -> PlannedLaunch:
+    """Called with (rows, row_id_map, probs or rows, out)."""
+    cfg = _combine_config(n_tokens, d, device)
+    return PlannedLaunch(
+        _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)), (n_tokens, d),
+        (dtype, torch.int32, torch.float32 if weighted else dtype, dtype),
+        TOP_K=top_k, WEIGHTED=weighted, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+
+
+def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
+    """Called with (grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)."""
+    cfg = _combine_config(n_tokens, d, device)
+    return PlannedLaunch(
+        _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),), (n_tokens, d),
+        (dtype, dtype, torch.int32, torch.float32, dtype, torch.float32),
+        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=_next_pow2(top_k), num_warps=cfg.num_warps,
+    )
+
+
 def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None, up_out=None,
               save_preactivations: bool = True):
     """a[r] = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for every sorted row r of expert e
@@ -562,16 +626,9 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     g = _buffer(gate_out, fn, "gate_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     if n_rows and n_experts and f:
-        cfg = _gemm_config("up", n_rows // n_experts, f, x.dtype, x.device)
-        tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
-        launch_kept(
-            _up_kernel, _row_tile_grid(tiles, cfg),
-            x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g, a if u is None else u,
-            n_experts, d, f, x.stride(0), *w_gate.stride(), *w_up.stride(), *tiles,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=_next_pow2(n_experts), SAVE=save_preactivations, UPCAST=_upcast(x.dtype),
-            GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _up_launch(n_rows, n_experts, d, f, x.stride(0), w_gate.stride(), w_up.stride(), x.dtype, x.device,
+                   save_preactivations)(x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g,
+                                        a if u is None else u)
     return a, g, u
 
 
@@ -599,31 +656,20 @@ def _row_tile_grid(tiles: tuple[int, int], cfg: GemmConfig) -> tuple[int, ...]:
 
 
 def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None):
-    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows, W[e] read as [K, N] through
-    w_strides (e, k, n), at GEMM kind `kind`'s tile."""
+    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows (see _rows_launch)."""
     n_rows, n_k = a.shape
     n_n = c.shape[1]
     n_experts = offsets.shape[0] - 1
-    two = a2 is not None
     if n_rows and n_experts and n_n:
-        cfg = _gemm_config(kind, n_rows // n_experts, n_n, a.dtype, a.device)
-        tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
-        launch_kept(
-            _rows_gemm_kernel, _row_tile_grid(tiles, cfg),
-            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c,
-            n_experts, n_k, n_n, *w_strides, *(w2_strides or w_strides), *tiles,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=_next_pow2(n_experts), TWO=two, UPCAST=_upcast(a.dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, a2 is not None, a.dtype,
+                     a.device)(a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c)
 
 
 def _swiglu_backward(d_a, gate, up, offsets, dg, du):
     """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place)."""
-    n_experts = offsets.shape[0] - 1
-    block = 64 if _interpreting() and d_a.device.type != "cuda" else SWIGLU_BLOCK
     if d_a.numel():
-        launch_kept(_swiglu_backward_kernel, (_cdiv(d_a.numel(), block),), d_a, gate, up, dg, du, offsets, n_experts,
-               d_a.shape[1], BLOCK=block, num_warps=4)
+        _swiglu_launch(d_a.shape[0], d_a.shape[1], offsets.shape[0] - 1, d_a.dtype, d_a.device)(
+            d_a, gate, up, dg, du, offsets)
 
 
 def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
@@ -631,17 +677,10 @@ def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
     when given."""
     n_experts, n_i, n_j = dw.shape
     if n_experts and n_i and n_j:
-        two = grad2 is not None
-        # the weight's rows take the place of the token rows: 128-row tiles once it has 128
-        cfg = _gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, grad.dtype, grad.device, n_i * n_j)
-        launch_kept(
-            _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts),
-            x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2,
-            offsets, dw, dw if dw2 is None else dw2, n_i, n_j, x.stride(0),
-            BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k,
-            GATHER=token_of_row is not None, TWO=two, UPCAST=_upcast(grad.dtype), GROUP_M=cfg.group_m,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        _weight_grad_launch(n_experts, n_i, n_j, x.stride(0), token_of_row is not None, grad2 is not None,
+                            grad.dtype, grad.device)(
+            x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2, offsets, dw,
+            dw if dw2 is None else dw2)
 
 
 def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None):
@@ -666,13 +705,8 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
     _check(probs is None or probs.shape[0] == n_tokens, fn, lambda: f"probs must have T = {n_tokens} rows, got {probs.shape[0] if probs is not None else 0}")
     result = _buffer(out, fn, "out", (n_tokens, d), rows.dtype, rows.device)
     if n_tokens and d:
-        cfg = _combine_config(n_tokens, d, rows.device)
-        launch_kept(
-            _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)),
-            rows, row_id_map, rows if probs is None else probs, result, n_tokens, d,
-            TOP_K=top_k, WEIGHTED=probs is not None, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d,
-            num_warps=cfg.num_warps,
-        )
+        _combine_launch(n_tokens, d, top_k, probs is not None, rows.dtype, rows.device)(
+            rows, row_id_map, rows if probs is None else probs, result)
     return result
 
 
@@ -697,13 +731,8 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     grad_rows = _buffer(grad_rows_out, fn, "grad_rows_out", tuple(y_rows.shape), grad_out.dtype, grad_out.device)
     grad_probs = _buffer(grad_probs_out, fn, "grad_probs_out", (n_tokens, top_k), torch.float32, grad_out.device)
     if n_tokens:
-        cfg = _combine_config(n_tokens, d, grad_out.device)
-        launch_kept(
-            _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),),
-            grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs, n_tokens, d,
-            TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=_next_pow2(top_k),
-            num_warps=cfg.num_warps,
-        )
+        _combine_bwd_launch(n_tokens, d, top_k, grad_out.dtype, grad_out.device)(
+            grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
     return grad_rows, grad_probs
 
 
@@ -768,3 +797,90 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     _grouped_rows("dx", dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
     _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
     return dx_rows, dw_gate, dw_up
+
+
+# --------------------------------------------------------------------------------------------
+# One layer's launches, planned once per call shape
+# --------------------------------------------------------------------------------------------
+
+
+class LayerPlan:
+    """One MoE layer's ten launches (forward and backward) at one call shape, made once: the
+    entry points' checks and tile choices are paid when the plan is made, so a call pays its
+    buffers and its launches alone (see PlannedLaunch). For `suite.arms.moe.experts`, which
+    checked its arguments; `layer_plan` makes and keeps the plans."""
+
+    def __init__(self, n_tokens, d, f, n_experts, top_k, n_rows, x_stride, wg_strides, wu_strides, wd_strides,
+                 dtype, device):
+        self.n_tokens, self.d, self.f, self.n_experts, self.top_k, self.n_rows = n_tokens, d, f, n_experts, top_k, n_rows
+        self.dtype, self.device = dtype, device
+        g_e, g_d, g_f = wg_strides
+        u_e, u_d, u_f = wu_strides
+        s_e, s_f, s_d = wd_strides
+        self.up = _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device)
+        self.down = _rows_launch("rows", n_rows, f, d, n_experts, wd_strides, wd_strides, False, dtype, device)
+        self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
+        self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
+        self.d_a = _rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
+                                device)
+        self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
+        self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device)
+        self.dx = _rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
+        self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
+        self.combine_dx = _combine_launch(n_tokens, d, top_k, False, dtype, device)
+
+    def _empty(self, *shape, dtype=None):
+        return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
+
+    def forward(self, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+        """expert_up, expert_down and combine: -> (out, a, g, u, y_rows)."""
+        rows, f = self.n_rows, self.f
+        a, g, u, y_rows, out = (self._empty(rows, f), self._empty(rows, f), self._empty(rows, f),
+                                self._empty(rows, self.d), self._empty(self.n_tokens, self.d))
+        self.up(x, w_gate, w_up, token_of_row, offsets, a, g, u)
+        self.down(a, a, w_down, w_down, offsets, y_rows)
+        self.combine(y_rows, row_id_map, probs, out)
+        return out, a, g, u, y_rows
+
+    def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+        """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
+        -> (dx, grad_probs, dw_gate, dw_up, dw_down)."""
+        rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
+        grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
+        self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
+        dg, du, dw_down = self._empty(rows, f), self._empty(rows, f), self._empty(n_experts, f, d)
+        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, du)  # d_a, in du's buffer
+        self.swiglu(du, g, u, dg, du, offsets)
+        self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
+        dx_rows, dw_gate, dw_up = self._empty(rows, d), self._empty(n_experts, d, f), self._empty(n_experts, d, f)
+        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
+        self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
+        dx = self._empty(self.n_tokens, d)
+        # each token's k slots summed in slot order, so dx repeats its bits run to run
+        self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
+        return dx, grad_probs, dw_gate, dw_up, dw_down
+
+
+_layer_plans: dict[tuple, LayerPlan] = {}
+
+
+def layer_plan(x, w_gate, w_up, w_down, n_rows: int, top_k: int) -> LayerPlan | None:
+    """The kept LayerPlan of this call shape, or None where the entry points must take the call
+    (an empty dimension, a dtype or device they refuse: they name it)."""
+    n_tokens, d = x.shape
+    n_experts, _, f = w_gate.shape
+    dtype, device = x.dtype, x.device
+    if not (n_tokens and d and f and n_experts and n_rows and dtype in _SUPPORTED_DTYPES and x.stride(1) == 1
+            and w_gate.dtype == dtype and w_up.dtype == dtype and w_down.dtype == dtype
+            and w_gate.device == device and w_up.device == device and w_down.device == device
+            and (device.type == "cuda" or _interpreting())):
+        return None
+    key = (n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), w_gate.stride(), w_up.stride(), w_down.stride(),
+           dtype, device, os.environ.get("SUITE_PROFILE"))
+    plan = _layer_plans.get(key)
+    if plan is None:
+        if len(_layer_plans) >= _MAX_KEPT_CONFIGS:
+            _layer_plans.clear()
+        plan = _layer_plans[key] = LayerPlan(n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), w_gate.stride(),
+                                             w_up.stride(), w_down.stride(), dtype, device)
+    return plan

@@ -400,6 +400,23 @@ def launch_kept(kernel, grid, *args, **meta) -> None:
     _kept_launches(launcher(kernel, **meta), grid, (grid, *[t.dtype for t in tensors]), tensors, args[n_tensors:])
 
 
+class PlannedLaunch:
+    """One launch with its kernel, meta, grid and scalars fixed, called with its tensors alone
+    (a kernel whose tensor parameters all come first), through the kept DirectLaunch once the
+    first call made one (see KeptLaunches). `dtypes` are the tensors' dtypes, which the caller
+    fixes by keeping one PlannedLaunch per call shape: they key the kept launch, so a call with
+    other dtypes would run code compiled for these."""
+
+    __slots__ = ("bound", "grid", "scalars", "varying")
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, dtypes: tuple, **meta):
+        self.bound = launcher(kernel, **meta)
+        self.grid, self.scalars, self.varying = grid, scalars, (grid, *dtypes)
+
+    def __call__(self, *tensors) -> None:
+        _kept_launches(self.bound, self.grid, self.varying, tensors, self.scalars)
+
+
 def launch(kernel, grid, *args, **meta) -> None:
     """kernel[grid](*args, **meta), compiled or interpreted. A caller that launches one
     kernel with one meta often keeps `launcher(kernel, **meta)` and calls that instead."""
