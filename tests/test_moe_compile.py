@@ -133,6 +133,31 @@ def test_opcheck_passes_for_each_op():
         torch.library.opcheck(moe._route_backward_op, (grad_probs, grad_z, logits.detach(), lse, expert_ids, probs, True))
 
 
+@pytest.mark.parametrize("lie", ["shape", "dtype"])
+def test_opcheck_catches_a_fake_whose_output_lies(lie):
+    """The saboteur of the opcheck test above: an op running the routing kernels whose fake
+    claims another probs shape (or dtype) than the kernels return. torch.compile would plan
+    its graph on the lie; opcheck must refuse it, or the test above has no teeth."""
+    name = f"suite_test::route_lying_{lie}"
+    lying = torch.library.custom_op(name, mutates_args=())(_route_probs)
+
+    @lying.register_fake
+    def _(logits, k):
+        if lie == "shape":
+            return logits.new_empty(logits.shape[0], k + 1, dtype=torch.float32)
+        return logits.new_empty(logits.shape[0], k, dtype=torch.float64)
+
+    from torch.testing._internal.optests import OpCheckError
+
+    logits, *_ = _op_args()
+    with pytest.raises(OpCheckError):
+        torch.library.opcheck(lying, (logits.detach(), K))
+
+
+def _route_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return moe._route_op(logits, k, True, logits.shape[0] * k, logits.shape[0] * k, False)[0]
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_the_routing_gradient_is_the_softmax_chain_rule(renormalize):
     """The routing kernels' backward (probs and z-loss) against autograd in float64 through
