@@ -319,6 +319,11 @@ def _interpreting() -> bool:
 _KERNELS_COMPILED = isinstance(_rms_norm_fwd_kernel, triton.runtime.JITFunction)
 
 
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the kernels can take t: a CUDA tensor, or any under Triton's interpreter."""
+    return t.is_cuda or not _KERNELS_COMPILED
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,248 @@
+"""The arms inside Hugging Face transformers models (transformers >= 5, the extra `[hf]`).
+
+Experts: transformers 5 dispatches each experts module's forward (classes under its
+`@use_experts_implementation`: OLMoE, Qwen3-MoE, Mixtral, ...) through an experts interface keyed
+by `config._experts_implementation`. `register()` adds the fused Triton experts there under the
+name "suite"; `use_suite_experts(model)` checks every experts module of a model and then
+switches it over. The model keeps its own router and top-k (router gradients flow through its
+router, via `routing_from_topk`), and its own weights: the kernels read `gate_up_proj` and
+`down_proj` through strided views, in each of the layouts transformers declares (concatenated or
+interleaved gate and up, transposed or not), never a copy.
+
+    from suite.integrations.transformers import use_suite_experts
+    use_suite_experts(model)   # -> how many experts modules now run the suite's kernels
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from suite.arms.moe import experts, routing_from_topk
+from suite.errors import CouldNotRun
+
+EXPERTS_IMPLEMENTATION = "suite"
+_EXPERTS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class IntegrationError(CouldNotRun):
+    """A model, or an installation, an integration cannot take; nothing of the model was changed."""
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise IntegrationError("transformers is not installed: pip install 'suite[hf]' (transformers >= 5)") from None
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise IntegrationError(f"transformers {transformers.__version__} has no experts interface: "
+                               "pip install -U 'transformers>=5'")
+    return transformers
+
+
+def register() -> None:
+    """Register the fused experts as transformers' experts implementation "suite" (idempotent):
+    then `model.set_experts_implementation("suite")` switches a model's experts over, or
+    `use_suite_experts(model)`, which checks the model first."""
+    _transformers()
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, suite_experts_forward)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A module transformers' experts interface dispatches: its class went through
+    `@use_experts_implementation` (which sets these flags) and holds 3-D expert weights."""
+    return hasattr(module, "has_gate") and hasattr(module, "is_transposed") and hasattr(module, "down_proj")
+
+
+def experts_unsupported(module: nn.Module) -> str | None:
+    """Why the suite's kernels cannot run this experts module, naming the flag; None if they can."""
+    name = type(module).__name__
+    if not module.has_gate:
+        return f"{name} has has_gate=False (no gate projection); the suite's experts are SwiGLU"
+    if getattr(module, "has_bias", False):
+        return f"{name} has has_bias=True; the suite's experts take no biases"
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{name} has has_post_expert_norm=True; the suite's experts have no norm after each expert"
+    if getattr(module, "_is_expert_parallel", False):
+        return f"{name} is expert-parallel (_is_expert_parallel=True); the suite's experts hold every expert"
+    from transformers.integrations import moe as hf_moe
+
+    if getattr(type(module), "_apply_gate", None) is not getattr(hf_moe, "_default_apply_gate", None):
+        return f"{name} defines its own _apply_gate; the suite's experts compute silu(gate) * up"
+    act = getattr(module, "act_fn", None)
+    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"{name} has act_fn {type(act).__name__}; the suite's experts compute silu(gate) * up"
+    gate_up, down = getattr(module, "gate_up_proj", None), module.down_proj
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or down.dim() != 3:
+        return f"{name} has no 3-D gate_up_proj and down_proj"
+    if gate_up.dtype not in _EXPERTS_DTYPES or down.dtype != gate_up.dtype:
+        return f"{name}'s weights are {gate_up.dtype} / {down.dtype}; the suite's experts take one of bf16, fp16, fp32"
+    return None
+
+
+def expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) as views of the module's own
+    gate_up_proj and down_proj, in the layout its flags declare: gradients reach the
+    parameters through the views."""
+    gate_up, down = module.gate_up_proj, module.down_proj
+    if module.is_transposed:  # gate_up [E, d, 2f], down [E, f, d]
+        f = gate_up.shape[2] // 2
+        if module.is_concatenated:
+            return gate_up[:, :, :f], gate_up[:, :, f:], down
+        return gate_up[:, :, 0::2], gate_up[:, :, 1::2], down
+    f = gate_up.shape[1] // 2  # gate_up [E, 2f, d], down [E, d, f]
+    if module.is_concatenated:
+        gate, up = gate_up[:, :f], gate_up[:, f:]
+    else:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    return gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
+
+
+def suite_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward signature, on the suite's kernels: the model's own top-k
+    choice laid out by `routing_from_topk`, the weights read in place."""
+    reason = experts_unsupported(self)
+    if reason is not None:
+        raise IntegrationError(f"experts implementation 'suite': {reason}; use another experts_implementation")
+    w_gate, w_up, w_down = expert_weights(self)
+    routing = routing_from_topk(top_k_index, top_k_weights, self.num_experts)
+    return experts(hidden_states.to(w_gate.dtype), routing, w_gate, w_up, w_down).to(hidden_states.dtype)
+
+
+def use_suite_experts(model: nn.Module) -> int:
+    """Switch every experts module of `model` to the suite's kernels and return how many. Each
+    is checked first: a model with none, or one the kernels cannot take, raises
+    IntegrationError naming the module and the flag, and the model is left as it was."""
+    register()
+    found = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
+    if not found:
+        raise IntegrationError(f"{type(model).__name__} has no experts module that transformers' experts interface "
+                               "dispatches (a class under @use_experts_implementation)")
+    for name, module in found:
+        reason = experts_unsupported(module)
+        if reason is not None:
+            raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    else:
+        model.config._experts_implementation = EXPERTS_IMPLEMENTATION
+    return len(found)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+# Each recognised class: (its eps attribute, offset: the scale is offset + weight, whether its
+# output takes the weight's dtype by promotion as Llama's `weight * x.to(input_dtype)` does)
+RMS_NORMS = {
+    **{name: ("variance_epsilon", 0.0, True) for name in (
+        "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
+        "OlmoeRMSNorm")},
+    **{name: ("variance_epsilon", 0.0, False) for name in ("Olmo2RMSNorm", "Olmo3RMSNorm")},
+    **{name: ("eps", 1.0, False) for name in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")},
+}
+RMS_NORM_IMPLS = ("auto", "fused")
+
+
+def _is_rms_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
+def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
+    """Swap the forward of every RMSNorm module of `model` for the suite's `rms_norm` and return
+    how many. impl="auto": the suite's kernels in eager calls (`rms_norm`'s own "auto", which
+    leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
+    (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
+    custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
+    kernels everywhere. Every RMSNorm class is checked first: one this does not know raises
+    IntegrationError naming it, and nothing of the model is patched. `restore_rms_norm` undoes it."""
+    from suite.arms import rmsnorm
+
+    if impl not in RMS_NORM_IMPLS:
+        raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
+    norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
+    unknown = sorted({type(module).__name__ for _, module in norms if type(module).__name__ not in RMS_NORMS})
+    if unknown:
+        raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows "
+                               f"({', '.join(sorted(RMS_NORMS))}); the model was left unchanged")
+    for _, module in norms:
+        eps_attr, offset, promotes = RMS_NORMS[type(module).__name__]
+        original = type(module).forward
+
+        def forward(x, module=module, eps_attr=eps_attr, offset=offset, promotes=promotes, original=original):
+            if impl == "auto" and (torch.compiler.is_compiling() or not rmsnorm.runs_on(x)):
+                return original(module, x)
+            y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
+            return y.to(torch.promote_types(x.dtype, module.weight.dtype)) if promotes else y
+
+        module.forward = forward
+        module._suite_rms_norm = impl
+    return len(norms)
+
+
+def restore_rms_norm(model: nn.Module) -> int:
+    """Undo `apply_rms_norm`: every patched module's own forward again; returns how many."""
+    restored = 0
+    for module in model.modules():
+        if hasattr(module, "_suite_rms_norm"):
+            del module.forward, module._suite_rms_norm
+            restored += 1
+    return restored
+
+
+# ---- Muon param groups -----------------------------------------------------------------------
+
+
+def _fused_split(name: str, module: nn.Module, config) -> tuple[int, ...] | None:
+    """The blocks of a fused projection's rows, where the module's name and the config say so:
+    qkv_proj (q, k, v heads) and a 2-D gate_up_proj (gate, up); None for any other weight."""
+    rows = module.weight.shape[0]
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "qkv_proj" and config is not None:
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        sizes = (heads * head_dim, (kv_heads or heads) * head_dim, (kv_heads or heads) * head_dim)
+        return sizes if sum(sizes) == rows else None
+    if leaf == "gate_up_proj" and rows % 2 == 0:
+        return (rows // 2, rows // 2)
+    return None
+
+
+def muon_param_groups(model: nn.Module, **muon_kwargs) -> list[dict]:
+    """Param groups for `suite.arms.muon.Muon`, routed as OLMo-core routes them: the 2-D hidden
+    matrices to Muon (muon_kwargs, e.g. lr, go into each Muon group); the embeddings (no weight
+    decay), the output head, vectors (norms, biases) and 3-D expert weights to AdamW, with the
+    optimizer's defaults. A fused qkv_proj or gate_up_proj Linear gets split_sizes, so each block
+    is orthogonalised on its own. Every group carries param_names; empty groups are left out.
+
+        optimizer = Muon(muon_param_groups(model, lr=0.02), lr=3e-4)   # lr=3e-4: the AdamW groups'
+    """
+    config = getattr(model, "config", None)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_ids = {id(head.weight)} if head is not None and isinstance(getattr(head, "weight", None), torch.Tensor) else set()
+    split_of = {id(m.weight): _fused_split(name, m, config) for name, m in model.named_modules()
+                if isinstance(m, nn.Linear)}
+    groups: dict[tuple, dict] = {}
+
+    def put(key: tuple, name: str, param: nn.Parameter, **options) -> None:
+        group = groups.setdefault(key, {"params": [], "param_names": [], **options})
+        group["params"].append(param)
+        group["param_names"].append(name)
+
+    for name, param in model.named_parameters():  # tied weights come once
+        if not param.requires_grad:
+            continue
+        if id(param) in embeddings:
+            put(("embeddings",), name, param, use_muon=False, weight_decay=0.0)
+        elif id(param) in head_ids or param.dim() != 2:
+            put(("adamw",), name, param, use_muon=False)
+        else:
+            sizes = split_of.get(id(param))
+            if sizes is None:
+                put(("muon",), name, param, use_muon=True, **muon_kwargs)
+            else:
+                put(("muon", sizes), name, param, use_muon=True, split_sizes=sizes, split_dim=0, **muon_kwargs)
+    return list(groups.values())

@@ -1,0 +1,281 @@
+"""suite.integrations.transformers: the fused experts inside tiny transformers models (random
+init, no download), against the model's own experts, on the CPU (kernels interpreted, fp32)
+and on a GPU (bf16, and under torch.compile)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5")
+
+from suite.integrations import transformers as hf  # noqa: E402
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+_SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+
+
+def tiny(family: str, **extra):
+    """A tiny causal LM of `family`, seeded; None where this transformers lacks the family."""
+    torch.manual_seed(0)
+    if family == "olmoe":
+        config = transformers.OlmoeConfig(intermediate_size=24, num_experts=6, num_experts_per_tok=2, **_SHAPE)
+        return transformers.OlmoeForCausalLM(config, **extra)
+    if family == "qwen3-moe":
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=24, intermediate_size=40, num_experts=6,
+                                             num_experts_per_tok=3, norm_topk_prob=True, **_SHAPE)
+        return transformers.Qwen3MoeForCausalLM(config)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **_SHAPE)
+        return transformers.MixtralForCausalLM(config)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=48, **_SHAPE))
+    if family == "gemma":
+        return transformers.GemmaForCausalLM(transformers.GemmaConfig(intermediate_size=48, head_dim=8, **_SHAPE))
+    if family == "olmo2":
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(intermediate_size=48, **_SHAPE))
+    if family == "phi3":
+        return transformers.Phi3ForCausalLM(transformers.Phi3Config(intermediate_size=48, pad_token_id=0, **_SHAPE))
+    raise ValueError(family)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral"])
+def test_suite_experts_give_the_models_loss_and_gradients(family):
+    model = tiny(family)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    stock_loss, stock = loss_and_grads(model, ids)
+    assert hf.use_suite_experts(model) == 2
+    assert model.config._experts_implementation == "suite"
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=0)
+    for name, grad in stock.items():  # the router's too: its gradients flow through the model's top-k
+        assert rel(grads[name], grad) < 1e-5, name
+
+
+def test_no_graph_break_under_torch_compile():
+    model = tiny("olmoe")
+    hf.use_suite_experts(model)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(model)(input_ids=ids)
+    finally:
+        torch._dynamo.reset()
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("concatenated", [True, False])
+def test_the_weights_are_read_in_every_declared_layout(transposed, concatenated):
+    """expert_weights' views against the layout spelled out: gate rows then up rows
+    (concatenated) or alternating (interleaved), [E, 2f, d] or transposed [E, d, 2f]."""
+    num_experts, d, f = 3, 5, 4
+    gate, up = torch.randn(num_experts, f, d), torch.randn(num_experts, f, d)  # [E, out, in]
+    rows = torch.cat([gate, up], 1) if concatenated else torch.stack([gate, up], 2).reshape(num_experts, 2 * f, d)
+    down = torch.randn(num_experts, d, f)
+    module = torch.nn.Module()
+    module.is_transposed, module.is_concatenated = transposed, concatenated
+    module.gate_up_proj = torch.nn.Parameter(rows.transpose(1, 2).contiguous() if transposed else rows)
+    module.down_proj = torch.nn.Parameter(down.transpose(1, 2).contiguous() if transposed else down)
+    w_gate, w_up, w_down = hf.expert_weights(module)
+    assert torch.equal(w_gate, gate.transpose(1, 2)) and torch.equal(w_up, up.transpose(1, 2))
+    assert torch.equal(w_down, down.transpose(1, 2))
+    assert w_gate.untyped_storage().data_ptr() == module.gate_up_proj.untyped_storage().data_ptr()  # no copy
+
+
+@pytest.mark.parametrize("flag, value, named", [
+    ("has_bias", True, "has_bias=True"),
+    ("has_gate", False, "has_gate=False"),
+    ("has_post_expert_norm", True, "has_post_expert_norm=True"),
+    ("act_fn", torch.nn.GELU(), "act_fn GELU"),
+])
+def test_an_experts_layout_the_kernels_cannot_take_is_refused_and_nothing_changes(flag, value, named):
+    model = tiny("olmoe")
+    before = model.config._experts_implementation
+    setattr(model.model.layers[1].mlp.experts, flag, value)
+    with pytest.raises(hf.IntegrationError, match=named) as raised:
+        hf.use_suite_experts(model)
+    assert "model.layers.1.mlp.experts" in str(raised.value) and "left unchanged" in str(raised.value)
+    assert model.config._experts_implementation == before
+
+
+def test_a_model_without_experts_is_refused():
+    with pytest.raises(hf.IntegrationError, match="LlamaForCausalLM has no experts module"):
+        hf.use_suite_experts(tiny("llama"))
+
+
+def test_missing_transformers_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(hf.IntegrationError, match=r"pip install 'suite\[hf\]'"):
+        hf.register()
+
+
+def test_register_is_idempotent():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    hf.register()
+    hf.register()
+    assert ALL_EXPERTS_FUNCTIONS["suite"] is hf.suite_experts_forward
+
+
+# ---- RMSNorm ----
+
+
+@pytest.mark.parametrize("family, norms", [("llama", 5), ("olmoe", 9), ("gemma", 5), ("olmo2", 9), ("qwen3-moe", 9)])
+def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits(family, norms):
+    """Llama's weight * x.to(dtype), OLMo2's (weight * x).to(dtype), Gemma's x * (1 + w): each
+    through the suite's kernels (impl="fused"; interpreted here), then the model's own again."""
+    model = tiny(family)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    stock_loss, stock = loss_and_grads(model, ids)
+    assert hf.apply_rms_norm(model, impl="fused") == norms
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=0)
+    for name, grad in stock.items():
+        assert rel(grads[name], grad) < 1e-5, name
+    assert hf.restore_rms_norm(model) == norms
+    again_loss, again = loss_and_grads(model, ids)
+    assert torch.equal(again_loss, stock_loss) and all(torch.equal(again[n], g) for n, g in stock.items())
+
+
+def test_auto_leaves_the_norm_to_the_model_where_the_kernels_cannot_run_or_inductor_fuses_it(monkeypatch):
+    from suite.arms import rmsnorm
+
+    model = tiny("llama")
+    norm = model.model.norm
+    x = torch.randn(3, 32)
+    hf.apply_rms_norm(model)  # impl="auto"
+    calls = []
+    monkeypatch.setattr(rmsnorm, "rms_norm", lambda *args, **kwargs: calls.append(kwargs) or args[0])
+    norm(x)
+    assert calls == [{"impl": "auto"}]
+    monkeypatch.setattr(rmsnorm, "runs_on", lambda t: False)  # a CPU without Triton's interpreter
+    assert torch.equal(norm(x), type(norm).forward(norm, x)) and len(calls) == 1
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(rmsnorm, "runs_on", lambda t: True)
+    assert torch.equal(norm(x), type(norm).forward(norm, x)) and len(calls) == 1
+
+
+def test_an_unknown_rms_norm_is_refused_and_nothing_is_patched():
+    model = tiny("llama")
+
+    class CustomRMSNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(32))
+
+        def forward(self, x):
+            return x
+
+    model.model.layers[1].input_layernorm = CustomRMSNorm()
+    with pytest.raises(hf.IntegrationError, match="CustomRMSNorm is not a norm this knows.*left unchanged"):
+        hf.apply_rms_norm(model)
+    assert not any(hasattr(m, "_suite_rms_norm") for m in model.modules())
+    with pytest.raises(ValueError, match="impl must be one of"):
+        hf.apply_rms_norm(model, impl="eager")
+
+
+# ---- Muon param groups ----
+
+
+def test_muon_param_groups_route_as_olmo_core_and_split_fused_weights():
+    from suite.arms.muon import Muon
+
+    model = tiny("phi3")
+    groups = hf.muon_param_groups(model, lr=0.02)
+    by_kind = {(g["use_muon"], g.get("split_sizes"), g.get("weight_decay")): g["param_names"] for g in groups}
+    assert by_kind[(False, None, 0.0)] == ["model.embed_tokens.weight"]
+    assert by_kind[(True, (32, 16, 16), None)] == [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in (0, 1)]
+    assert by_kind[(True, (48, 48), None)] == [f"model.layers.{i}.mlp.gate_up_proj.weight" for i in (0, 1)]
+    assert "lm_head.weight" in by_kind[(False, None, None)]
+    assert all(g["lr"] == 0.02 for g in groups if g["use_muon"])
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # each once
+    optimizer = Muon(groups, lr=3e-4)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+def test_muon_param_groups_send_expert_weights_and_tied_embeddings_to_adamw():
+    model = tiny("olmoe")
+    groups = hf.muon_param_groups(model)
+    adamw = next(g for g in groups if not g["use_muon"] and g.get("weight_decay") is None)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in adamw["param_names"]
+    muon = [n for g in groups if g["use_muon"] for n in g["param_names"]]
+    assert "model.layers.0.mlp.gate.weight" in muon and "model.layers.0.self_attn.q_proj.weight" in muon
+
+
+# ---- on the GPU ----
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe"])
+def test_on_the_gpu_bf16_and_compiled(family):
+    """bf16 on a GPU: the suite's experts against transformers' grouped_mm within bf16's
+    rounding, and torch.compile(fullgraph=True) of the suite's model giving its eager bits."""
+    model = tiny(family).cuda().bfloat16()
+    ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(3)).cuda()
+    stock_loss, stock = loss_and_grads(model, ids)
+    hf.use_suite_experts(model)
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, stock_loss, rtol=2e-2, atol=0)
+    for name, grad in stock.items():
+        assert rel(grads[name], grad) < 3e-2, name
+    torch._dynamo.reset()
+    try:
+        model.zero_grad(set_to_none=True)
+        out = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids)
+        out.loss.backward()
+    finally:
+        torch._dynamo.reset()
+    # inductor fuses the rest of the model its own way: the same maths, other roundings
+    torch.testing.assert_close(out.loss.detach(), loss, rtol=1e-2, atol=0)
+    for name, p in model.named_parameters():
+        assert rel(p.grad, grads[name]) < 3e-2, name
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_rms_norm_on_the_gpu_eager_and_under_compile():
+    """bf16 Llama: impl="auto" eager within bf16's rounding of stock; under torch.compile "auto"
+    hands the norm back to the model, so the compiled step is stock's, bit for bit."""
+    model = tiny("llama").cuda().bfloat16()
+    ids = torch.randint(0, 64, (4, 33), generator=torch.Generator().manual_seed(6)).cuda()
+    stock_loss, stock = loss_and_grads(model, ids)
+
+    def compiled_loss():
+        torch._dynamo.reset()
+        try:
+            model.zero_grad(set_to_none=True)
+            out = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids)
+            out.loss.backward()
+            return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+        finally:
+            torch._dynamo.reset()
+
+    stock_compiled = compiled_loss()
+    hf.apply_rms_norm(model)
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, stock_loss, rtol=2e-2, atol=0)
+    for name, grad in stock.items():
+        assert rel(grads[name], grad) < 3e-2, name
+    auto_loss, auto_grads = compiled_loss()
+    assert torch.equal(auto_loss, stock_compiled[0])
+    assert all(torch.equal(auto_grads[n], g) for n, g in stock_compiled[1].items())
