@@ -40,14 +40,21 @@ def _transformers():
     return transformers
 
 
+# transformers' own gate, silu(gate) * up: a class that overrides it computes something else.
+# Read at register(), not in the forward: dynamo cannot trace an import of transformers' lazy modules.
+_default_apply_gate = None
+
+
 def register() -> None:
     """Register the fused experts as transformers' experts implementation "suite" (idempotent):
     then `model.set_experts_implementation("suite")` switches a model's experts over, or
     `use_suite_experts(model)`, which checks the model first."""
+    global _default_apply_gate
     _transformers()
-    from transformers.integrations.moe import ExpertsInterface
+    from transformers.integrations import moe as hf_moe
 
-    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, suite_experts_forward)
+    _default_apply_gate = getattr(hf_moe, "_default_apply_gate", None)
+    hf_moe.ExpertsInterface.register(EXPERTS_IMPLEMENTATION, suite_experts_forward)
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -57,7 +64,8 @@ def is_experts_module(module: nn.Module) -> bool:
 
 
 def experts_unsupported(module: nn.Module) -> str | None:
-    """Why the suite's kernels cannot run this experts module, naming the flag; None if they can."""
+    """Why the suite's kernels cannot run this experts module, naming the flag; None if they can
+    (after `register()`)."""
     name = type(module).__name__
     if not module.has_gate:
         return f"{name} has has_gate=False (no gate projection); the suite's experts are SwiGLU"
@@ -67,9 +75,7 @@ def experts_unsupported(module: nn.Module) -> str | None:
         return f"{name} has has_post_expert_norm=True; the suite's experts have no norm after each expert"
     if getattr(module, "_is_expert_parallel", False):
         return f"{name} is expert-parallel (_is_expert_parallel=True); the suite's experts hold every expert"
-    from transformers.integrations import moe as hf_moe
-
-    if getattr(type(module), "_apply_gate", None) is not getattr(hf_moe, "_default_apply_gate", None):
+    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
         return f"{name} defines its own _apply_gate; the suite's experts compute silu(gate) * up"
     act = getattr(module, "act_fn", None)
     if type(act).__name__ not in ("SiLU", "SiLUActivation"):
