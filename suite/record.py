@@ -1,0 +1,162 @@
+"""Record a real model's tensors as gate buffers: `capture` hooks the modules an arm replaces,
+keeps what one forward and backward of each passes through it, and writes one buffer recording
+per module (the format `suite gate NAME --buffers DIR` reads), named by its module path:
+
+    with capture(model, "recorded") as recording:
+        loss = model(**batch).loss
+        loss.backward()
+    # recorded/model.layers.3.post_attention_layernorm -> suite gate rmsnorm --buffers ...
+    print(recording.saved)
+
+RMSNorm modules (transformers' RMSNorm classes that `apply_rms_norm` knows, and the suite's
+`RMSNorm`) give gate `rmsnorm` x, weight, dy with their eps and offset; transformers experts
+modules (see `suite.integrations.transformers`) give gate `moe-bwd` x, the router's logits, the
+expert weights in the gate's layout and grad_out. Works on any device; the tensors are copied to
+the host when written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from suite.harness.buffers import save_buffers
+
+MODULE_KINDS = ("rms_norm", "experts")
+
+
+@dataclass
+class _Watched:
+    path: str
+    module: nn.Module
+    gate: str
+    params: dict
+    step: int = 0
+    calls: int = 0
+    router_calls: int = 0
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class Recording:
+    """What `capture` wrote (`saved`, one directory per module) and what it could not, with why
+    (`skipped`: module path -> reason)."""
+
+    out_dir: Path
+    saved: list[Path] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _rms_norm_params(module: nn.Module) -> dict | None:
+    from suite.arms.rmsnorm import RMSNorm
+    from suite.integrations.transformers import RMS_NORMS
+
+    if isinstance(module, RMSNorm):
+        return dict(eps=float(module.eps), offset=float(module.offset))
+    known = RMS_NORMS.get(type(module).__name__)
+    if known is None:
+        return None
+    eps_attr, offset, _ = known
+    return dict(eps=float(getattr(module, eps_attr)), offset=offset)
+
+
+def _watch(model: nn.Module, modules: tuple[str, ...], step: int) -> list[_Watched]:
+    from suite.integrations import transformers as hf
+
+    watched = []
+    for path, module in model.named_modules():
+        if "rms_norm" in modules:
+            params = _rms_norm_params(module)
+            if params is not None:
+                watched.append(_Watched(path, module, "rmsnorm", params, step))
+                continue
+        if "experts" in modules and hf.is_experts_module(module):
+            watched.append(_Watched(path, module, "moe-bwd", dict(capacity_factor=None, skew="none"), step))
+    return watched
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ...] = MODULE_KINDS, step: int = 0,
+            overwrite: bool = False) -> Iterator[Recording]:
+    """Record the `step`-th forward (0: the first) of each eligible module inside the block, and
+    its backward, then write each module's recording under out_dir/<module path> on exit. A
+    module whose forward or backward did not run inside the block is listed in `skipped`."""
+    unknown = sorted(set(modules) - set(MODULE_KINDS))
+    if unknown:
+        raise ValueError(f"capture: modules must be among {MODULE_KINDS}, not {unknown}")
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"capture: step must be an int >= 0, got {step!r}")
+    recording = Recording(Path(out_dir))
+    watched = _watch(model, modules, step)
+    routers = {}  # an experts module's parent's router, whose logits the gate routes
+    for w in watched:
+        if w.gate == "moe-bwd":
+            parent = model.get_submodule(w.path.rpartition(".")[0]) if "." in w.path else model
+            router = getattr(parent, "gate", None) or getattr(parent, "router", None)
+            if isinstance(router, nn.Module):
+                routers[id(w.module)] = router
+    handles = [w.module.register_forward_hook(_recorder(w)) for w in watched]
+    for w in watched:
+        router = routers.get(id(w.module))
+        if router is not None:
+            handles.append(router.register_forward_hook(_router_recorder(w)))
+    try:
+        yield recording
+    finally:
+        for handle in handles:
+            handle.remove()
+    for w in watched:
+        missing = [n for n in (("x", "weight", "dy") if w.gate == "rmsnorm" else
+                               ("x", "logits", "w_gate", "w_up", "w_down", "grad_out")) if n not in w.tensors]
+        if missing:
+            recording.skipped[w.path] = (f"its call {step} ran no {'forward' if w.calls <= step else 'backward'} "
+                                         f"inside the block (missing {missing})")
+            continue
+        recording.saved.append(save_buffers(w.tensors, recording.out_dir / w.path, gate=w.gate, params=w.params,
+                                            overwrite=overwrite))
+
+
+def _keep_grad(w: _Watched, name: str, output) -> None:
+    if isinstance(output, torch.Tensor) and output.requires_grad:
+        output.register_hook(lambda grad: w.tensors.__setitem__(name, grad.detach().clone()))
+
+
+def _recorder(w: _Watched):
+    """The forward hook of a watched module: its inputs and weights at call `w.step`, and a hook
+    on its output for the gradient that reaches it."""
+
+    def hook(module, args, output):
+        call, w.calls = w.calls, w.calls + 1
+        if call != w.step:
+            return
+        if w.gate == "rmsnorm":
+            w.tensors.update(x=args[0].detach().clone(), weight=module.weight.detach().clone())
+            _keep_grad(w, "dy", output)
+            return
+        from suite.integrations.transformers import expert_weights
+
+        hidden_states, top_k_index = args[0], args[1]
+        w.params["top_k"] = top_k_index.shape[-1]
+        w_gate, w_up, w_down = (t.detach().contiguous() for t in expert_weights(module))
+        w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+        _keep_grad(w, "grad_out", output)
+
+    return hook
+
+
+def _router_recorder(w: _Watched):
+    """The forward hook of an experts module's router: its logits at call `w.step`."""
+
+    def hook(module, args, output):
+        call, w.router_calls = w.router_calls, w.router_calls + 1
+        if call == w.step:
+            logits = output[0] if isinstance(output, tuple) else output
+            w.tensors["logits"] = logits.detach().float().clone()
+
+    return hook

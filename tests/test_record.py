@@ -1,0 +1,65 @@
+"""suite.record.capture: a tiny transformers model's real tensors recorded as gate buffers, and
+the gates passing on them (the CPU: kernels interpreted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("transformers", minversion="5")
+
+from cli import app  # noqa: E402
+from suite.harness.buffers import load_buffers  # noqa: E402
+from suite.record import capture  # noqa: E402
+from test_integrations_transformers import tiny  # noqa: E402
+
+
+def step(model, seed=0):
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_capture_records_each_norm_and_experts_module_and_the_gates_pass_on_them(tmp_path):
+    model = tiny("olmoe")
+    with capture(model, tmp_path / "rec") as recording:
+        step(model)
+    names = sorted(p.name for p in recording.saved)
+    norms = [n for n, m in model.named_modules() if type(m).__name__ == "OlmoeRMSNorm"]
+    assert names == sorted(norms + ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"])
+    assert recording.skipped == {}
+    experts, manifest = load_buffers(tmp_path / "rec" / "model.layers.1.mlp.experts", expect_gate="moe-bwd")
+    assert manifest.params == {"capacity_factor": None, "skew": "none", "top_k": 2}
+    assert experts["w_gate"].shape == (6, 32, 24) and experts["logits"].shape == (18, 6)
+    for gate, name in (("rmsnorm", "model.layers.1.post_attention_layernorm"), ("moe-bwd", "model.layers.0.mlp.experts")):
+        result = CliRunner().invoke(app, ["gate", gate, "--device", "cpu", "--buffers", str(tmp_path / "rec" / name),
+                                          "--reports", str(tmp_path / "reports"), "--no-sabotage"],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+
+
+def test_capture_takes_the_step_asked_for_and_names_what_did_not_run(tmp_path):
+    model = tiny("llama")
+    seen = []
+    model.model.norm.register_forward_hook(lambda module, args, out: seen.append(args[0].detach().clone()))
+    with capture(model, tmp_path / "rec", modules=("rms_norm",), step=1) as recording:
+        step(model, seed=1)
+        step(model, seed=2)
+        with torch.no_grad():
+            model.model.layers[0].input_layernorm(torch.randn(3, 32))  # a third call: not the one asked for
+    recorded, _ = load_buffers(tmp_path / "rec" / "model.norm", expect_gate="rmsnorm")
+    assert torch.equal(recorded["x"], seen[1])
+
+    with capture(model, tmp_path / "again", modules=("rms_norm",)) as recording:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert recording.saved == []
+    assert "ran no backward" in recording.skipped["model.norm"]
+
+
+@pytest.mark.parametrize("bad, message", [(dict(modules=("attention",)), "modules must be among"),
+                                          (dict(step=-1), "step must be an int")])
+def test_bad_arguments_are_named(tmp_path, bad, message):
+    with pytest.raises(ValueError, match=message):
+        with capture(tiny("llama"), tmp_path, **bad):
+            pass
