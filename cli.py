@@ -420,6 +420,9 @@ def baseline_save(
         raise _unwritable("--baselines", baselines, exc) from exc
     for path in saved:
         console.print(f"saved {path}", markup=False, highlight=False)
+    if saved:  # the pages docs/results holds are rendered from these files; CI fails on a stale one
+        console.print(f"render the pages again: suite baseline show --baselines {baselines} --write docs/results",
+                      markup=False, highlight=False)
 
 
 @baseline_app.command("compare")
@@ -443,6 +446,41 @@ def baseline_compare(
     if not result.judged:  # a comparison that compared nothing must not read as a pass
         raise CouldNotRun(f"nothing compared: no arm timing of this report has a baseline under {baselines}")
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
+
+
+@baseline_app.command("show")
+@_guarded
+def baseline_show(
+    gate_names: Annotated[Optional[list[str]], typer.Argument(help="Gates to show; default: every saved one.")] = None,
+    baselines: Annotated[Path, typer.Option("--baselines", help="Baselines directory.")] = Path("baselines"),
+    write: Annotated[Optional[Path], typer.Option(
+        "--write", help="Write the pages under this directory (docs/results: <machine>/<gate>.md and an index) "
+                        "instead of printing them; pages of baselines that are gone are removed.")] = None,
+) -> None:
+    """Render the saved figures as Markdown pages: per preset its runs, per case each contender's
+    median ms in both timing modes, throughput, share of the ceiling, host time, spread."""
+    from suite.harness.render import baseline_pages
+
+    if not baselines.is_dir():
+        raise UsageError(f"--baselines {baselines} is not a directory; pass the baselines directory")
+    pages = baseline_pages(baselines, gate_names)
+    if gate_names and len(pages) == 1:
+        raise UsageError(f"no baseline under {baselines} for {', '.join(gate_names)}")
+    if write is None:
+        sys.stdout.write("\n".join(text for page, text in pages.items() if page != "README.md"))
+        return
+    if gate_names:
+        raise UsageError("--write renders every baseline (the index lists them all); drop the gate names")
+    try:
+        for stale in write.glob("*/*.md"):
+            if str(stale.relative_to(write)) not in pages:
+                stale.unlink()
+        for page, text in pages.items():
+            (write / page).parent.mkdir(parents=True, exist_ok=True)
+            (write / page).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise _unwritable("--write", write, exc) from exc
+    console.print(f"wrote {len(pages)} pages under {write}", markup=False, highlight=False)
 
 
 @app.command("report")

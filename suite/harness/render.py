@@ -12,7 +12,7 @@ from typing import Any
 from tabulate import tabulate
 
 from suite.errors import ExitCode
-from suite.harness.baseline import ComparisonReport
+from suite.harness.baseline import Baseline, BaselineEntry, ComparisonReport, load_baseline
 from suite.harness.results import (
     BenchResult,
     GateResult,
@@ -628,3 +628,83 @@ def render_comparison(cmp: ComparisonReport) -> str:
         "(beyond others) as well.",
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---- baselines as pages (suite baseline show) ----
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _center(entries: list[BaselineEntry], field: str) -> float | None:
+    values = [getattr(e, field) for e in entries if getattr(e, field) is not None]
+    return _median(values) if values else None
+
+
+def render_baseline(baseline: Baseline, source: str) -> str:
+    """One gate's saved figures on one class of machine as a Markdown page: per preset its runs
+    (run id, commit, command), then per bench case each contender's median ms in both timing
+    modes (the median over the saved runs), throughput and share of the ceiling in the first
+    mode it has, host time per call, and how far the saved runs lie apart. Deterministic: the
+    same file renders to the same page, so CI can tell a stale page."""
+    first = baseline.runs[0].fingerprint if baseline.runs else None
+    machine = (f"{first.gpu_name or first.device_slug}, torch {first.torch}, triton {first.triton or '-'}"
+               if first else "no runs saved")
+    lines = [
+        f"# {baseline.gate} on {machine}", "",
+        f"Rendered from `{source}` by `suite baseline show --write docs/results`; do not edit by hand.",
+        "Each figure is the median over the runs saved for its preset (`suite baseline save --add` keeps the newest 5);",
+        "*apart* is how far those runs lie apart (slowest over fastest, minus one).", "",
+    ]
+    presets = list(dict.fromkeys(r.preset for r in baseline.runs))
+    for preset in presets:
+        lines += [f"## {preset}", "", "Runs:", ""]
+        for run in baseline.runs_of(preset):
+            sha = (run.fingerprint.git_sha or "unknown")[:7]
+            lines.append(f"- `{run.run_id}` (commit {sha}, saved {run.saved_utc}): `{run.command}`")
+        lines.append("")
+        entries = [e for e in baseline.entries if e.preset == preset]
+        for case in dict.fromkeys(e.case for e in entries):
+            of_case = [e for e in entries if e.case == case]
+            modes = list(dict.fromkeys(e.mode for e in of_case))
+            rows = []
+            for contender in dict.fromkeys(e.contender for e in of_case):
+                mine = [e for e in of_case if e.contender == contender]
+                by_mode = {m: [e for e in mine if e.mode == m] for m in modes}
+                lead = next(v for v in by_mode.values() if v)
+                medians = [e.median_ms for e in lead]
+                apart = max(medians) / min(medians) - 1 if len(medians) > 1 else None
+                rows.append([
+                    contender, lead[0].role,
+                    *[_f(_center(by_mode[m], "median_ms"), ".4f") if by_mode[m] else _DASH for m in modes],
+                    _f(_center(lead, "tflops"), ".1f"), _f(_center(lead, "gbps"), ".0f"),
+                    _pct(_center(lead, "ceiling_fraction")), _f(_center(mine, "host_us"), ".1f"),
+                    str(len(lead)), _pct(apart),
+                ])
+            headers = ["contender", "role", *[f"{m} ms" for m in modes], f"TFLOP/s ({modes[0]})",
+                       f"GB/s ({modes[0]})", "of ceiling", "host us/call", "runs", "apart"]
+            lines += [f"### {case}", "", markdown_table(headers, rows), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def baseline_pages(baselines_dir, gates: list[str] | None = None) -> dict[str, str]:
+    """Every baseline file under baselines_dir (<machine>/<gate>.json) rendered: relative page
+    path (<machine>/<gate>.md) -> Markdown, plus README.md, the index of the pages."""
+    from pathlib import Path
+
+    root = Path(baselines_dir)
+    pages: dict[str, str] = {}
+    for path in sorted(root.glob("*/*.json")):
+        if gates and path.stem not in gates:
+            continue
+        relative = path.relative_to(root)
+        pages[str(relative.with_suffix(".md"))] = render_baseline(load_baseline(path), f"{root.name}/{relative}")
+    index = ["# Results", "", "Each gate's saved figures per class of machine, rendered from `baselines/` by "
+             "`suite baseline show --write docs/results` (CI fails when a page here differs from what that renders).",
+             ""]
+    index += [f"- [{page.removesuffix('.md')}]({page})" for page in sorted(pages)]
+    pages["README.md"] = "\n".join(index) + "\n"
+    return pages

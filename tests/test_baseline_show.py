@@ -1,0 +1,63 @@
+"""`suite baseline show`: the saved figures rendered as pages, and docs/results kept current (a
+page that differs from what its baseline renders fails here, so CI fails)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli import app
+from suite.errors import ExitCode
+from suite.harness.baseline import load_baseline
+from suite.harness.render import baseline_pages
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_the_committed_result_pages_are_what_the_baselines_render():
+    pages = baseline_pages(ROOT / "baselines")
+    committed = {str(p.relative_to(ROOT / "docs/results")): p.read_text(encoding="utf-8")
+                 for p in (ROOT / "docs/results").rglob("*.md")}
+    stale = sorted(page for page in pages.keys() | committed.keys() if pages.get(page) != committed.get(page))
+    assert not stale, f"docs/results is stale for {stale}: run `suite baseline show --write docs/results`"
+
+
+def test_a_figure_is_the_median_of_the_saved_runs():
+    baseline = load_baseline(ROOT / "baselines/nvidia-h200/rmsnorm.json")
+    entries = [e for e in baseline.entries
+               if (e.preset, e.case, e.mode, e.contender) == ("4096x2048", "fwd", "graph", "arm")]
+    assert len(entries) >= 2
+    page = baseline_pages(ROOT / "baselines", ["rmsnorm"])["nvidia-h200/rmsnorm.md"]
+    section = page.split("\n## 4096x2048\n")[1].split("\n## ")[0].split("\n### fwd\n")[1].split("\n### ")[0]
+    arm_row = next(line for line in section.splitlines() if line.startswith("| arm "))
+    assert f"{statistics.median(e.median_ms for e in entries):.4f}" in arm_row
+    assert f"| {len(entries)} " in arm_row
+
+
+def test_show_prints_write_writes_and_removes_stale_pages(tmp_path):
+    shown = invoke("baseline", "show", "split-muon", "--baselines", ROOT / "baselines")
+    assert shown.exit_code == 0 and shown.output.startswith("# split-muon on NVIDIA H200")
+    stale = tmp_path / "nvidia-h200" / "gone.md"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("old")
+    written = invoke("baseline", "show", "--baselines", ROOT / "baselines", "--write", tmp_path)
+    assert written.exit_code == 0, written.output
+    assert not stale.exists()
+    assert (tmp_path / "nvidia-h200" / "moe-bwd.md").read_text() == (ROOT / "docs/results/nvidia-h200/moe-bwd.md").read_text()
+    assert "[nvidia-h200/rmsnorm](nvidia-h200/rmsnorm.md)" in (tmp_path / "README.md").read_text()
+
+
+def test_bad_input_is_one_line(tmp_path):
+    for args, says in (
+        (("baseline", "show", "no-such-gate", "--baselines", ROOT / "baselines"), "no baseline under"),
+        (("baseline", "show", "--baselines", tmp_path / "missing"), "is not a directory"),
+        (("baseline", "show", "rmsnorm", "--baselines", ROOT / "baselines", "--write", tmp_path), "drop the gate names"),
+    ):
+        result = invoke(*args)
+        assert result.exit_code == ExitCode.USAGE and says in result.output, result.output
