@@ -659,7 +659,7 @@ PERF = PerfCriterion(
         # on mixtral (8 wide experts: cuBLAS-class GEMMs with no gather); this suite's own, the
         # same bars on top2-small and on the backward alone, except mixtral's backward alone:
         # 0.8x, below the 0.856-0.876x of two H200 runs, each mode (its gate/up weight gradient,
-        # about half the GEMM ceiling, holds it there; see the README)
+        # about half the GEMM ceiling, holds it there; see docs/arms/moe.md)
         # and, at fwd+bwd of the model presets, the strongest peers a user can run instead
         # (transformers 5's grouped_mm experts, eager and compiled): the arm ahead of each by 10%
         # at olmoe and qwen3-30b-a3b, level at mixtral
