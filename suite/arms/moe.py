@@ -24,7 +24,8 @@ The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
 autograd reference (gradients for x, the weights and probs, hence the logits);
-`experts_truth` is the same maths in float64, what the gate judges errors against. `experts`
+`experts_truth` is the same maths in float64 through autograd (the tests' truth; gate moe-bwd
+judges against a closed-form float64 truth of its own, apart from any autograd). `experts`
 is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
 host sync), and `MoEExperts` the module: router, top-k routing and experts, either impl.
 """
