@@ -361,18 +361,10 @@ def _next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# One tile per GEMM kind (no autotuning), measured on the H200 with scripts/moe_tune.py --sweep
-# over the four model presets (olmoe, qwen3-30b-a3b, mixtral, top2-small; bf16, 2026-12-01):
-# each row was the fastest, or within 4% of it, at every preset (the SwiGLU backward's GEMM at
-# mixtral within 2.5%). block_n is per B tile: the kinds with two (up: gate and up; the
-# gate/up weight gradient: two outputs) hold block_m x 2*block_n of accumulators. group_m walks
-# the row tiles in groups so a group's A rows stay in L2 across the column tiles (_tile_ids).
-# Against the old shape-class rule, per preset: up 1.27-1.38x, down 1.50-1.69x, the weight
-# gradients 1.10-1.28x. dx, its two operand pairs once interleaved in one loop at 128x128 (both
-# pairs buffered a step), runs them one after the other at the one-pair tile: 1.25-1.45x
-# (mixtral 8.75 -> 6.04-6.98 ms across two leases). The SwiGLU backward, once fused into its
-# GEMM's epilogue at 128x64 (the tile had to hold the loads of g and u), is a plain GEMM and an
-# elementwise pass: 1.20-1.37x (mixtral 4.93 -> 3.60-3.87 ms, olmoe 0.817 -> 0.675).
+# One tile per GEMM kind (no autotuning): the fastest, or within 4% of it, at every model
+# preset in `scripts/moe_tune.py --sweep` on the H200 (figures: docs/tuning.md). block_n is per
+# B tile (kinds with two B tiles hold block_m x 2*block_n accumulators); group_m walks the row
+# tiles in groups so a group's A rows stay in L2 across the column tiles (_tile_ids).
 #   kind            (n_a, n_b)  block_m, block_n, block_k, stages, warps, group_m
 GEMM_KINDS = {
     "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
@@ -382,10 +374,8 @@ GEMM_KINDS = {
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
     "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
 }
-# The gate/up weight gradient of this many elements per expert or more (mixtral's 4096 x
-# 14336) outgrows the L2: its X slices are reused across column tiles only when walked in
-# groups, and 8 warps then pay (9.46 ms against 11.03 ms at 4 warps, ungrouped, on mixtral).
-# dW_down there is fastest ungrouped (3.50 ms against 4.01 grouped by 16).
+# From this many elements per expert (mixtral's 4096 x 14336) the gate/up weight gradient outgrows
+# the L2: grouped tiles and 8 warps then pay (scripts/moe_tune.py; figures: docs/tuning.md).
 _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
@@ -456,12 +446,9 @@ class CombineConfig:
     num_warps: int
 
 
-# The combines stream rows: 8 tokens x 128 columns a program, 8 warps. Measured on the H200 with
-# scripts/moe_tune.py --sweep of the combine backward (2026-12-01): the best of 48 tile shapes at
-# olmoe and qwen3-30b-a3b, within 0.4% of it at top2-small and 6% at mixtral (1 token x 1024
-# columns there), where the old 32 x 128 at 4 warps took 1.29-1.70x the best (32 tokens a
-# program left too few programs to keep the memory busy). The forward combine and dx's gather
-# take the same tiles, unswept.
+# The combines stream rows, 8 tokens x 128 columns a program at 8 warps: enough programs to keep
+# the memory busy (the combine backward's best tile in scripts/moe_tune.py --sweep; figures:
+# docs/tuning.md). The forward combine and dx's gather take the same tiles, unswept.
 COMBINE = CombineConfig(8, 128, 8)
 
 

@@ -687,20 +687,9 @@ def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"rms_norm: x is on {x.device} but weight is on {weight.device}")
 
 
-# The size class where `rms_norm` (impl="auto") calls torch's native fused kernel instead of
-# ours: a CUDA tensor with fewer elements than this, outside torch.compile and CUDA-graph capture.
-# There an eager loop is bound by the host, whose cost per call is ours above the native op's,
-# although our kernels take less device time. Measured on the H200's hosts with
-# scripts/rmsnorm_launch_probe.py and `suite run` (2026-12-01, bf16, us per back-to-back eager
-# call, ours vs F.rms_norm): forward+backward 165.1 vs 118.4 at 8192x2880 (23.6 M elements),
-# 196.7 vs 298.9 at 16384x4096 (67 M); forward 26.6 vs 33.8 at 8192x2880 on one host and 40.8
-# vs 33.9 on a slower one, so a forward alone is routed up to the same size. A call that will
-# be differentiated is routed up to 4x that: at 16384x4096 (67 M) forward+backward our
-# kernels' 0.197 ms beat the native 0.307 in graph replays, but eager calls were host-bound
-# at 0.197-0.347 ms on four leases' hosts (`suite run`, 2026-12-01: 1.57x, 1.44x, 1.01x and
-# 0.90x F.rms_norm), so ours won there only on fast hosts; at 4096x65536 (268 M) the kernels'
-# 0.41 ms lead covers any host seen (1.42x). impl="fused" always takes our kernels (inside a
-# CUDA graph, where the host's cost is paid once, they are the faster ones at every size).
+# Below these sizes `rms_norm` (impl="auto") calls torch's native kernel in eager CUDA calls: there
+# a loop is bound by the host, and ours costs more host time per call though less device time
+# (a backward raises the bar: more device time to win back). Measurements: docs/tuning.md.
 NATIVE_BELOW = 1 << 25  # 33.6 M elements, a forward alone
 NATIVE_BELOW_WITH_GRAD = 1 << 27  # 134 M elements, a forward that a backward follows
 IMPLS = ("auto", "fused")
