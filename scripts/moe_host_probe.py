@@ -32,7 +32,7 @@ import torch
 from tabulate import tabulate
 
 from suite.arms import moe, moe_kernels as mk
-from suite.harness.timing import CudaTimer, host_us_per_call
+from suite.harness.timers import CudaTimer, host_us_per_call
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

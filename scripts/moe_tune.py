@@ -342,7 +342,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_tune needs a CUDA GPU", file=sys.stderr)
         return 3
-    from suite.harness.timing import CudaTimer, measure_ceilings
+    from suite.harness.timers import CudaTimer
+    from suite.harness.timing import measure_ceilings
 
     device = torch.device("cuda")
     timer = CudaTimer(device)

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from suite.arms.rmsnorm import rms_norm
-    from suite.harness.timing import CudaTimer
+    from suite.harness.timers import CudaTimer
 
     rows, cols = (int(v) for v in args.shape.split("x"))
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -4,7 +4,7 @@ and CUDA-graph device time, against F.rms_norm and peers.
 
     python scripts/rmsnorm_launch_probe.py            (on the GPU machine, project installed)
 
-Needs torch, triton and the project (its timing comes from suite.harness.timing, so pydantic
+Needs torch, triton and the project (its timing comes from suite.harness.timers, so pydantic
 too: scripts/device_check.sh brings it). Writes every figure to
 $OUT/rmsnorm_probe.json when OUT is set (or --json PATH), and prints a short table last.
 Sections, in order:
@@ -79,18 +79,18 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-# ---- timing: the harness's own (suite.harness.timing) ---------------------------------------
+# ---- timing: the harness's own (suite.harness.timers) ---------------------------------------
 
 
 def timer():
-    from suite.harness.timing import CudaTimer
+    from suite.harness.timers import CudaTimer
 
     return CudaTimer(DEVICE)
 
 
 def host_us(fn: Callable[[], Any], args: argparse.Namespace) -> float:
     """Best host time per call over batches of back-to-back calls (one untimed batch first)."""
-    from suite.harness.timing import host_us_per_call
+    from suite.harness.timers import host_us_per_call
 
     return host_us_per_call(fn, torch.cuda.synchronize, calls=args.host_calls, batches=args.host_batches)
 

@@ -206,7 +206,7 @@ def test_compiled_peers_are_timed_at_the_model_presets_alone():
 def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
     """The graph mode's premise: each build's call captures (the bwd case's forward ran at build
     time, on a side stream) and its replay computes what an eager call does."""
-    from suite.harness.timing import CudaTimer
+    from suite.harness.timers import CudaTimer
 
     cuda = torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == case)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from scriptload import load_script
-from suite.harness.timing import CudaTimer
+from suite.harness.timers import CudaTimer
 
 
 @pytest.fixture(scope="module")

@@ -17,23 +17,11 @@ import pytest
 import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
-from suite.harness import render, timing
+from suite.harness import render, stats, timers, timing
 from suite.harness.results import Ceilings
-from suite.harness.timing import (
-    CudaTimer,
-    Rotation,
-    Timed,
-    WallTimer,
-    TimingPolicy,
-    bootstrap_ci,
-    copy_size,
-    judge,
-    measure_bench,
-    measure_ceilings,
-    noise_floor,
-    round_order,
-    steady,
-)
+from suite.harness.stats import bootstrap_ci, copy_size, judge, noise_floor, round_order, steady
+from suite.harness.timers import CudaTimer, WallTimer
+from suite.harness.timing import Rotation, Timed, TimingPolicy, measure_bench, measure_ceilings
 
 PRESET = Preset(name="small", params={}, where="any")
 # cap 0: one warm-up batch per contender, so the draws (and so the figures) never depend on
@@ -773,22 +761,22 @@ def _cmp(speedup, low, high, floor_log):
     from suite.harness.results import Comparison
 
     return Comparison(against="x", speedup=speedup, ci_low=low, ci_high=high,
-                      verdict=timing.judge(speedup, low, high, floor_log), noise_floor=math.expm1(floor_log))
+                      verdict=stats.judge(speedup, low, high, floor_log), noise_floor=math.expm1(floor_log))
 
 
 def test_not_slower_is_one_sided():
     """Not slower is at least 1x within the floor: one-sided, where the verdict is two-sided."""
     floor = math.log1p(0.02)
-    assert timing.at_least_within_noise(_cmp(1.03, 0.999, 1.10, floor), 1.0, floor) == "pass"  # ambiguous two-sided
-    assert timing.at_least_within_noise(_cmp(1.0, 0.97, 1.03, floor), 1.0, floor) == "undecided"
-    assert timing.at_least_within_noise(_cmp(0.90, 0.88, 0.92, floor), 1.0, floor) == "fail"
+    assert stats.at_least_within_noise(_cmp(1.03, 0.999, 1.10, floor), 1.0, floor) == "pass"  # ambiguous two-sided
+    assert stats.at_least_within_noise(_cmp(1.0, 0.97, 1.03, floor), 1.0, floor) == "undecided"
+    assert stats.at_least_within_noise(_cmp(0.90, 0.88, 0.92, floor), 1.0, floor) == "fail"
 
 
 def test_at_least_needs_the_whole_ci():
     floor = math.log1p(0.02)
-    assert timing.at_least(_cmp(2.0, 1.9, 2.1, floor), 1.8) == "pass"
-    assert timing.at_least(_cmp(2.0, 1.7, 2.3, floor), 1.8) == "undecided"
-    assert timing.at_least(_cmp(1.5, 1.4, 1.6, floor), 1.8) == "fail"
+    assert stats.at_least(_cmp(2.0, 1.9, 2.1, floor), 1.8) == "pass"
+    assert stats.at_least(_cmp(2.0, 1.7, 2.3, floor), 1.8) == "undecided"
+    assert stats.at_least(_cmp(1.5, 1.4, 1.6, floor), 1.8) == "fail"
 
 
 @pytest.mark.parametrize("enabled_before", [True, False])
@@ -797,10 +785,10 @@ def test_garbage_collector_is_off_inside_a_timed_window_and_restored_after(enabl
 
     (gc.enable if enabled_before else gc.disable)()
     try:
-        with timing._collector_paused():
+        with timers._collector_paused():
             assert not gc.isenabled()
         assert gc.isenabled() is enabled_before
-        with pytest.raises(KeyError), timing._collector_paused():
+        with pytest.raises(KeyError), timers._collector_paused():
             raise KeyError("a failing call inside the window")
         assert gc.isenabled() is enabled_before
     finally:
@@ -858,7 +846,7 @@ def test_wall_timer_runs_a_bench_on_the_cpu():
 
 def test_host_time_per_call_is_the_best_batch():
     syncs, calls = [], []
-    us = timing.host_us_per_call(lambda: calls.append(1), lambda: syncs.append(1), calls=10, batches=3)
+    us = timers.host_us_per_call(lambda: calls.append(1), lambda: syncs.append(1), calls=10, batches=3)
     assert 0 <= us < 1000
     # before and after each of an untimed and a sizing batch of 5 calls, then 3 batches of 10
     assert len(syncs) == 2 * 5 and len(calls) == 2 * 5 + 3 * 10
@@ -871,7 +859,7 @@ def test_a_slow_call_gets_batches_of_fewer_calls():
         calls.append(1)
         time.sleep(0.004)
 
-    us = timing.host_us_per_call(slow, lambda: None, calls=200, batches=2, batch_ms=20.0)
+    us = timers.host_us_per_call(slow, lambda: None, calls=200, batches=2, batch_ms=20.0)
     assert us >= 4000 and len(calls) == 2 * 5 + 2 * 5  # 20 ms holds no more than 5 calls of 4+ ms
 
 

@@ -42,7 +42,8 @@ from suite.harness.results import (
     read_versioned_json,
     validation_summary,
 )
-from suite.harness.timing import TimingPolicy, bootstrap_ci
+from suite.harness.stats import bootstrap_ci
+from suite.harness.timing import TimingPolicy
 
 # 3: entries name their timing mode (graph replays or eager calls)
 # 4: a preset may hold several runs, and each entry names its run

@@ -41,12 +41,11 @@ from suite.harness.results import (
     SaboteurResult,
     SkippedGate,
 )
+from suite.harness.timers import CudaTimer, WallTimer
 from suite.harness.timing import (
-    CudaTimer,
     Rotation,
     Timed,
     TimingPolicy,
-    WallTimer,
     judge_eager_over_graph,
     measure_bench,
     measure_ceilings,
