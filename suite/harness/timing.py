@@ -185,174 +185,211 @@ def measure_bench(
     `criterion` for it. `rotation` says how many input sets the eager calls cycle through.
 
     `progress` gets short status lines ("round 3/10"); the caller adds which bench it is.
+    The steps, in order: cold calls, capture (graph mode), warm-up, rounds until the judged
+    comparisons are decided, the figures, the criteria.
     """
-    started = time.perf_counter()
-    say = progress or (lambda message: None)
-    by_role = {role: [c for c in contenders if c.role == role] for role in ("reference", "arm")}
-    if len(by_role["reference"]) != 1 or len(by_role["arm"]) != 1:
-        raise ValueError("measure_bench needs exactly one reference and one arm")
-    for c in contenders:
-        if c.call is None and c.role != "peer":
-            raise ValueError(f"the {c.role} {c.name!r} is unavailable ({c.unavailable}); nothing to bench")
-        if c.call is None and not c.unavailable:
-            raise ValueError(f"contender {c.name!r} has no call and no reason")
-    ref_name, arm_name = by_role["reference"][0].name, by_role["arm"][0].name
-    names = {c.name for c in contenders}
-    if len(names) != len(contenders):
-        raise ValueError("contender names must be unique")
-
-    fns = {c.name: c.call for c in contenders if c.call is not None}
-    # graph replays are device time: the L2 is flushed before each; eager and wall windows are
-    # back-to-back calls, rotated over input sets instead
-    flush_l2 = case.l2 == "cold" and mode == "graph"
-    window = 1 if mode == "graph" else case.window
-
-    calls_per_round = policy.calls_per_round
-
-    roles = {c.name: c.role for c in contenders}
-    dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
-
-    def drop(name: str, what: str, exc: Exception) -> None:
-        if roles[name] != "peer":
-            raise exc
-        dropped[name] = f"{what} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-        del fns[name]
-
-    cold: dict[str, float] = {}
-    for name in list(fns):
-        say(f"cold call of {name}")
-        fn = fns[name]
-        try:
-            # cold_calls > 1 when the first-use cost comes after some calls (a capture after warm-up)
-            cold[name] = timer.time_cold(fn if case.cold_calls == 1 else lambda fn=fn: [fn() for _ in range(case.cold_calls)])
-        except Exception as exc:  # a peer that cannot run here (a graph break under fullgraph) is reported
-            drop(name, "its first call", exc)
-    methods = {name: "" for name in fns}
+    bench = _Bench(case, mode, contenders, preset, criterion, policy, timer, progress or (lambda message: None))
+    bench.cold_calls()
     if mode == "graph":
-        eager = dict(fns)
-        for name in list(fns):
-            say(f"capturing {name} in a CUDA graph")
+        bench.capture()
+    bench.warm_up()
+    bench.rounds()
+    timings = bench.figures(ceilings)
+    checks, ambiguous = _check_criteria(
+        case, mode, preset, criterion, contenders, bench.comparisons, timings, ceilings, bench.ref_name)
+    nbytes, flops = case.bytes(preset), case.flops(preset)
+    return BenchResult(
+        case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
+        window=max(bench.windows.values()), rotation=rotation, bytes=nbytes, flops=flops,
+        warmup_calls=bench.warmup_calls, rounds=len(bench.first[bench.ref_name]),
+        calls_per_round=bench.calls_per_round, noise_floor=math.expm1(bench.floor_log),
+        aa_log_ratios=bench.aa[bench.ref_name], peer_aa_log_ratios={name: bench.aa[name] for name in bench.judged},
+        contenders=timings, comparisons=bench.comparisons, criteria=checks,
+        passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
+        host_probe=host_probe, duration_s=time.perf_counter() - bench.started)
+
+
+class _Bench:
+    """One bench case in one timing mode, step by step (`measure_bench` runs the steps)."""
+
+    def __init__(self, case: BenchCase, mode: TimingMode, contenders: list[Timed], preset: Preset,
+                 criterion: PerfCriterion, policy: TimingPolicy, timer: Timer, say: Callable[[str], None]):
+        self.started = time.perf_counter()
+        self.case, self.mode, self.contenders, self.preset = case, mode, contenders, preset
+        self.criterion, self.policy, self.timer, self.say = criterion, policy, timer, say
+        by_role = {role: [c for c in contenders if c.role == role] for role in ("reference", "arm")}
+        if len(by_role["reference"]) != 1 or len(by_role["arm"]) != 1:
+            raise ValueError("measure_bench needs exactly one reference and one arm")
+        for c in contenders:
+            if c.call is None and c.role != "peer":
+                raise ValueError(f"the {c.role} {c.name!r} is unavailable ({c.unavailable}); nothing to bench")
+            if c.call is None and not c.unavailable:
+                raise ValueError(f"contender {c.name!r} has no call and no reason")
+        self.ref_name, self.arm_name = by_role["reference"][0].name, by_role["arm"][0].name
+        if len({c.name for c in contenders}) != len(contenders):
+            raise ValueError("contender names must be unique")
+        self.fns = {c.name: c.call for c in contenders if c.call is not None}
+        self.roles = {c.name: c.role for c in contenders}
+        # graph replays are device time: the L2 is flushed before each; eager and wall windows are
+        # back-to-back calls, rotated over input sets instead
+        self.flush_l2 = case.l2 == "cold" and mode == "graph"
+        self.window = 1 if mode == "graph" else case.window
+        self.dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
+        self.cold: dict[str, float] = {}
+        self.methods = {name: "" for name in self.fns}
+
+    def _drop(self, name: str, what: str, exc: Exception) -> None:
+        if self.roles[name] != "peer":
+            raise exc
+        self.dropped[name] = f"{what} failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        del self.fns[name]
+        self.methods.pop(name, None)
+
+    def cold_calls(self) -> None:
+        """Each contender's first call, timed: compile and autotune are its cost."""
+        cold_calls = self.case.cold_calls
+        for name in list(self.fns):
+            self.say(f"cold call of {name}")
+            fn = self.fns[name]
             try:
-                fns[name] = timer.capture(fns[name])
+                # cold_calls > 1 when the first-use cost comes after some calls (a capture after warm-up)
+                self.cold[name] = self.timer.time_cold(
+                    fn if cold_calls == 1 else lambda fn=fn: [fn() for _ in range(cold_calls)])
+            except Exception as exc:  # a peer that cannot run here (a graph break under fullgraph) is reported
+                self._drop(name, "its first call", exc)
+
+    def capture(self) -> None:
+        """Graph mode: each call captured in a CUDA graph. A peer that cannot be is dropped; if
+        the reference or the arm cannot be, every contender is timed as eager calls."""
+        eager = dict(self.fns)
+        for name in list(self.fns):
+            self.say(f"capturing {name} in a CUDA graph")
+            try:
+                self.fns[name] = self.timer.capture(self.fns[name])
             except Exception as exc:
-                if roles[name] == "peer":
-                    drop(name, "CUDA-graph capture", exc)
+                if self.roles[name] == "peer":
+                    self._drop(name, "CUDA-graph capture", exc)
                     continue
                 # the reference or the arm cannot be captured: everyone is timed eagerly, one call a timing
                 why = f"{name}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
-                fns = {n: eager[n] for n in fns}
-                methods = {n: f"eager calls (capture failed for {why})" for n in fns}
+                self.fns = {n: eager[n] for n in self.fns}
+                self.methods = {n: f"eager calls (capture failed for {why})" for n in self.fns}
                 break
-    demands = _peer_demands(criterion, preset, case, mode)
-    least = criterion.speedup(preset.name, case.name, mode)
-    # a peer the arm is judged against is timed twice a round, like the reference: where the
-    # reference runs at another scale (a device-bound eager reference beside host-bound calls),
-    # its A/A says nothing of the noise between the arm and that peer
-    judged = list(dict.fromkeys(name for name, *_ in demands if name in fns and name not in (ref_name, arm_name)))
-    shared = (ref_name, arm_name, *judged)
-    # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
-    # eager reference spent 10 s a batch); the warm medians then size the rounds
-    first_ms = {name: timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=1)[0] for name in fns}
-    batch_size, warm_windows = round_shape(policy, first_ms, window, mode, shared)
-    warmup_calls, warm_ms = len(fns), {}
-    for name in fns:
-        say(f"warming up {name}")
-        calls, warm_ms[name] = _warm_up(timer, fns[name], policy, flush_l2, warm_windows[name], batch_size)
-        warmup_calls += calls
-    calls_per_round, windows = round_shape(policy, warm_ms, window, mode, shared)
-    # eager calls only: a graph replay's tail is its whole call, and a wall timing waits for it
-    tails = {name: timer.tail_ms(fns[name]) for name, ms in warm_ms.items()
-             if mode == "eager" and not flush_l2 and ms >= policy.lead_in_below_ms}
-    idle_start = {name: tail for name, tail in tails.items() if tail <= policy.idle_tail_share * warm_ms[name]}
-    lead_in = {name: name not in idle_start for name in fns}
 
-    others = [name for name in fns if name != ref_name and name not in judged]
-    first: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
-    second: dict[str, list[float]] = {name: [] for name in (ref_name, *judged)}
-    per_round: dict[str, list[float]] = {name: [] for name in others}
+    def warm_up(self) -> None:
+        """Who is judged (timed twice a round), the warm-up until steady, the shape of a round,
+        and which contenders need an untimed lead-in call before each timing."""
+        policy, fns, mode = self.policy, self.fns, self.mode
+        self.demands = _peer_demands(self.criterion, self.preset, self.case, mode)
+        self.least = self.criterion.speedup(self.preset.name, self.case.name, mode)
+        # a peer the arm is judged against is timed twice a round, like the reference: where the
+        # reference runs at another scale (a device-bound eager reference beside host-bound calls),
+        # its A/A says nothing of the noise between the arm and that peer
+        self.judged = list(dict.fromkeys(name for name, *_ in self.demands
+                                         if name in fns and name not in (self.ref_name, self.arm_name)))
+        shared = (self.ref_name, self.arm_name, *self.judged)
+        # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
+        # eager reference spent 10 s a batch); the warm medians then size the rounds
+        first_ms = {name: self.timer.time_calls(fns[name], 1, flush_l2=self.flush_l2, window=1)[0] for name in fns}
+        batch_size, warm_windows = round_shape(policy, first_ms, self.window, mode, shared)
+        self.warmup_calls, warm_ms = len(fns), {}
+        for name in fns:
+            self.say(f"warming up {name}")
+            calls, warm_ms[name] = _warm_up(self.timer, fns[name], policy, self.flush_l2, warm_windows[name],
+                                            batch_size)
+            self.warmup_calls += calls
+        self.calls_per_round, self.windows = round_shape(policy, warm_ms, self.window, mode, shared)
+        # eager calls only: a graph replay's tail is its whole call, and a wall timing waits for it
+        tails = {name: self.timer.tail_ms(fns[name]) for name, ms in warm_ms.items()
+                 if mode == "eager" and not self.flush_l2 and ms >= policy.lead_in_below_ms}
+        self.idle_start = {name: tail for name, tail in tails.items() if tail <= policy.idle_tail_share * warm_ms[name]}
+        self.lead_in = {name: name not in self.idle_start for name in fns}
 
-    def run_round(index: int, target: int) -> None:
+    def _round(self, index: int, target: int) -> None:
         """Each slot's figure is the median of its calls_per_round timings. The slots take turns
         timing by timing (forward, then backward), so a change in the host's state (clocks,
         other load, the autograd thread's core) falls on every contender of the round alike
         instead of on whichever one's batch it hit: on the H200's hosts eager windows of two
         calls into the same kernel drifted apart by up to 1.35x a round when timed in batches."""
-        say(f"round {index + 1}/{target}")
-        order = round_order(ref_name, judged, others, index)
+        self.say(f"round {index + 1}/{target}")
+        order = round_order(self.ref_name, self.judged, self.others, index)
         slots: list[list[float]] = [[] for _ in order]
-        for turn in range(calls_per_round):
+        for turn in range(self.calls_per_round):
             for slot in (range(len(order)) if turn % 2 == 0 else reversed(range(len(order)))):
                 name = order[slot]
-                slots[slot] += timer.time_calls(fns[name], 1, flush_l2=flush_l2, window=windows[name],
-                                                lead_in=lead_in[name])
-        twice = len(judged) + 1
+                slots[slot] += self.timer.time_calls(self.fns[name], 1, flush_l2=self.flush_l2,
+                                                     window=self.windows[name], lead_in=self.lead_in[name])
+        twice = len(self.judged) + 1
         for slot, name in enumerate(order):
             ms = statistics.median(slots[slot])
-            if name in per_round:
-                per_round[name].append(ms)
+            if name in self.per_round:
+                self.per_round[name].append(ms)
             else:
-                (first if slot < twice else second)[name].append(ms)
+                (self.first if slot < twice else self.second)[name].append(ms)
 
-    target = policy.min_rounds
-    while True:
-        while len(first[ref_name]) < target:
-            run_round(len(first[ref_name]), target)
-        aa = {name: [math.log(a / b) for a, b in zip(first[name], second[name])] for name in first}
-        floor_log = noise_floor(aa[ref_name], policy.floor_quantile, policy.min_floor)
-        floors = {name: max(floor_log, noise_floor(aa[name], policy.floor_quantile, policy.min_floor))
-                  for name in judged}
-        floors[ref_name] = floor_log
-        # a figure for a round of what is timed twice: the mean of its two timings in that round
-        series = {**{n: [(a + b) / 2 for a, b in zip(first[n], second[n])] for n in first},
-                  **{n: per_round[n] for n in others}}
-        rng = np.random.default_rng(policy.seed)  # same figures and seed, same intervals
-        comparisons = [
-            compare(name, series[name], series[arm_name], floors.get(name, floor_log), policy, rng)
-            for name in fns if name != arm_name
-        ]
-        by_name = {c.against: c for c in comparisons}
-        # more rounds only for what will be judged: each demand against a peer, the speedup floor
-        undecided = [by_name[name] for name, bar, _, _ in demands if name in by_name
-                     and at_least_within_noise(by_name[name], bar, floors[name]) == "undecided"]
-        if least is not None and at_least(by_name[ref_name], least) == "undecided":
-            undecided.append(by_name[ref_name])
-        if not undecided or target >= policy.max_rounds:
-            break
-        target = min(target + policy.round_step, policy.max_rounds)
-        say(f"ambiguous against {', '.join(c.against for c in undecided)}; "
-            f"extending to {target} rounds")
+    def rounds(self) -> None:
+        """ABBA rounds, min_rounds first and more (up to max_rounds) while a judged comparison
+        is undecided; the A/A noise floors, each round's figure and the comparisons."""
+        policy, ref_name, judged = self.policy, self.ref_name, self.judged
+        self.others = [name for name in self.fns if name != ref_name and name not in judged]
+        self.first = {name: [] for name in (ref_name, *judged)}
+        self.second = {name: [] for name in (ref_name, *judged)}
+        self.per_round = {name: [] for name in self.others}
+        target = policy.min_rounds
+        while True:
+            while len(self.first[ref_name]) < target:
+                self._round(len(self.first[ref_name]), target)
+            self.aa = {name: [math.log(a / b) for a, b in zip(self.first[name], self.second[name])]
+                       for name in self.first}
+            self.floor_log = noise_floor(self.aa[ref_name], policy.floor_quantile, policy.min_floor)
+            floors = {name: max(self.floor_log, noise_floor(self.aa[name], policy.floor_quantile, policy.min_floor))
+                      for name in judged}
+            floors[ref_name] = self.floor_log
+            # a figure for a round of what is timed twice: the mean of its two timings in that round
+            self.series = {**{n: [(a + b) / 2 for a, b in zip(self.first[n], self.second[n])] for n in self.first},
+                           **{n: self.per_round[n] for n in self.others}}
+            rng = np.random.default_rng(policy.seed)  # same figures and seed, same intervals
+            self.comparisons = [
+                compare(name, self.series[name], self.series[self.arm_name], floors.get(name, self.floor_log),
+                        policy, rng)
+                for name in self.fns if name != self.arm_name
+            ]
+            by_name = {c.against: c for c in self.comparisons}
+            # more rounds only for what will be judged: each demand against a peer, the speedup floor
+            undecided = [by_name[name] for name, bar, _, _ in self.demands if name in by_name
+                         and at_least_within_noise(by_name[name], bar, floors[name]) == "undecided"]
+            if self.least is not None and at_least(by_name[ref_name], self.least) == "undecided":
+                undecided.append(by_name[ref_name])
+            if not undecided or target >= policy.max_rounds:
+                return
+            target = min(target + policy.round_step, policy.max_rounds)
+            self.say(f"ambiguous against {', '.join(c.against for c in undecided)}; "
+                     f"extending to {target} rounds")
 
-    nbytes, flops = case.bytes(preset), case.flops(preset)
-    timings = []
-    for c in contenders:
-        if c.call is None or c.name in dropped:
-            timings.append(ContenderTiming(name=c.name, role=c.role, unavailable=c.unavailable or dropped[c.name],
-                                           host_us=c.host_us))
-            continue
-        median_ms = float(np.median(series[c.name]))
-        gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, case.ceiling)
-        timings.append(ContenderTiming(
-            name=c.name, role=c.role, method=methods[c.name], cold_ms=cold[c.name], median_ms=median_ms,
-            round_medians_ms=list(series[c.name]), gbps=gbps, tflops=tflops,
-            ceiling_fraction=fraction, host_us=c.host_us, window=windows[c.name],
-            idle_start_tail_ms=idle_start.get(c.name)))
-
-    if case.gpu_busy and mode == "eager" and hasattr(timer, "busy_ms"):
-        # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
-        for timing in timings:
-            if timing.unavailable is None:
-                say(f"device busy time of {timing.name}")
-                timing.gpu_busy_ms = timer.busy_ms(fns[timing.name], windows[timing.name])
-
-    checks, ambiguous = _check_criteria(
-        case, mode, preset, criterion, contenders, comparisons, timings, ceilings, ref_name)
-    return BenchResult(
-        case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
-        window=max(windows.values()), rotation=rotation, bytes=nbytes, flops=flops, warmup_calls=warmup_calls,
-        rounds=len(first[ref_name]), calls_per_round=calls_per_round, noise_floor=math.expm1(floor_log),
-        aa_log_ratios=aa[ref_name], peer_aa_log_ratios={name: aa[name] for name in judged}, contenders=timings, comparisons=comparisons, criteria=checks,
-        passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
-        host_probe=host_probe, duration_s=time.perf_counter() - started)
+    def figures(self, ceilings: Ceilings | None) -> list[ContenderTiming]:
+        """Each contender's figures (median over rounds, throughput, share of the ceiling), and
+        the GPU's busy time per call where the case asks for it."""
+        nbytes, flops = self.case.bytes(self.preset), self.case.flops(self.preset)
+        timings = []
+        for c in self.contenders:
+            if c.call is None or c.name in self.dropped:
+                timings.append(ContenderTiming(name=c.name, role=c.role, unavailable=c.unavailable or self.dropped[c.name],
+                                               host_us=c.host_us))
+                continue
+            median_ms = float(np.median(self.series[c.name]))
+            gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, self.case.ceiling)
+            timings.append(ContenderTiming(
+                name=c.name, role=c.role, method=self.methods[c.name], cold_ms=self.cold[c.name], median_ms=median_ms,
+                round_medians_ms=list(self.series[c.name]), gbps=gbps, tflops=tflops,
+                ceiling_fraction=fraction, host_us=c.host_us, window=self.windows[c.name],
+                idle_start_tail_ms=self.idle_start.get(c.name)))
+        if self.case.gpu_busy and self.mode == "eager" and hasattr(self.timer, "busy_ms"):
+            # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
+            for timing in timings:
+                if timing.unavailable is None:
+                    self.say(f"device busy time of {timing.name}")
+                    timing.gpu_busy_ms = self.timer.busy_ms(self.fns[timing.name], self.windows[timing.name])
+        return timings
 
 
 def _peer_demands(
