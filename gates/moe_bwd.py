@@ -29,10 +29,12 @@ from suite.arms.moe import (
     expert_rows,
     experts,
     experts_reference,
+    experts_truth,
     route,
     route_reference,
     router_z_loss,
     routing_from_topk,
+    routing_truth,
 )
 from suite.device_profile import active_profile
 from suite.harness.gate import (
@@ -231,43 +233,18 @@ def arm(buffers: Buffers, preset: Preset) -> Outputs:
 
 
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
-    """Closed-form forward and backward in float64, one expert at a time (so the temporaries
-    are one expert's rows), independent of the reference's autograd; the routing's choices are
-    the fp32 routing's, its probabilities recomputed in float64 (the dlogits path by autograd
-    through the softmax and the renormalisation alone)."""
+    """`experts_truth` and `routing_truth`: closed form in float64, independent of the
+    reference's autograd; the choices are the reference routing's, its probabilities recomputed
+    in float64 from the logits; the z-loss and its gradient in closed form."""
     routing = route_reference(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
-    chosen, kept = routing.expert_ids.long(), routing.kept
-    logits = buffers["logits"].double().requires_grad_()
-    probs = torch.softmax(logits, dim=-1).gather(1, chosen)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    x, grad_out = buffers["x"].double(), buffers["grad_out"].double()
-    out, dx = torch.zeros_like(x), torch.zeros_like(x)
-    dprobs = torch.zeros_like(probs)
-    dws = {n: torch.zeros(buffers[n].shape, dtype=torch.float64, device=x.device) for n in ("w_gate", "w_up", "w_down")}
-    weight = probs.detach()
-    for e in range(routing.num_experts):
-        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
-        wg, wu, wd = (buffers[n][e].double() for n in ("w_gate", "w_up", "w_down"))
-        v = x[tokens]
-        g, u = v @ wg, v @ wu
-        sig = torch.sigmoid(g)
-        h = g * sig * u
-        y = h @ wd
-        p = weight[tokens, slots][:, None]
-        out.index_add_(0, tokens, p * y)
-        dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
-        dy = grad_out[tokens] * p
-        dh = dy @ wd.T
-        dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
-        dws["w_down"][e] = h.T @ dy
-        dws["w_gate"][e], dws["w_up"][e] = v.T @ dg, v.T @ du
-        dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
-    (dlogits,) = torch.autograd.grad(probs, logits, dprobs)
-    # the z-loss and its gradient, closed form: d/dl mean(lse^2) = 2 lse softmax / T
-    lse = torch.logsumexp(logits.detach(), dim=-1)
-    dlogits += Z_WEIGHT * 2 * lse[:, None] * torch.softmax(logits.detach(), dim=-1) / max(lse.numel(), 1)
-    return {"out": out, "dx": dx, "dw_gate": dws["w_gate"], "dw_up": dws["w_up"], "dw_down": dws["w_down"],
-            "dprobs": dprobs, "dlogits": dlogits, "z_loss": lse.square().mean()}
+    probs, wide = routing_truth(buffers["logits"], routing)
+    weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
+    got = experts_truth(buffers["x"], dataclasses.replace(routing, probs=probs.detach()), *weights, buffers["grad_out"])
+    (dlogits,) = torch.autograd.grad(probs, wide, got["dprobs"])
+    # d/dl mean(lse^2) = 2 lse softmax / T
+    lse = torch.logsumexp(wide.detach(), dim=-1)
+    dlogits += Z_WEIGHT * 2 * lse[:, None] * torch.softmax(wide.detach(), dim=-1) / max(lse.numel(), 1)
+    return {**got, "dlogits": dlogits, "z_loss": lse.square().mean()}
 
 
 # ---- saboteurs: known-bad variants assembled from the arm's kernels ----

@@ -24,8 +24,8 @@ The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
 autograd reference (gradients for x, the weights and probs, hence the logits);
-`experts_truth` is the same maths in float64 through autograd (the tests' truth; gate moe-bwd
-judges against a closed-form float64 truth of its own, apart from any autograd). `experts`
+`experts_truth` (with `routing_truth` for the logits) is the same layer in closed form in
+float64, apart from any autograd: what the gate and the tests judge errors against. `experts`
 is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
 host sync), and `MoEExperts` the module: router, top-k routing and experts, either impl.
 """
@@ -499,11 +499,49 @@ def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> t
     return out.to(x.dtype)
 
 
-def experts_truth(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
-    """The reference's maths in float64. Pass float64 leaves (x, weights, and routing.probs
-    through `dataclasses.replace`) to get float64 gradients."""
-    wide = dataclasses.replace(routing, probs=routing.probs.double())
-    return experts_reference(x.double(), wide, w_gate.double(), w_up.double(), w_down.double())
+def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> dict[str, torch.Tensor]:
+    """The layer in closed form in float64, apart from any autograd, one expert at a time (its
+    temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
+    "dw_down" and "dprobs". What gate moe-bwd and the tests judge errors against."""
+    x, probs = x.double(), routing.probs.detach().double()
+    chosen, kept = routing.expert_ids.long(), routing.kept
+    out = torch.zeros_like(x)
+    grads = grad_out is not None
+    if grads:
+        grad_out = grad_out.double()
+        dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
+        dws = [torch.zeros(w.shape, dtype=torch.float64, device=x.device) for w in (w_gate, w_up, w_down)]
+    for e in range(routing.num_experts):
+        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
+        wg, wu, wd = w_gate[e].double(), w_up[e].double(), w_down[e].double()
+        v = x[tokens]
+        g, u = v @ wg, v @ wu
+        sig = torch.sigmoid(g)
+        h = g * sig * u
+        y = h @ wd
+        p = probs[tokens, slots][:, None]
+        out.index_add_(0, tokens, p * y)
+        if grads:
+            dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
+            dy = grad_out[tokens] * p
+            dh = dy @ wd.T
+            dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+            dws[0][e], dws[1][e], dws[2][e] = v.T @ dg, v.T @ du, h.T @ dy
+            dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
+    if not grads:
+        return {"out": out}
+    return {"out": out, "dx": dx, "dw_gate": dws[0], "dw_up": dws[1], "dw_down": dws[2], "dprobs": dprobs}
+
+
+def routing_truth(logits: torch.Tensor, routing: Routing, renormalize: bool = True):
+    """(probs, wide_logits) in float64: the routing's chosen probabilities recomputed from the
+    logits (the choice held fixed), differentiable to wide_logits, a float64 leaf:
+    `torch.autograd.grad(probs, wide_logits, dprobs)` is the logits' gradient."""
+    wide = logits.detach().double().requires_grad_()
+    probs = torch.softmax(wide, dim=-1).gather(1, routing.expert_ids.long())
+    if renormalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, wide
 
 
 def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
