@@ -317,7 +317,7 @@ GATE = Gate(
         not_slower_than=("reference", "F.rms_norm"),
         # the ceiling is a claim about the kernels' device time: graph replays only. 0.88: the
         # same kernel measured 0.913 and 0.893 of the same run's copy on two H200 leases, and
-        # Liger's forward moved with it (0.0692 -> 0.0704 ms); see docs/arms/rmsnorm.md
+        # Liger's forward moved with it; see docs/arms/rmsnorm.md
         min_ceiling_fraction={("16384x4096", "fwd", "graph"): 0.88, ("16384x4096", "fwd+bwd", "graph"): 0.65},
     ),
 )

@@ -533,10 +533,10 @@ class _FakeTensor:
 @pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536])
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_the_inlined_routing_is_routes_to_native(monkeypatch, numel, training, weight_dtype):
-    """rms_norm inlines routes_to_native for speed: both decide alike for every size class,
-    grad state and dtype pair (a routed call reaches the native op; the rest go on to our
-    validation, which the fakes fail)."""
+def test_rms_norm_routes_by_routes_to_native(monkeypatch, numel, training, weight_dtype):
+    """rms_norm's impl="auto" decides as routes_to_native does for every size class, grad state
+    and dtype pair (a routed call reaches the native op; the rest go on to our validation,
+    which the fakes fail)."""
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
     monkeypatch.setattr(arm, "_capturing", lambda: False)
     routed = []

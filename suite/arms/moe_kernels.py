@@ -386,8 +386,8 @@ _MANY_ROWS = 128
 _SMEM_SCRATCH = 8192
 
 
-# Chosen tiles, kept per call shape: choosing cost expert_down 18 of its 36 us of host time
-# (launches stubbed: scripts/moe_host_probe.py --calls 1000 on a 2-core CPU).
+# Chosen tiles, kept per call shape: choosing one costs about half an entry point's host time
+# (launches stubbed: `python scripts/moe_host_probe.py --calls 1000` on a CPU).
 _MAX_KEPT_CONFIGS = 256
 _gemm_configs: dict[tuple, GemmConfig] = {}
 
@@ -486,9 +486,8 @@ def _buffer(given, fn: str, name: str, shape: tuple, dtype: torch.dtype, device)
 
 def _check(ok: bool, fn: str, message: str | Callable[[], str]) -> None:
     """Raise with the message when not ok. A message that formats shapes or dtypes is given
-    as a lambda: formatted on every call, they (with triton.next_power_of_2) cost
-    combine_backward 25 of its 42 us of host time (launches stubbed: scripts/moe_host_probe.py
-    --calls 1000 on a 2-core CPU); its kernel takes 28 us on the H200 at top2-small."""
+    as a lambda: formatted on every call, they cost an entry point more host time than its
+    kernel takes at a small shape (`python scripts/moe_host_probe.py --calls 1000`)."""
     if not ok:
         raise ValueError(f"{fn}: {message if isinstance(message, str) else message()}")
 

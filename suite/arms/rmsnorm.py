@@ -599,7 +599,7 @@ class _RMSNormFunction(torch.autograd.Function):
     """The eager path: an autograd.Function costs ~6 us a call where a custom op costs ~20.
 
     An eager forward+backward hands the backward to autograd's device thread and back, and every
-    piece of Python costs two to three times what it costs alone (scripts/rmsnorm_eager_probe.py),
+    piece of Python costs two to three times what it costs alone (docs/arms/rmsnorm.md),
     so the work is kept small: dW's buffer (N values) is allocated in the forward, the dW
     partials come from the stream's workspace (`_partials_workspace`), and the backward
     allocates dx and launches once (rows that loop: one allocation and one launch more)."""
@@ -698,8 +698,7 @@ IMPLS = ("auto", "fused")
 def routes_to_native(numel: int, on_cuda: bool, same_dtype: bool, needs_grad: bool) -> bool:
     """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
     interpreter) of the size class where ours loses on the host (larger when a backward
-    follows), x and weight of one dtype (the native kernel's own rule). `rms_norm` inlines
-    this rule (a test holds the two together)."""
+    follows), x and weight of one dtype (the native kernel's own rule)."""
     return (on_cuda and _KERNELS_COMPILED and same_dtype
             and numel < (NATIVE_BELOW_WITH_GRAD if needs_grad else NATIVE_BELOW))
 
@@ -733,13 +732,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     if not (type(eps) is float and 0.0 <= eps < math.inf and type(offset) is float and math.isfinite(offset)):
         eps, offset = _checked_scalars(eps, offset)  # the plain floats above are the hot path
     if impl == "auto":
-        # routes_to_native inlined, cheapest checks first: on this path every fraction of a
-        # microsecond of Python is host time F.rms_norm does not pay. Inside a CUDA-graph
-        # capture (and torch.compile) the host's cost is paid once: ours, the faster kernels.
-        dtype, numel = x.dtype, x.numel()
-        if (numel < NATIVE_BELOW_WITH_GRAD and dtype is weight.dtype and x.is_cuda and _KERNELS_COMPILED
-                and dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()
-                and (numel < NATIVE_BELOW or (_grad_enabled() and (x.requires_grad or weight.requires_grad)))):
+        # Inside a CUDA-graph capture (and torch.compile) the host's cost is paid once: ours, the
+        # faster kernels, everywhere.
+        needs_grad = _grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if (routes_to_native(x.numel(), x.is_cuda, x.dtype is weight.dtype, needs_grad)
+                and x.dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
             try:
                 return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)[0]
             except RuntimeError:

@@ -207,7 +207,7 @@ def _pointers(args) -> list:
     """args with each CUDA tensor replaced by its data pointer. Triton's C launcher takes an int
     as the address itself, where for a tensor it calls data_ptr() and then asks the driver about
     the address (cuPointerGetAttribute): 1.5-2.5 us a pointer inside an eager forward+backward on
-    the H200's host (scripts/rmsnorm_eager_probe.py), 12-20 us a launch. That check was also
+    the H200's host (docs/arms/rmsnorm.md), 12-20 us a launch. That check was also
     what refused a tensor on another device: a CPU tensor is still passed as is (the launcher's
     check names it), but a tensor on another GPU is not caught here, so an arm checks that its
     tensors share one device, made current, before it launches."""
@@ -304,7 +304,7 @@ class DirectLaunch:
     nothing, so its caller keeps it under a key of its own that fixes everything Triton
     specializes on (the dtypes, every pointer 16-byte aligned, the integers) and builds that key
     on every call. An arm's hottest launch saves about half its host time this way (the
-    RMSNorm backward inside an eager forward+backward: scripts/rmsnorm_eager_probe.py)."""
+    RMSNorm backward inside an eager forward+backward: docs/arms/rmsnorm.md)."""
 
     __slots__ = ("kernel", "head", "prefix", "tail", "call", "compiled")
 
