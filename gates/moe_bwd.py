@@ -481,17 +481,29 @@ def _on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
 
 
 def _build(layer_for: Callable[..., Callable], weights_for: Callable[[list], list] | None = None,
-           ) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
+           route_fn: Callable[..., Any] = route_reference) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
     """A contender's build; `layer_for(routing, preset)` gives its experts call, whatever it
     needs to know of the layout read once here, at build time, so the timed call never syncs;
-    `weights_for` puts the weights in the contender's own layout (once, here)."""
+    `weights_for` puts the weights in the contender's own layout (once, here). In the "layer"
+    case each call routes the logits itself with `route_fn` (and then calls layer_for)."""
 
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         x, weights, routing = _leaves(buffers, preset)
         if weights_for is not None:
             weights = weights_for(weights)
+        grad_out = buffers["grad_out"]
+        if case.name == "layer":
+            p = preset.params
+            logits = buffers["logits"].detach().requires_grad_()
+            inputs = (x, *weights, logits)
+
+            def layer():
+                routed = route_fn(logits, p["top_k"], capacity_factor=p["capacity_factor"])
+                return torch.autograd.grad(layer_for(routed, preset)(x, routed, *weights), inputs, grad_out)
+
+            return layer
         run = layer_for(routing, preset)
-        inputs, grad_out = (x, *weights, routing.probs), buffers["grad_out"]
+        inputs = (x, *weights, routing.probs)
         if case.name == "fwd+bwd":
             return lambda: torch.autograd.grad(run(x, routing, *weights), inputs, grad_out)
         out = _on_side_stream(lambda: run(x, routing, *weights), x.device)
@@ -557,15 +569,17 @@ CONTENDERS = (
                         _build_combine_backward(kernel=False)),
               note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
                    "it can be captured); eager torch for the combine's backward"),
-    Contender("arm", "arm", _per_case(_build(lambda routing, _: experts), _build_combine_backward(kernel=True)),
-              note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd)"),
+    Contender("arm", "arm", _per_case(_build(lambda routing, _: experts, route_fn=route),
+                                      _build_combine_backward(kernel=True)),
+              note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd; in layer, "
+                   "route's routing kernels first)"),
     Contender("padded-bmm", "peer", _build(lambda routing, _: padded_bmm(routing)), cases=EXPERT_CASES,
               note="torch.bmm over every expert padded to the largest one's rows"),
     Contender("grouped_mm", "peer", _build(lambda routing, _: grouped_mm_experts), unavailable=_grouped_mm_missing,
               cases=EXPERT_CASES,
               note="torch._grouped_mm for the three GEMMs on the same layout, gathers and combine in torch"),
     Contender("grouped_mm gate|up", "peer", _build(lambda routing, _: grouped_mm_gate_up, gate_up_layout),
-              unavailable=_grouped_mm_missing, cases=EXPERT_CASES,
+              unavailable=_grouped_mm_missing, cases=(*EXPERT_CASES, "layer"),
               note="transformers 5's layout: gate and up in one torch._grouped_mm, torch's silu * up"),
     Contender("grouped_mm gate|up compiled", "peer",
               _build(lambda routing, preset: compiled(grouped_mm_gate_up, preset), gate_up_layout),
@@ -595,6 +609,11 @@ def _fwd_bwd_bytes(preset: Preset) -> int:
     return item * (4 * tokens * d + 9 * num_experts * d * f)
 
 
+def _layer_bytes(preset: Preset) -> int:
+    tokens, _, _, num_experts, _, _ = _sizes(preset)
+    return _fwd_bwd_bytes(preset) + 3 * 4 * tokens * num_experts  # logits read twice, dlogits written
+
+
 def _bwd_bytes(preset: Preset) -> int:
     tokens, d, f, num_experts, _, item = _sizes(preset)
     return item * (3 * tokens * d + 6 * num_experts * d * f)
@@ -621,6 +640,12 @@ BENCHES = (
     BenchCase("bwd", "the backward alone, on a forward run at build time (on a side stream, see "
               "_on_side_stream)", bytes=_bwd_bytes, flops=_gemm_flops(12), ceiling="gemm"),
     BenchCase("combine-bwd", "the combine's backward: grad_rows and grad_probs", bytes=_combine_bwd_bytes),
+    # the whole layer as a model calls it, eager calls only: the reference finds each expert's
+    # rows per call (a sync), so it cannot be captured, and host time is half of what is asked
+    BenchCase("layer", "routing from the router logits, then the experts forward and backward (for x, the "
+              "weights and the logits); each contender routes: the arm with its routing kernels, the others "
+              "with route_reference's torch ops", bytes=_layer_bytes, flops=_gemm_flops(18), ceiling="gemm",
+              modes=("eager",)),
 )
 
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
