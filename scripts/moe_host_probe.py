@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and of one
-layer's forward+backward (suite.arms.moe.experts under autograd).
+"""Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and, on a GPU,
+of the layers: the experts' forward+backward under autograd, the routing alone, and a whole
+MoEExperts forward+backward from its input (router, routing, experts).
 
     python scripts/moe_host_probe.py [--tokens 8] [--hidden 1024 --ffn 2816 --experts 16 --top-k 2]
+                                     [--profile CALLS]   (cProfile of each layer: where the time goes)
 
 On a CUDA GPU the kernels launch: at a few tokens the GPU's work is smaller than the host's, so
 back-to-back calls measure dispatch (the checks, the tile choice, the launch path, autograd).

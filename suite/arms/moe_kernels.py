@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import PlannedLaunch, interpreting
+from suite.arms.triton_support import PlannedLaunch, interpreting, next_pow2
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -356,11 +356,6 @@ def _interpreting() -> bool:
     return interpreting(_up_kernel)
 
 
-def _next_pow2(n: int) -> int:
-    # triton.next_power_of_2 is a constexpr function in triton 3.9: 6.0 us a call on a 2-core CPU (timeit), this 0.23
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 # One tile per GEMM kind (no autotuning): the fastest, or within 4% of it, at every model
 # preset in `scripts/moe_tune.py --sweep` on the H200 (figures: docs/tuning.md). block_n is per
 # B tile (kinds with two B tiles hold block_m x 2*block_n accumulators); group_m walks the row
@@ -416,7 +411,7 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
     if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:
         num_warps, group_m = 8, 16
-    block_n = max(16, min(block_n, _next_pow2(n)))
+    block_n = max(16, min(block_n, next_pow2(n)))
     if itemsize == 4:
         block_k //= 2  # fp32 (the parity path): the same bytes a step
     limit = smem_limit(device)
@@ -455,7 +450,7 @@ COMBINE = CombineConfig(8, 128, 8)
 def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
     if _interpreting() and device.type != "cuda":
         return CombineConfig(8, 16, 4)  # several programs and masked edges at test sizes
-    return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, _next_pow2(d))), COMBINE.num_warps)
+    return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, next_pow2(d))), COMBINE.num_warps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -532,7 +527,7 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
     return PlannedLaunch(
         _up_kernel, _row_tile_grid(tiles, cfg), (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
         (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_next_pow2(n_experts), SAVE=save,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts), SAVE=save,
         UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -545,7 +540,7 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     return PlannedLaunch(
         _rows_gemm_kernel, _row_tile_grid(tiles, cfg), (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
         (dtype, dtype, dtype, dtype, torch.int32, dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=_next_pow2(n_experts), TWO=two,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts), TWO=two,
         UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -586,7 +581,7 @@ def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
     return PlannedLaunch(
         _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),), (n_tokens, d),
         (dtype, dtype, torch.int32, torch.float32, dtype, torch.float32),
-        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=_next_pow2(top_k), num_warps=cfg.num_warps,
+        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=next_pow2(top_k), num_warps=cfg.num_warps,
     )
 
 

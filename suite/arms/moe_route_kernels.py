@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import interpreting, launch_kept
+from suite.arms.triton_support import interpreting, launch_kept, next_pow2
 
 # Programs of a routing launch, at most: each layout program reads every program's counts
 # (programs x E each), so their number is held down and a program loops over its tokens.
@@ -210,17 +210,13 @@ def runs_on(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting(_route_kernel)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 def _interpreted(t: torch.Tensor) -> bool:
     return t.device.type != "cuda" and interpreting(_route_kernel)
 
 
 def _plan(num_tokens: int, num_experts: int, device_tensor: torch.Tensor) -> tuple[int, int, int, int]:
     """-> (block_e, block_t, tokens a program, programs) of a routing launch."""
-    block_e = _next_pow2(num_experts)
+    block_e = next_pow2(num_experts)
     # small tiles and few programs under the interpreter (it runs programs one by one), so test
     # shapes still take several programs, loop steps and masked edges
     interpreted = _interpreted(device_tensor)
@@ -246,7 +242,7 @@ def route_forward(logits: torch.Tensor, k: int, renormalize: bool, capacity: int
     launch_kept(_route_kernel, (programs,), logits, expert_ids, probs, lse, counts, z_parts,
            num_tokens, num_experts, logits.stride(0), per_program,
            K=k, CHOOSE=True, RENORMALIZE=renormalize, Z_LOSS=z_loss, TIES_HIGH=ties_to_higher_id,
-           BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k), num_warps=4)
+           BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k), num_warps=4)
     layout, z = _layout(expert_ids, counts, z_parts if z_loss else None, num_experts, capacity, max_rows,
                         per_program)
     return (probs, expert_ids, *layout, lse, z)
@@ -261,7 +257,7 @@ def layout(expert_ids: torch.Tensor, num_experts: int, capacity: int, max_rows: 
     launch_kept(_route_kernel, (programs,), expert_ids, expert_ids, counts, counts, counts, counts,
            num_tokens, num_experts, 0, per_program,
            K=k, CHOOSE=False, RENORMALIZE=False, Z_LOSS=False, TIES_HIGH=False,
-           BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k), num_warps=4)
+           BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=next_pow2(k), num_warps=4)
     return _layout(expert_ids, counts, None, num_experts, capacity, max_rows, per_program)[0]
 
 
@@ -269,7 +265,7 @@ def _layout(expert_ids, counts, z_parts, num_experts, capacity, max_rows, per_pr
     num_tokens, k = expert_ids.shape
     programs = counts.shape[0]
     device = expert_ids.device
-    block_e = _next_pow2(num_experts)
+    block_e = next_pow2(num_experts)
     tile = INTERPRETED_TILE if _interpreted(expert_ids) else TILE_ELEMENTS
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     row_id_map = torch.empty(num_tokens * k, dtype=torch.int32, device=device)
@@ -280,8 +276,8 @@ def _layout(expert_ids, counts, z_parts, num_experts, capacity, max_rows, per_pr
     launch_kept(_layout_kernel, (programs,), expert_ids, counts, offsets if z_parts is None else z_parts, offsets,
            row_id_map, source_of_row, token_of_row, routed_counts, offsets if z is None else z,
            num_tokens, num_experts, programs, per_program, capacity, max_rows, 1.0 / num_tokens,
-           K=k, Z_LOSS=z_parts is not None, BLOCK_E=block_e, BLOCK_P=max(1, min(_next_pow2(programs), tile // block_e)),
-           CHUNK=max(1, tile // block_e), FILL=min(1024, _next_pow2(max(max_rows, 1))), num_warps=4)
+           K=k, Z_LOSS=z_parts is not None, BLOCK_E=block_e, BLOCK_P=max(1, min(next_pow2(programs), tile // block_e)),
+           CHUNK=max(1, tile // block_e), FILL=min(1024, next_pow2(max(max_rows, 1))), num_warps=4)
     return (offsets, row_id_map, source_of_row, token_of_row, routed_counts), z
 
 
@@ -291,7 +287,7 @@ def route_backward(grad_probs: torch.Tensor, grad_z: torch.Tensor | None, logits
     num_tokens, num_experts = logits.shape
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if num_tokens:
-        block_e = _next_pow2(num_experts)
+        block_e = next_pow2(num_experts)
         block_t = max(1, min(128, (INTERPRETED_TILE if _interpreted(logits) else TILE_ELEMENTS) // block_e))
         grad_probs = grad_probs.contiguous()
         launch_kept(_route_backward_kernel, (-(-num_tokens // block_t),), grad_probs, lse if grad_z is None else grad_z,
