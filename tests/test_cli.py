@@ -1,5 +1,6 @@
 """The CLI end to end on the CPU: commands, report directories and every exit code."""
 
+import dataclasses
 import json
 
 import pytest
@@ -99,6 +100,16 @@ def test_cuda_gate_named_on_cpu_could_not_run_but_run_lists_it(reports, toy_gate
         runner_module.RunOptions(device=torch.device("cpu"), explicit=False, strict=True)
     ).run(monkey_gates, "run")
     assert strict.exit_code == ExitCode.COULD_NOT_RUN
+
+
+def test_a_gate_missing_its_extra_is_skipped_by_run_and_could_not_run_when_named(reports, toy_gates):
+    lacking = dataclasses.replace(toygate.BENCH_GATE, name="toy-lacking", missing=lambda: "needs foo: pip install foo")
+    options = runner_module.RunOptions(device=torch.device("cpu"), explicit=False)
+    report = runner_module.Runner(options).run([gates.get("rmsnorm"), lacking], "run")
+    assert report.exit_code == ExitCode.OK
+    assert [(s.gate, s.reason) for s in report.skipped] == [("toy-lacking", "needs foo: pip install foo")]
+    named = runner_module.Runner(dataclasses.replace(options, explicit=True)).run([lacking], "gate")
+    assert named.exit_code == ExitCode.COULD_NOT_RUN and named.results[0].reason == "needs foo: pip install foo"
 
 
 def test_ambiguous_timing_exits_4(reports, monkeypatch):
@@ -215,6 +226,12 @@ def test_a_gate_written_against_the_contract_alone_gates_and_benches(reports, to
     assert timed["absent"]["unavailable"] == "not installed here"
     assert timed["arm"]["median_ms"] > 0 and timed["einsum"]["median_ms"] > 0
     assert [c["name"] for c in bench["criteria"]] == ["not slower than reference"]
+    # setup=True: each build's seconds beside its timing; recommend=True: each against the reference
+    assert timed["arm"]["setup_s"] >= 0 and timed["absent"]["setup_s"] is None
+    assert {r["contender"]: r["against"] for r in bench["recommendations"]} == {"arm": "reference",
+                                                                               "einsum": "reference"}
+    markdown = (report_dirs(reports)[0] / "report.md").read_text()
+    assert "## Recommendations" in markdown and "setup " in markdown
     assert set(gate_result["phases"]) >= {"buffers", "reference", "parity", "saboteur drops-last-column", "bench sum wall",
                                           "recheck"}
     # one run after the bench proves the arm deterministic and rechecks it: no third run

@@ -955,3 +955,23 @@ def test_cuda_tail_is_the_device_work_a_call_leaves_queued():
 
     assert timer.tail_ms(lambda: torch.cuda._sleep(spin)) > 5.0  # returned at once, all of it queued
     assert timer.tail_ms(synced) < 1.0  # the host waited: nothing left
+
+
+# ---- recommendations (BenchCase.recommend) -----------------------------------------------
+
+
+def test_recommendations_judge_each_contender_against_its_baseline():
+    contenders = make_contenders("slow peer", "captured")
+    contenders.append(Timed("muon", "peer", FakeFn("muon")))
+    contenders[-2].baseline = "muon"  # "captured" is judged against eager "muon", not the reference
+    dists = {"reference": (1.0, 0.005), "arm": (1.0, 0.005), "slow peer": (1.3, 0.005), "captured": (1.5, 0.005),
+             "muon": (2.0, 0.005)}
+    result, _ = bench(dists, case=make_case(recommend=True), contenders=contenders, mode="eager")
+    by = {r.contender: r for r in result.recommendations}
+    assert set(by) == {"arm", "slow peer", "captured", "muon"}
+    assert by["captured"].against == "muon" and by["captured"].speedup == pytest.approx(2.0 / 1.5, rel=0.02)
+    assert (by["captured"].verdict, by["captured"].advice) == ("faster", "switch on")
+    assert (by["slow peer"].verdict, by["slow peer"].advice) == ("slower", "leave off")
+    assert by["arm"].verdict == "same" and by["arm"].advice == "no gain: leave off"
+    plain, _ = bench(dists, contenders=make_contenders("slow peer"), mode="eager")
+    assert plain.recommendations == []  # only where the case asks

@@ -99,6 +99,7 @@ BENCH_GATE = Gate(
         Contender("absent", "peer", _build(row_sums), unavailable=lambda device: "not installed here"),
     ),
     benches=(BenchCase("sum", "row sums of a 64-row matrix", bytes=lambda p: 64 * p.params["n"] * 4,
-                       ceiling="none", modes=("wall",), window=5, calls_per_round=3),),
+                       ceiling="none", modes=("wall",), window=5, calls_per_round=3, setup=True,
+                       recommend=True),),
     perf=PerfCriterion(not_slower_than=("reference",)),
 )

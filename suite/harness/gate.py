@@ -101,14 +101,21 @@ class BenchCase:
     gpu_busy: bool = False  # also report the GPU's busy time per call (host-bound steps)
     calls_per_round: int | None = None  # overrides the run's policy (long steps)
     cold_calls: int = 1  # calls the cold figure covers (a captured step captures on call 4)
+    # each contender's build timed, with the device memory it holds at its peak: a build that runs
+    # the first calls itself (compile, capture) reports them apart from the timed calls
+    setup: bool = False
+    # a recommendation per contender: faster than its baseline beyond the noise floor, or not
+    recommend: bool = False
 
 
 @dataclass(frozen=True)
 class Contender:
     """One implementation timed in a gate's benches, declared once.
 
-    `build(case, buffers, preset)` returns a zero-argument callable: one timed call.
-    `unavailable(device)` returns None when it can run there, else why not.
+    `build(case, buffers, preset)` returns a zero-argument callable: one timed call (it may
+    carry a `note` attribute, a string the report prints beside its timing: what its setup saw).
+    `unavailable(device)` returns None when it can run there, else why not. `baseline`: the
+    contender a recommendation judges it against (None: the reference).
     """
 
     name: str
@@ -117,6 +124,7 @@ class Contender:
     unavailable: Callable[[torch.device], str | None] = lambda device: None
     note: str = ""
     cases: tuple[str, ...] | None = None  # the bench cases it is timed in (None: all)
+    baseline: str | None = None
 
     def timed_in(self, case: BenchCase) -> bool:
         return self.cases is None or case.name in self.cases
@@ -196,6 +204,9 @@ class Gate:
     # a preset (tiny shape) on which every contender's host time per call is measured
     host_probe: str | None = None
     nondeterministic: str | None = None  # why the arm may differ run to run, if it may
+    # why this installation cannot run the gate (an optional extra missing), else None: `suite
+    # run` lists it as skipped, a run that names it says it could not run
+    missing: Callable[[], str | None] = lambda: None
 
     def preset(self, name: str) -> Preset:
         for p in self.presets:
@@ -233,6 +244,9 @@ class Gate:
         names = [c.name for c in self.contenders]
         if len(set(names)) != len(names):
             raise ValueError(f"{where}: contender names must be unique, got {names}")
+        for c in self.contenders:
+            if c.baseline is not None and (c.baseline not in names or c.baseline == c.name):
+                raise ValueError(f"{where}: contender {c.name!r} has baseline {c.baseline!r}, not another contender")
         presets, cases = {p.name for p in self.presets}, {b.name for b in self.benches}
         if self.host_probe is not None and self.host_probe not in presets:
             raise ValueError(f"{where}: host_probe names no preset: {self.host_probe!r}")

@@ -267,6 +267,9 @@ def _bench_section(bench: BenchResult) -> list[str]:
             _f(c.tflops, ".1f"), _pct(c.ceiling_fraction, 0), _f(c.host_us, ".1f"), speedup,
             "; ".join(note for note in (
                 c.method or None,
+                c.note or None,
+                None if c.setup_s is None else f"setup {c.setup_s:.1f} s" + (
+                    "" if c.setup_peak_bytes is None else f", {c.setup_peak_bytes / 2**30:.2f} GiB held at its peak"),
                 None if c.gpu_busy_ms is None else f"GPU busy {c.gpu_busy_ms:.4f} ms of the step",
                 None if c.idle_start_tail_ms is None else
                 f"timed from an idle device (no lead-in call; {c.idle_start_tail_ms:.3f} ms queued at return)",
@@ -362,7 +365,29 @@ def render_markdown(report: RunReport) -> str:
     ]
     for result in report.results:
         lines += _result_section(result)
+    lines += _recommendation_section(report)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _recommendation_section(report: RunReport) -> list[str]:
+    """Last in the report: per preset and bench, each contender against its baseline, and whether
+    to switch it on (faster beyond the noise floor) or leave it off."""
+    rows = [
+        [r.preset, bench.case, rec.contender, rec.against,
+         f"{rec.speedup:.3f}x [{rec.ci_low:.3f}, {rec.ci_high:.3f}]", _pct(rec.noise_floor), rec.advice]
+        for r in report.results for bench in r.bench for rec in bench.recommendations
+    ]
+    if not rows:
+        return []
+    return [
+        "## Recommendations",
+        "",
+        "Each contender's speedup over its baseline (the baseline's time over its own; median over rounds, "
+        "95% bootstrap CI), judged against the noise floor: switch it on only where it is faster.",
+        "",
+        markdown_table(["preset", "bench", "contender", "against", "speedup [95% CI]", "floor", "advice"], rows),
+        "",
+    ]
 
 
 # ---- JUnit XML -----------------------------------------------------------------------------

@@ -151,6 +151,11 @@ class ContenderTiming(Record):
     # timed without a lead-in call: the device work its call had queued on return (ms), the
     # most an idle start added to each timing
     idle_start_tail_ms: Amount | None = None
+    # cases that time the setup (BenchCase.setup): the build's seconds (compile, capture) and the
+    # most device memory it held above what was allocated before it
+    setup_s: Amount | None = None
+    setup_peak_bytes: int | None = None
+    note: str = ""  # what the contender's setup saw (graph breaks, say)
 
 
 class Comparison(Record):
@@ -164,6 +169,24 @@ class Comparison(Record):
     # the relative floor it was judged against: the reference's A/A, or, for a peer the arm is
     # judged against, that peer's own A/A where it is wider
     noise_floor: Amount
+
+
+class Recommendation(Record):
+    """A contender against its baseline (BenchCase.recommend): switch it on where it is faster
+    beyond the noise floor; speedup = baseline's time / the contender's."""
+
+    contender: str
+    against: str
+    speedup: Positive
+    ci_low: Positive
+    ci_high: Positive
+    verdict: Verdict
+    noise_floor: Amount
+
+    @property
+    def advice(self) -> str:
+        return {"faster": "switch on", "slower": "leave off", "same": "no gain: leave off"}.get(
+            self.verdict, "undecided: leave off")
 
 
 class CriterionCheck(Record):
@@ -196,6 +219,7 @@ class BenchResult(Record):
     passed: bool
     ambiguous: bool
     host_probe: str | None = None  # the shape host_us was measured on
+    recommendations: list[Recommendation] = Field(default_factory=list)
     duration_s: float = 0.0
 
 

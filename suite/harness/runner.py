@@ -114,6 +114,7 @@ class Runner:
         self.progress = progress or Progress()
         self._ceilings: Ceilings | None = None
         self._host_us: dict[tuple[str, str, str], float | None] = {}
+        self._unit_peak = 0
 
     # ---- planning ----
 
@@ -189,6 +190,7 @@ class Runner:
             reason = None
             if gate.needs_cuda and device.type != "cuda":
                 reason = f"gate {gate.name} needs CUDA; this run's device is {device.type}"
+            reason = reason or gate.missing()
             presets = [] if reason else self._selected(gate)
             free = self._free_memory()
             if presets and free is not None and not opts.presets:
@@ -250,6 +252,7 @@ class Runner:
         gate, preset, device = unit.gate, unit.preset, self.options.device
         start = time.perf_counter()
         phases: dict[str, float] = {}
+        self._unit_peak = 0  # peaks seen before a contender's setup reset the counter
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
@@ -271,7 +274,7 @@ class Runner:
             # one line is enough for a known failure, not for a bug: keep where it was raised
             result.traceback = traceback.format_exc()
         if device.type == "cuda":
-            result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+            result.peak_memory_bytes = max(self._unit_peak, torch.cuda.max_memory_allocated(device))
             torch.cuda.empty_cache()
         result.phases = phases
         result.duration_s = time.perf_counter() - start
@@ -418,16 +421,18 @@ class Runner:
         timed = []
         for contender in contenders:
             reason = contender.unavailable(device)
-            call = None
+            call, setup = None, {}
             if reason is None:
                 try:
-                    calls = [contender.build(case, s, preset) for s in sets]
+                    with self._setup_measured(device, setup if case.setup else None):
+                        calls = [contender.build(case, s, preset) for s in sets]
                     call = calls[0] if len(calls) == 1 else Rotation(calls)
                 except Exception as exc:  # a peer that cannot be built here is reported, not fatal
                     if contender.role != "peer":
                         raise
                     reason = f"{type(exc).__name__}: {_first_line(exc)}"
-            timed.append(Timed(contender.name, contender.role, call, reason, host_us.get(contender.name)))
+            timed.append(Timed(contender.name, contender.role, call, reason, host_us.get(contender.name),
+                               baseline=contender.baseline, note=getattr(call, "note", "") or "", **setup))
         policy = self.options.policy
         if case.calls_per_round:
             policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round,
@@ -438,6 +443,27 @@ class Runner:
             progress=self.progress.detail, rotation=len(sets),
             host_probe=self._probe_name(gate) if host_us else None,
         )
+
+    @contextlib.contextmanager
+    def _setup_measured(self, device: torch.device, into: dict | None) -> Iterator[None]:
+        """Into `into` (when given): the seconds of what runs inside, and on CUDA the most device
+        memory it held above what was allocated when it began (what that contender keeps and its
+        first calls' peak; the other contenders' memory left out)."""
+        if into is None:
+            yield
+            return
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+            self._unit_peak = max(self._unit_peak, torch.cuda.max_memory_allocated(device))
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        started = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
+            into["setup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
+        into["setup_s"] = time.perf_counter() - started
 
     def _probe_name(self, gate: Gate) -> str:
         probe = gate.preset(gate.host_probe)

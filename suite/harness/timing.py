@@ -37,6 +37,7 @@ from suite.harness.results import (
     Comparison,
     ContenderTiming,
     CriterionCheck,
+    Recommendation,
     Role,
     TimingMode,
 )
@@ -51,6 +52,10 @@ class Timed:
     call: Callable[[], Any] | None
     unavailable: str | None = None
     host_us: float | None = None  # host time per call on the gate's host-probe shape
+    baseline: str | None = None  # what a recommendation judges it against (None: the reference)
+    setup_s: float | None = None  # BenchCase.setup: its build's seconds and peak device memory
+    setup_peak_bytes: int | None = None
+    note: str = ""
 
 
 class Rotation:
@@ -206,7 +211,8 @@ def measure_bench(
         aa_log_ratios=bench.aa[bench.ref_name], peer_aa_log_ratios={name: bench.aa[name] for name in bench.judged},
         contenders=timings, comparisons=bench.comparisons, criteria=checks,
         passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
-        host_probe=host_probe, duration_s=time.perf_counter() - bench.started)
+        host_probe=host_probe, recommendations=bench.recommendations() if case.recommend else [],
+        duration_s=time.perf_counter() - bench.started)
 
 
 class _Bench:
@@ -366,6 +372,22 @@ class _Bench:
             self.say(f"ambiguous against {', '.join(c.against for c in undecided)}; "
                      f"extending to {target} rounds")
 
+    def recommendations(self) -> list[Recommendation]:
+        """Each timed contender but the reference against its baseline, round by round, judged
+        with the reference's A/A floor (the baseline's own where it was timed twice and is wider)."""
+        rng = np.random.default_rng(self.policy.seed)
+        found = []
+        for c in self.contenders:
+            against = c.baseline or self.ref_name
+            if c.name == self.ref_name or c.name not in self.fns or against not in self.fns:
+                continue
+            floor = self.floor_log
+            if against in self.aa:
+                floor = max(floor, noise_floor(self.aa[against], self.policy.floor_quantile, self.policy.min_floor))
+            cmp = compare(against, self.series[against], self.series[c.name], floor, self.policy, rng)
+            found.append(Recommendation(contender=c.name, **cmp.model_dump()))
+        return found
+
     def figures(self, ceilings: Ceilings | None) -> list[ContenderTiming]:
         """Each contender's figures (median over rounds, throughput, share of the ceiling), and
         the GPU's busy time per call where the case asks for it."""
@@ -382,7 +404,8 @@ class _Bench:
                 name=c.name, role=c.role, method=self.methods[c.name], cold_ms=self.cold[c.name], median_ms=median_ms,
                 round_medians_ms=list(self.series[c.name]), gbps=gbps, tflops=tflops,
                 ceiling_fraction=fraction, host_us=c.host_us, window=self.windows[c.name],
-                idle_start_tail_ms=self.idle_start.get(c.name)))
+                idle_start_tail_ms=self.idle_start.get(c.name), setup_s=c.setup_s,
+                setup_peak_bytes=c.setup_peak_bytes, note=c.note))
         if self.case.gpu_busy and self.mode == "eager" and hasattr(self.timer, "busy_ms"):
             # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
             for timing in timings:

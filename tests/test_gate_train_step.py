@@ -1,0 +1,128 @@
+"""Gate train-step on the CPU: whole training steps of tiny transformers models (Triton kernels
+interpreted, fp32) with the arms switched on, against stock; its saboteurs; the bench's build of
+a step. On a GPU: the compiled steps without graph breaks, and the captured optimizers' bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", minversion="5")
+
+import gates.train_step as ts  # noqa: E402
+from gatecheck import judge_setup, sabotaged_result  # noqa: E402
+from suite.harness import parity  # noqa: E402
+from suite.harness.gate import BenchCase  # noqa: E402
+
+GATE = ts.GATE
+
+
+def arm_result(gate, judged):
+    """The arm judged once, as the runner judges this gate (declared nondeterministic on CUDA:
+    no second run)."""
+    preset, buffers, expected = judged
+    result, outputs = parity.judge_arm(gate, preset, buffers, expected, nondeterministic=gate.nondeterministic)
+    assert result.passed, result.failures
+    assert result.inputs_unchanged
+    return result, outputs
+
+
+def _saboteur(name: str):
+    return next(s for s in GATE.saboteurs if s.name == name)
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return judge_setup(GATE, "tiny-olmoe")
+
+
+def test_dense_model_passes_and_a_norm_without_weight_gradient_is_caught():
+    judged = judge_setup(GATE, "tiny-llama")
+    result, outputs = arm_result(GATE, judged)
+    assert {name.split("/")[0] for name in outputs} == {"all arms"}  # the CPU: every kernel arm together
+    assert outputs["all arms/loss"].shape == (3,)
+    sabotaged_result(GATE, judged, _saboteur("norm-weight-frozen"))
+
+
+def test_moe_model_passes_and_experts_without_their_weights_are_caught(olmoe):
+    result, outputs = arm_result(GATE, olmoe)
+    assert "all arms/grad/model.layers.1.mlp.experts.gate_up_proj" in outputs
+    # the model's own router still learns: its weight gets a gradient through routing_from_topk
+    assert outputs["all arms/grad/model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    sabotaged_result(GATE, olmoe, _saboteur("experts-unweighted"))
+
+
+def test_qwen3_moe_with_renormalised_top_k_passes():
+    arm_result(GATE, judge_setup(GATE, "tiny-qwen3-moe"))
+
+
+def test_the_truth_is_stock_in_float64_with_eager_experts(olmoe):
+    preset, buffers, expected = olmoe
+    model = ts.build_model(preset, buffers, torch.float64, experts="eager")
+    assert model.config._experts_implementation == "eager"
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    # the reference's and the truth's first losses agree to fp32 rounding: same weights, same batch
+    ref, truth = expected.reference["all arms/loss"], expected.truth["all arms/loss"]
+    assert truth.dtype == torch.float64 and torch.allclose(ref.double(), truth, rtol=1e-5)
+
+
+def test_the_truths_loss_is_transformers_loss_in_the_models_precision(olmoe):
+    preset, buffers, _ = olmoe
+    model = ts.build_model(preset, buffers, torch.float32)
+    batch = buffers["ids"][0]
+    assert torch.allclose(ts.next_token_loss(model, batch), model(input_ids=batch, labels=batch).loss, rtol=1e-6)
+    wide = ts.build_model(preset, buffers, torch.float64, experts="eager")
+    assert ts.next_token_loss(wide, batch).dtype == torch.float64
+
+
+def test_a_bench_build_runs_its_warm_steps_and_each_call_is_one_step(olmoe):
+    preset, buffers, _ = olmoe
+    case = BenchCase("step", "one step", bytes=lambda p: 0)
+    step = ts._build("all arms")(case, buffers, preset)
+    model = step.model
+    assert model.config._experts_implementation == "suite"
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 4 + 1 and all(hasattr(m, "_suite_rms_norm") for m in norms)  # q, k, attn, mlp; final
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the optimizer stepped
+    assert step.note == ""  # eager: nothing compiled
+
+
+def test_experts_on_a_dense_model_say_so():
+    preset = GATE.preset("tiny-llama")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    case = BenchCase("step", "one step", bytes=lambda p: 0)
+    with pytest.raises(Exception, match="no experts module"):
+        ts._build("experts")(case, buffers, preset)
+
+
+def test_presets_declare_what_the_issue_names():
+    names = {p.name: p for p in GATE.presets}
+    assert {"llama", "olmoe", "olmoe-16k", "qwen3-moe"} <= set(names)
+    assert names["olmoe-16k"].params["batch"] * names["olmoe-16k"].params["seq"] == 16 * 1024
+    assert names["qwen3-moe"].params["experts"] == 128 and names["qwen3-moe"].params["ffn"] == 384
+    # the real models run by `suite bench train-step`, not by `suite run` (minutes of compiling)
+    assert all(not p.in_all for p in GATE.presets if p.where == "cuda")
+    assert {c.name for c in GATE.contenders} == set(ts.SETUPS)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_compiled_steps_have_no_graph_break_and_captured_optimizers_keep_bits():
+    preset = GATE.preset("tiny-olmoe")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cuda"))
+    case = BenchCase("step-compiled", "one step", bytes=lambda p: 0)
+    torch._dynamo.reset()
+    for name in ("stock", "rms_norm", "experts", "all arms"):
+        step = ts._build(name)(case, buffers, preset)
+        assert "0 graph break(s)" in step.note, (name, step.note)
+        assert torch.isfinite(step())
+    judged = judge_setup(GATE, "tiny-olmoe", device="cuda")
+    preset, buffers, expected = judged
+    from suite.harness import parity
+
+    result, outputs = parity.judge_arm(GATE, preset, buffers, expected, nondeterministic=GATE.nondeterministic)
+    assert result.passed, result.failures
+    assert {"adamw captured/params", "muon captured/params"} <= set(outputs)
