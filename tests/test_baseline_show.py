@@ -61,3 +61,16 @@ def test_bad_input_is_one_line(tmp_path):
     ):
         result = invoke(*args)
         assert result.exit_code == ExitCode.USAGE and says in result.output, result.output
+
+
+def test_a_train_step_page_gives_each_contenders_setup_and_advice():
+    baseline = load_baseline(ROOT / "baselines/nvidia-h200/train-step.json")
+    advised = [e for e in baseline.entries if e.recommendation is not None]
+    assert advised and all(e.setup_s is not None for e in baseline.entries)
+    page = baseline_pages(ROOT / "baselines", ["train-step"])["nvidia-h200/train-step.md"]
+    assert "setup s (compile, capture)" in page
+    entry = advised[0]
+    rec = entry.recommendation
+    row = next(line for line in page.split(f"\n## {entry.preset}\n")[1].split(f"\n### {entry.case}\n")[1].splitlines()
+               if line.startswith(f"| {entry.contender} "))
+    assert f"{rec.speedup:.3f}x [{rec.ci_low:.3f}, {rec.ci_high:.3f}] over {rec.against}: {rec.advice}" in row

@@ -38,6 +38,7 @@ from suite.harness.results import (
     RunReport,
     ContenderTiming,
     Positive,
+    Recommendation,
     TimingMode,
     read_versioned_json,
     validation_summary,
@@ -77,6 +78,11 @@ class BaselineEntry(Record):
     # host time per call on the gate's host-probe shape: a record beside the figure, not compared
     # (best of 5 batches on a shape of its own, it is not the median the verdicts are about)
     host_us: Amount | None = None
+    # cases that time the setup and recommend (train-step): the build's seconds and memory peak,
+    # and this contender against its baseline in that run
+    setup_s: Amount | None = None
+    setup_peak_bytes: int | None = None
+    recommendation: Recommendation | None = None
 
     @model_validator(mode="after")
     def _median_is_a_time(self) -> BaselineEntry:
@@ -210,7 +216,8 @@ def _entries_of(result: GateResult, run_id: str) -> list[BaselineEntry]:
             preset=result.preset, case=bench.case, mode=bench.mode, contender=c.name, role=c.role,
             run_id=run_id, median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
             tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
-            host_us=c.host_us,
+            host_us=c.host_us, setup_s=c.setup_s, setup_peak_bytes=c.setup_peak_bytes,
+            recommendation=next((r for r in bench.recommendations if r.contender == c.name), None),
         )
         for bench in result.bench
         for c in bench.contenders

@@ -17,6 +17,7 @@ from suite.harness.results import (
     BenchResult,
     GateResult,
     ParityResult,
+    Recommendation,
     RunReport,
     SaboteurResult,
     TensorCheck,
@@ -695,6 +696,8 @@ def render_baseline(baseline: Baseline, source: str) -> str:
         for case in dict.fromkeys(e.case for e in entries):
             of_case = [e for e in entries if e.case == case]
             modes = list(dict.fromkeys(e.mode for e in of_case))
+            setup = any(e.setup_s is not None for e in of_case)
+            recommended = any(e.recommendation is not None for e in of_case)
             rows = []
             for contender in dict.fromkeys(e.contender for e in of_case):
                 mine = [e for e in of_case if e.contender == contender]
@@ -702,17 +705,30 @@ def render_baseline(baseline: Baseline, source: str) -> str:
                 lead = next(v for v in by_mode.values() if v)
                 medians = [e.median_ms for e in lead]
                 apart = max(medians) / min(medians) - 1 if len(medians) > 1 else None
+                peak = _center(lead, "setup_peak_bytes")
                 rows.append([
                     contender, lead[0].role,
                     *[_f(_center(by_mode[m], "median_ms"), ".4f") if by_mode[m] else _DASH for m in modes],
                     _f(_center(lead, "tflops"), ".1f"), _f(_center(lead, "gbps"), ".0f"),
                     _pct(_center(lead, "ceiling_fraction")), _f(_center(mine, "host_us"), ".1f"),
+                    *([_f(_center(lead, "setup_s"), ".1f"), _f(None if peak is None else peak / 2**30, ".2f")]
+                      if setup else []),
+                    *([_advice(lead[-1].recommendation)] if recommended else []),
                     str(len(lead)), _pct(apart),
                 ])
             headers = ["contender", "role", *[f"{m} ms" for m in modes], f"TFLOP/s ({modes[0]})",
-                       f"GB/s ({modes[0]})", "of ceiling", "host us/call", "runs", "apart"]
+                       f"GB/s ({modes[0]})", "of ceiling", "host us/call",
+                       *(["setup s (compile, capture)", "setup peak GiB"] if setup else []),
+                       *(["against its baseline (newest run) [95% CI]: advice"] if recommended else []),
+                       "runs", "apart"]
             lines += [f"### {case}", "", markdown_table(headers, rows), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _advice(rec: Recommendation | None) -> str:
+    if rec is None:
+        return _DASH
+    return f"{rec.speedup:.3f}x [{rec.ci_low:.3f}, {rec.ci_high:.3f}] over {rec.against}: {rec.advice}"
 
 
 def baseline_pages(baselines_dir, gates: list[str] | None = None) -> dict[str, str]:
