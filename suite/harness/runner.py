@@ -201,7 +201,9 @@ class Runner:
                         f"{_mib(free)} free on this GPU")))
                 presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
-                reason = f"gate {gate.name} has none of the presets {opts.presets}"
+                reason = (f"gate {gate.name} has none of the presets {opts.presets}" if opts.presets else
+                          f"no preset of gate {gate.name} on {device.type} is in a run of every gate: "
+                          f"suite bench {gate.name} runs them")
             if reason is not None:
                 if opts.explicit:
                     refused.append(self._could_not_run(gate, Preset("-", {}), reason))
