@@ -41,6 +41,12 @@ sync_hyperparameters() refills in place from the group's python numbers (what LR
 OneCycleLR's and CyclicLR's momentum cycling included), and the AdamW step count is a device
 tensor, so no step reads a device value on the host.
 
+Skipping a step. As torch's fused optimizers do for GradScaler, a step reads `found_inf` (an
+attribute: a 0-d float tensor on the params' device, or None): where it is nonzero the step leaves
+every parameter and every state tensor (momentum, exp_avg, exp_avg_sq, the step count) with its
+bits, decided on the device, so the step needs no host sync and can be captured
+(suite.arms.skip_step sets it).
+
 Bitwise contract. capturable=False runs the same tensor ops on the same dtypes; only its 0-d
 tensors are made afresh from the python numbers every step (torch.full, the same fill). Eager
 non-capturable, eager capturable and a replayed capture therefore agree bit for bit.
@@ -126,6 +132,14 @@ class StepScalars(NamedTuple):
     beta2: torch.Tensor
     one_minus_beta1: torch.Tensor
     one_minus_beta2: torch.Tensor
+    # 0-d bool: this step changes nothing (the optimizer's found_inf is nonzero); None: never
+    skip: torch.Tensor | None = None
+
+
+def _keep_unless(skip: torch.Tensor, kept: torch.Tensor, new: torch.Tensor) -> None:
+    """kept <- new, unless skip (a 0-d bool on the device): then kept keeps its bits, NaN and -0.0
+    included, which no arithmetic blend by a 0/1 factor guarantees."""
+    kept.copy_(torch.where(skip, kept, new))
 
 
 def param_label(group: dict, position: int) -> str:
@@ -309,9 +323,11 @@ class Muon(torch.optim.Optimizer):
             tensors = {name: torch.full((), value, dtype=torch.float32, device=device)
                        for key in self.live_hyperparameters for name, value in _device_values(group, key).items()}
         lr = tensors["lr"]
+        found_inf = getattr(self, "found_inf", None)
         return StepScalars(lr=lr, decay=1 - lr * tensors["weight_decay"], momentum=tensors["momentum"],
                            beta1=tensors["beta1"], beta2=tensors["beta2"],
-                           one_minus_beta1=tensors["one_minus_beta1"], one_minus_beta2=tensors["one_minus_beta2"])
+                           one_minus_beta1=tensors["one_minus_beta1"], one_minus_beta2=tensors["one_minus_beta2"],
+                           skip=None if found_inf is None else found_inf != 0)
 
     # ----------------------------------------------------------------------------------------
     # Step
@@ -352,8 +368,11 @@ class Muon(torch.optim.Optimizer):
         directions = self.directions([(group, group_updates) for (group, _, _), group_updates in zip(groups, updates)])
         for (group, params, scalars), group_directions in zip(groups, directions):
             for p, direction in zip(params, group_directions):
-                p.mul_(scalars.decay)
-                p.sub_(direction * scalars.lr)
+                if scalars.skip is None:
+                    p.mul_(scalars.decay)
+                    p.sub_(direction * scalars.lr)
+                else:  # the same ops out of place, kept only where the step is not skipped
+                    _keep_unless(scalars.skip, p, (p * scalars.decay).sub_(direction * scalars.lr))
 
     def muon_momentum(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
                       scalars: StepScalars) -> torch.Tensor:
@@ -361,7 +380,10 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
-        buf.mul_(scalars.momentum).add_(grad)
+        if scalars.skip is None:
+            buf.mul_(scalars.momentum).add_(grad)
+        else:
+            _keep_unless(scalars.skip, buf, (buf * scalars.momentum).add_(grad))
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
@@ -410,15 +432,24 @@ class Muon(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-        step.add_(1)
-        p.mul_(scalars.decay)
-        exp_avg.lerp_(grad, scalars.one_minus_beta1)
+        skip = scalars.skip
+        if skip is None:
+            step.add_(1)
+            new_p, new_avg, new_sq = p, exp_avg, exp_avg_sq
+        else:  # the same ops on copies, kept only where the step is not skipped; the count stays
+            step.add_((~skip).to(step.dtype))
+            new_p, new_avg, new_sq = p.clone(), exp_avg.clone(), exp_avg_sq.clone()
+        new_p.mul_(scalars.decay)
+        new_avg.lerp_(grad, scalars.one_minus_beta1)
         # addcmul_'s factor is a host number (a tensor one is read back with item()), so scale a copy
-        exp_avg_sq.mul_(scalars.beta2).addcmul_(grad, grad * scalars.one_minus_beta2)
+        new_sq.mul_(scalars.beta2).addcmul_(grad, grad * scalars.one_minus_beta2)
         bias_correction1 = 1 - scalars.beta1**step
         bias_correction2 = 1 - scalars.beta2**step
-        denom = (exp_avg_sq.sqrt() / bias_correction2.sqrt()).add_(group["eps"])
-        p.sub_(exp_avg.div(denom).mul_(scalars.lr / bias_correction1))
+        denom = (new_sq.sqrt() / bias_correction2.sqrt()).add_(group["eps"])
+        new_p.sub_(new_avg.div(denom).mul_(scalars.lr / bias_correction1))
+        if skip is not None:
+            for kept, new in ((p, new_p), (exp_avg, new_avg), (exp_avg_sq, new_sq)):
+                _keep_unless(skip, kept, new)
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints

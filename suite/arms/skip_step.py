@@ -1,0 +1,311 @@
+"""Skip-step: a loss or gradient-norm spike skips its optimizer step, decided on the device.
+
+A spike that is not NaN still takes its step in a plain loop, and a non-finite value that slips
+past is found only at the next logged loss. OLMo-core's answer (a step factor from a rolling
+window of the loss and the gradient norm, mean + 6 sigma over 128 steps) is kept here, with the
+flaws of its version fixed:
+
+- The window is a fixed-size float64 ring on the device (values, and a count of values ever
+  accepted), updated in place: no Python list of tensors, no stack per step, no host sync, so a
+  step including the decision can be captured in a CUDA graph.
+- A non-finite loss or gradient norm is skipped and never enters the window (one NaN there would
+  make every z-score NaN for the next `rolling_interval_length` steps).
+- A skipped step's values do not enter the window either: a spike must not widen the band that
+  judges the next one. The price: a genuine level shift beyond sigma_factor standard deviations
+  is skipped for as long as it lasts; `StabilityMonitor` reports consecutive skips, so a run
+  that stalls says so at the next log.
+- A zero standard deviation (a constant loss) does not skip a value equal to the mean; any other
+  value against it has an infinite z-score and is skipped.
+- z uses the unbiased standard deviation (Bessel's correction), as `torch.std_mean` does.
+- Fewer than `min_history` values in the window: only a non-finite value is skipped.
+
+The decision (`decide`) is one function; the optimizer and `StabilityMonitor` both read it and the
+same ring, so the monitor cannot drift from what the step did.
+
+How a skipped step leaves params and state with their bits, per inner optimizer:
+
+- torch AdamW/Adam with fused=True: its kernel's own `found_inf` (GradScaler's protocol) skips the
+  update and undoes the step count, at no cost.
+- suite's Muon: its `found_inf` keeps every tensor's bits (suite.arms.muon, "Skipping a step").
+- torch AdamW/Adam with capturable=True (foreach or for-loop): a copy of each parameter and state
+  tensor before the step, put back where the step is skipped (more memory traffic: prefer fused).
+  A non-capturable torch Adam keeps its step count on the host, which no device decision can undo:
+  refused, naming the fix.
+- A CapturedOptimizer around one of these: the same, set before its capture, so every replay
+  reads the live decision.
+
+finite_guard=True adds a `torch._assert_async` that every momentum (Muon) / exp_avg (Adam) is
+finite after the step: no host sync, off by default. With the skip on, a non-finite step is
+skipped before the guard sees it; without a skip the guard aborts the process at that step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from suite.arms.graph import CapturedOptimizer
+from suite.arms.muon import Muon
+
+LOSS, GRAD_NORM = 0, 1  # rows of the window
+_WINDOW_KEYS = ("values", "count", "skipped", "nonfinite", "consecutive")
+
+
+class Decision(NamedTuple):
+    """One step's decision, all on the device: factor (fp32, 1 to step, 0 to skip), skip (bool),
+    finite (both latest values finite), the z-scores of (loss, grad norm) against the window, and
+    the window's mean and std."""
+
+    factor: torch.Tensor
+    skip: torch.Tensor
+    finite: torch.Tensor
+    z: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+def window_stats(values: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, mean, unbiased std) per row of a ring `values` [2, L] holding min(count, L) values."""
+    length = values.shape[1]
+    n = count.clamp(max=length)
+    valid = torch.arange(length, device=values.device) < n
+    n64 = n.to(torch.float64)
+    mean = torch.where(valid, values, 0).sum(dim=1) / n64.clamp(min=1)
+    deviation = torch.where(valid, values - mean[:, None], 0)
+    std = (deviation.square().sum(dim=1) / (n64 - 1).clamp(min=1)).sqrt()
+    return n, mean, std
+
+
+def decide(values: torch.Tensor, count: torch.Tensor, latest: torch.Tensor, sigma_factor: float,
+           min_history: int) -> Decision:
+    """Skip when either latest value is not finite, or, with at least min_history values in the
+    window, when |z| > sigma_factor for either; a zero std gives z = 0 for a value equal to the
+    mean and an infinite z otherwise."""
+    n, mean, std = window_stats(values, count)
+    diff = latest - mean
+    z = torch.where(std > 0, diff / std, torch.where(diff == 0, 0.0, diff.sign() * torch.inf))
+    finite = torch.isfinite(latest).all()
+    spike = (z.abs() > sigma_factor).any() & (n >= min_history)
+    skip = spike | ~finite
+    return Decision(factor=(~skip).to(torch.float32), skip=skip, finite=finite, z=z, mean=mean, std=std)
+
+
+def _as_float64(value: torch.Tensor | float) -> torch.Tensor:
+    # a python float keeps its double; a device tensor converts where it lives (no host read)
+    return torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
+
+
+def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, CapturedOptimizer) else optimizer
+
+
+def _how_to_skip(optimizer: torch.optim.Optimizer) -> str:
+    """"found_inf" (the optimizer skips itself) or "restore" (copies put back); raises for an
+    optimizer whose skip would need the host."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, Muon):
+        return "found_inf"
+    if isinstance(optimizer, torch.optim.Adam) or isinstance(optimizer, torch.optim.AdamW):
+        groups = optimizer.param_groups
+        if all(g.get("fused") for g in groups):
+            return "found_inf"
+        if all(g.get("capturable") for g in groups):
+            return "restore"
+        raise ValueError(f"SkipStepOptimizer: {name} keeps its step count on the host unless fused=True or "
+                         f"capturable=True, so a skip decided on the device cannot undo it; construct "
+                         f"{name}(..., fused=True) (or capturable=True)")
+    raise TypeError(f"SkipStepOptimizer: cannot skip steps of {name}: supported are suite's Muon and torch's "
+                    f"Adam/AdamW (fused, or capturable), or a CapturedOptimizer around one")
+
+
+def _momenta(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [state[key] for state in optimizer.state.values() for key in ("momentum_buffer", "exp_avg")
+            if key in state]
+
+
+class SkipStepOptimizer(torch.optim.Optimizer):
+    """Wraps an optimizer: set `latest_loss` and `latest_grad_norm` (device tensors) before each
+    `step()`; the step then runs, or is skipped with params and state keeping their bits, by a
+    decision made on the device. `step_factor()` is this step's (0-d fp32, 1 or 0) once decided.
+
+    The wrapper's param_groups, state and defaults are the inner optimizer's, so schedulers attach
+    to it (a scheduler still advances on a skipped step, as a loop calls it). Its state_dict holds
+    the inner optimizer's and the window, so a resumed run decides as if it had not stopped.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, rolling_interval_length: int = 128,
+                 sigma_factor: float = 6.0, min_history: int = 20, finite_guard: bool = False) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"SkipStepOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not (isinstance(rolling_interval_length, int) and rolling_interval_length >= 2):
+            raise ValueError(f"SkipStepOptimizer: rolling_interval_length must be an int >= 2, "
+                             f"not {rolling_interval_length!r}")
+        if not (isinstance(min_history, int) and 2 <= min_history <= rolling_interval_length):
+            raise ValueError(f"SkipStepOptimizer: min_history must be an int in [2, rolling_interval_length], "
+                             f"not {min_history!r}")
+        if not sigma_factor > 0:
+            raise ValueError(f"SkipStepOptimizer: sigma_factor must be > 0, not {sigma_factor!r}")
+        self.optimizer = optimizer
+        self.rolling_interval_length = rolling_interval_length
+        self.sigma_factor = float(sigma_factor)
+        self.min_history = min_history
+        self.finite_guard = finite_guard
+        inner = _innermost(optimizer)
+        self._how = _how_to_skip(inner)
+        device = next(p.device for g in inner.param_groups for p in g["params"])
+        self.values = torch.zeros(2, rolling_interval_length, dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # values ever accepted
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # steps skipped in all
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # of those, for a NaN or Inf
+        self.consecutive = torch.zeros((), dtype=torch.int64, device=device)  # skipped since the last step taken
+        self._latest = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
+        self._factor = torch.ones((), dtype=torch.float32, device=device)
+        # the inner optimizer reads this tensor (captures included): refilled in place each step
+        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        if self._how == "found_inf":
+            inner.found_inf = self._found_inf
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    # ---- the optimizer's interface ----
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+    @property
+    def latest_loss(self) -> torch.Tensor:
+        return self._latest[LOSS]
+
+    @latest_loss.setter
+    def latest_loss(self, value: torch.Tensor | float) -> None:
+        self._latest[LOSS].copy_(_as_float64(value))
+
+    @property
+    def latest_grad_norm(self) -> torch.Tensor:
+        return self._latest[GRAD_NORM]
+
+    @latest_grad_norm.setter
+    def latest_grad_norm(self, value: torch.Tensor | float) -> None:
+        self._latest[GRAD_NORM].copy_(_as_float64(value))
+
+    def decision(self) -> Decision:
+        """What the next step() will decide, from the window and the latest values."""
+        return decide(self.values, self.count, self._latest, self.sigma_factor, self.min_history)
+
+    def step_factor(self) -> torch.Tensor:
+        """The last step's factor: 0-d fp32 on the device, 1.0 stepped, 0.0 skipped."""
+        return self._factor
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        decision = self.decision()
+        self._factor.copy_(decision.factor)
+        self._found_inf.copy_(decision.skip.to(torch.float32))
+        if self._how == "restore":
+            self._step_restoring(decision.skip)
+        else:
+            self.optimizer.step()
+        self._remember(decision)
+        if self.finite_guard:
+            momenta = _momenta(_innermost(self.optimizer))
+            if momenta:
+                finite = torch.stack([torch.isfinite(m).all() for m in momenta]).all()
+                torch._assert_async(finite, "SkipStepOptimizer: a momentum holds NaN or Inf after the step")
+        return loss
+
+    def _step_restoring(self, skip: torch.Tensor) -> None:
+        """The inner step, then every parameter and state tensor put back where skip is set;
+        state the step created is reset to zeros (what a first step starts from)."""
+        inner = _innermost(self.optimizer)
+        params = [p for g in inner.param_groups for p in g["params"] if p.grad is not None]
+        before = {id(p): {key: t.clone() for key, t in inner.state[p].items() if isinstance(t, torch.Tensor)}
+                  for p in params if p in inner.state}
+        saved = [p.detach().clone() for p in params]
+        self.optimizer.step()
+        for p, old in zip(params, saved):
+            p.detach().copy_(torch.where(skip, old, p.detach()))
+            for key, t in inner.state[p].items():
+                if isinstance(t, torch.Tensor):
+                    previous = before.get(id(p), {}).get(key, torch.zeros_like(t))
+                    t.copy_(torch.where(skip, previous, t))
+
+    def _remember(self, decision: Decision) -> None:
+        """The latest values into the ring where the step was taken (never a skipped or
+        non-finite one), and the counts, in place."""
+        skip = decision.skip
+        taken = ~skip
+        self.nonfinite.add_((~decision.finite).to(torch.int64))
+        slot = (self.count % self.rolling_interval_length).reshape(1)
+        current = self.values.index_select(1, slot)
+        self.values.index_copy_(1, slot, torch.where(taken, self._latest[:, None], current))
+        self.count.add_(taken.to(torch.int64))
+        self.skipped.add_(skip.to(torch.int64))
+        self.consecutive.mul_(skip.to(torch.int64)).add_(skip.to(torch.int64))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    # ---- checkpoints ----
+
+    def window_state(self) -> dict[str, torch.Tensor]:
+        return {key: getattr(self, key).clone() for key in _WINDOW_KEYS}
+
+    def load_window_state(self, state: dict[str, torch.Tensor]) -> None:
+        if tuple(state["values"].shape) != tuple(self.values.shape):
+            raise ValueError(f"SkipStepOptimizer: the saved window holds {tuple(state['values'].shape)}, this one "
+                             f"{tuple(self.values.shape)}; resume with the same rolling_interval_length")
+        for key in _WINDOW_KEYS:
+            getattr(self, key).copy_(state[key])
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "skip_step": self.window_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.load_window_state(state_dict["skip_step"])
+        if self._how == "found_inf":
+            _innermost(self.optimizer).found_inf = self._found_inf
+
+
+class StabilityMonitor:
+    """What the skip-step window says, read at log cadence (one host read per `report()`, never
+    inside a step): the last decision's z-scores, the window's mean and std, and the skips. It
+    reads the optimizer's own ring and `decide`, so it reports what the step decided."""
+
+    def __init__(self, optimizer: SkipStepOptimizer) -> None:
+        self.optimizer = optimizer
+        self._skipped_reported = 0
+
+    def report(self) -> dict[str, Any]:
+        opt = self.optimizer
+        n, mean, std = window_stats(opt.values, opt.count)
+        # one transfer for everything: a single host sync
+        counts = torch.stack([n, opt.skipped, opt.nonfinite, opt.consecutive]).double()
+        packed = torch.cat([mean, std, counts, opt.step_factor().reshape(1).double()]).tolist()
+        loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor = packed
+        new_skips = int(skipped) - self._skipped_reported
+        self._skipped_reported = int(skipped)
+        return {"window": int(n), "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
+                "grad_norm_std": grad_std, "skipped": int(skipped), "spikes": int(skipped - nonfinite),
+                "nonfinite": int(nonfinite), "skipped_since_last_report": new_skips,
+                "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0}
+
+    def state_dict(self) -> dict:
+        return {"skipped_reported": self._skipped_reported}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skipped_reported = int(state["skipped_reported"])

@@ -1,0 +1,296 @@
+"""suite.arms.skip_step on the CPU: the decision against the obvious host code in float64, bits
+of skipped steps (Muon, AdamW fused), resume, the monitor, and the refusals. Captured and
+capturable-AdamW paths run on a GPU (cuda-marked)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+
+import pytest
+import torch
+
+from suite.arms.muon import Muon
+from suite.arms.skip_step import SkipStepOptimizer, StabilityMonitor, decide
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def host_decision(history: list[tuple[float, float]], latest: tuple[float, float], sigma: float,
+                  min_history: int, length: int) -> bool:
+    """The obvious eager code: skip when a value is not finite, or, with min_history values, when
+    either lies more than sigma (unbiased) standard deviations from the window's mean."""
+    if not all(math.isfinite(v) for v in latest):
+        return True
+    window = history[-length:]
+    if len(window) < min_history:
+        return False
+    for column, value in enumerate(latest):
+        values = [row[column] for row in window]
+        mean, std = statistics.fmean(values), statistics.stdev(values)
+        if std == 0:
+            if value != mean:
+                return True
+        elif abs(value - mean) / std > sigma:
+            return True
+    return False
+
+
+def scenario(kind: str, steps: int = 300, seed: int = 0) -> list[tuple[float, float]]:
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(steps, 2, generator=gen, dtype=torch.float64) * 0.01
+    base = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    values = (base + noise).tolist()
+    if kind == "loss-spike":
+        values[150][0] = 2.0 + 100 * 0.01
+    elif kind == "grad-spike":
+        values[170][1] = 1.0 + 50 * 0.01
+    elif kind == "nan-loss":
+        values[120][0] = math.nan
+    elif kind == "inf-grad":
+        values[130][1] = math.inf
+    elif kind == "drift":  # slow upward drift: each step far inside the band
+        values = [(2.0 + 0.001 * i + n[0], 1.0 + n[1]) for i, n in enumerate(noise.tolist())]
+    elif kind == "constant":
+        values = [(2.0, 1.0)] * steps
+        values[200] = (2.5, 1.0)
+    elif kind == "early-spike":
+        values[10][0] = 50.0
+    return values
+
+
+def host_run(values, sigma=6.0, min_history=20, length=128) -> list[bool]:
+    history, skips = [], []
+    for latest in values:
+        skip = host_decision(history, latest, sigma, min_history, length)
+        skips.append(skip)
+        if not skip:
+            history.append(latest)
+    return skips
+
+
+def _tiny_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(8, 16, generator=gen)), torch.nn.Parameter(torch.randn(16, generator=gen))]
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+
+
+def _muon(params):
+    return Muon([{"params": [params[0]], "use_muon": True}, {"params": [params[1]], "use_muon": False}],
+                lr=0.01, weight_decay=0.1)
+
+
+def _adamw_fused(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, fused=True)
+
+
+@pytest.mark.parametrize("kind", ["loss-spike", "grad-spike", "nan-loss", "inf-grad", "drift", "constant",
+                                  "early-spike"])
+def test_decisions_match_the_host_reference_and_skipped_steps_change_no_bit(kind):
+    values = scenario(kind)
+    expected = host_run(values)
+    # a drift is never skipped, nor a spike inside the first min_history steps; the others are
+    assert any(expected) == (kind not in ("drift", "early-spike"))
+    for make in (_muon, _adamw_fused):
+        params, by_hand = _tiny_params(), _tiny_params()
+        opt = SkipStepOptimizer(make(params))
+        plain = make(by_hand)
+        got = []
+        for step, (loss, norm) in enumerate(values):
+            _grads(params, step)
+            _grads(by_hand, step)
+            opt.latest_loss = torch.tensor(loss)
+            opt.latest_grad_norm = torch.tensor(norm)
+            opt.step()
+            got.append(opt.step_factor().item() == 0.0)
+            if not expected[step]:
+                plain.step()  # the eager run that skips those steps by hand
+        assert got == expected, (make.__name__, [i for i, (a, b) in enumerate(zip(got, expected)) if a != b])
+        for a, b in zip(params, by_hand):
+            assert torch.equal(a, b), make.__name__
+        for p, q in zip(params, by_hand):
+            for key, t in plain.state[q].items():
+                assert torch.equal(opt.state[p][key], t), (make.__name__, key)
+
+
+def test_a_skip_keeps_nan_and_negative_zero_bits_and_the_step_count():
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_muon(params), min_history=2)
+    for step in range(3):
+        _grads(params, step)
+        opt.latest_loss, opt.latest_grad_norm = 1.0 + 0.01 * step, 1.0
+        opt.step()
+    params[0].data[0, 0] = -0.0
+    state = {k: v.clone() for k, v in opt.state[params[1]].items()}
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.full_like(p, math.nan)
+    opt.latest_loss, opt.latest_grad_norm = 1.01, math.nan
+    opt.step()
+    assert opt.step_factor().item() == 0.0
+    for a, b in zip(before, params):
+        assert torch.equal(a.view(torch.int32), b.detach().view(torch.int32))  # -0.0 kept as -0.0
+    for key, t in state.items():
+        assert torch.equal(t, opt.state[params[1]][key])
+
+
+def test_a_nonfinite_value_never_enters_the_window_and_resume_continues_bitwise():
+    values = scenario("nan-loss")
+    params, resumed_params = _tiny_params(), _tiny_params()
+    opt = SkipStepOptimizer(_adamw_fused(params))
+    for step, (loss, norm) in enumerate(values[:200]):
+        _grads(params, step)
+        opt.latest_loss, opt.latest_grad_norm = loss, norm
+        opt.step()
+    assert torch.isfinite(opt.values).all() and opt.count.item() == 199
+    saved = copy.deepcopy(opt.state_dict())  # as a checkpoint holds it: torch's state_dict shares its tensors
+    with torch.no_grad():
+        for a, b in zip(resumed_params, params):
+            a.copy_(b)
+    resumed = SkipStepOptimizer(_adamw_fused(resumed_params))
+    resumed.load_state_dict(saved)
+    for step, (loss, norm) in enumerate(values[200:], start=200):
+        for o, ps in ((opt, params), (resumed, resumed_params)):
+            _grads(ps, step)
+            o.latest_loss, o.latest_grad_norm = loss, norm
+            o.step()
+    for a, b in zip(params, resumed_params):
+        assert torch.equal(a, b)
+    assert torch.equal(opt.values, resumed.values)
+
+
+def test_the_monitor_reports_what_the_step_decided():
+    values = scenario("loss-spike")
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_muon(params))
+    monitor = StabilityMonitor(opt)
+    for step, (loss, norm) in enumerate(values):
+        _grads(params, step)
+        opt.latest_loss, opt.latest_grad_norm = loss, norm
+        opt.step()
+        if step == 150:
+            report = monitor.report()
+            assert not report["last_step_taken"] and report["spikes"] == 1 and report["skipped_since_last_report"] == 1
+    report = monitor.report()
+    assert report["skipped"] == 1 and report["skipped_since_last_report"] == 0 and report["window"] == 128
+    kept = [v for i, v in enumerate(values) if i != 150][-128:]
+    assert report["loss_mean"] == pytest.approx(statistics.fmean(v[0] for v in kept), rel=1e-12)
+    assert report["loss_std"] == pytest.approx(statistics.stdev(v[0] for v in kept), rel=1e-9)
+
+
+def test_decide_matches_the_host_on_random_windows():
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(50):
+        length = 16
+        count = int(torch.randint(0, 40, (1,), generator=gen))
+        history = torch.randn(count, 2, generator=gen, dtype=torch.float64).tolist()
+        latest = (torch.randn(2, generator=gen, dtype=torch.float64) * 4).tolist()
+        values = torch.zeros(2, length, dtype=torch.float64)
+        for i, row in enumerate(history):
+            values[:, i % length] = torch.tensor(row)
+        got = decide(values, torch.tensor(count), torch.tensor(latest, dtype=torch.float64), 2.0, 5)
+        assert bool(got.skip) == host_decision(history, tuple(latest), 2.0, 5, length), trial
+
+
+def test_what_cannot_skip_on_the_device_is_refused_naming_the_fix():
+    params = _tiny_params()
+    with pytest.raises(ValueError, match=r"fused=True"):
+        SkipStepOptimizer(torch.optim.AdamW(params, lr=1e-3))
+    with pytest.raises(TypeError, match="cannot skip steps of SGD"):
+        SkipStepOptimizer(torch.optim.SGD(params, lr=1e-3))
+    with pytest.raises(ValueError, match="min_history"):
+        SkipStepOptimizer(_muon(params), rolling_interval_length=8, min_history=20)
+
+
+# ---- on a GPU: captured steps, capturable AdamW, no host sync, the finite guard ----
+
+
+def _run_on_cuda(make, values, capture: bool):
+    from suite.arms.graph import CapturedOptimizer
+
+    params = [p.detach().cuda().requires_grad_() for p in _tiny_params()]
+    inner = make(params)
+    opt = SkipStepOptimizer(CapturedOptimizer(inner) if capture else inner)
+    grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    skips = []
+    for step, (loss, norm) in enumerate(values):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for p, g in zip(params, grads):
+            g.copy_(torch.randn(p.shape, generator=gen) * 1e-2)
+        opt.latest_loss = torch.tensor(loss, device="cuda")
+        opt.latest_grad_norm = torch.tensor(norm, device="cuda")
+        if step >= 10:  # past the captured optimizer's warm-up and capture: replays only
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        skips.append(opt.step_factor().clone())
+    return torch.stack(skips).eq(0).tolist(), params
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("optimizer", ["muon", "adamw-fused", "adamw-capturable"])
+@pytest.mark.parametrize("capture", [False, True])
+def test_on_the_gpu_decisions_and_bits_match_eager_skipping_without_a_host_sync(optimizer, capture):
+    make = {"muon": lambda ps: Muon([{"params": [ps[0]], "use_muon": True}, {"params": [ps[1]], "use_muon": False}],
+                                    lr=0.01, weight_decay=0.1, capturable=True),
+            "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True, capturable=True),
+            "adamw-capturable": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=True,
+                                                             capturable=True)}[optimizer]
+    for kind in ("loss-spike", "nan-loss", "inf-grad", "constant"):
+        values = scenario(kind)
+        expected = host_run(values)
+        skips, params = _run_on_cuda(make, values, capture)
+        assert skips == expected, (kind, [i for i, (a, b) in enumerate(zip(skips, expected)) if a != b])
+        by_hand = [p.detach().cuda().requires_grad_() for p in _tiny_params()]
+        plain = make(by_hand)
+        for step, skip in enumerate(expected):
+            gen = torch.Generator().manual_seed(1000 + step)
+            for p in by_hand:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).cuda()
+            if not skip:
+                plain.step()
+        for a, b in zip(params, by_hand):
+            assert torch.equal(a, b), kind
+
+
+_GUARD = """
+import math, sys, torch
+from suite.arms.muon import Muon
+from suite.arms.skip_step import SkipStepOptimizer
+p = torch.nn.Parameter(torch.randn(8, 16, device="cuda"))
+opt = SkipStepOptimizer(Muon([p], lr=0.01), finite_guard=True, min_history=2)
+p.grad = torch.randn_like(p)
+opt.latest_loss, opt.latest_grad_norm = 1.0, 1.0
+opt.step()
+torch.cuda.synchronize()
+print("finite step passed", flush=True)
+if sys.argv[1] == "nan":
+    opt.state[p]["momentum_buffer"].fill_(math.nan)
+    opt.latest_loss, opt.latest_grad_norm = 1.0, 1.0
+    opt.step()
+    torch.cuda.synchronize()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_the_gpu_the_finite_guard_fires_on_a_nan_momentum_only():
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-c", _GUARD, "finite"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "done" in ok.stdout, ok.stderr[-2000:]
+    bad = subprocess.run([sys.executable, "-c", _GUARD, "nan"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "finite step passed" in bad.stdout and "done" not in bad.stdout
