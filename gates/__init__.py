@@ -17,6 +17,7 @@ GATE_MODULES = {
     "graph-capture": "gates.graph_capture",
     "moe-bwd": "gates.moe_bwd",
     "split-muon": "gates.split_muon",
+    "skip-step": "gates.skip_step",
     "train-step": "gates.train_step",
 }
 

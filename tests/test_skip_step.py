@@ -11,63 +11,15 @@ import statistics
 import pytest
 import torch
 
+from gates.skip_step import host_run, host_skips, scenario_values
 from suite.arms.muon import Muon
 from suite.arms.skip_step import SkipStepOptimizer, StabilityMonitor, decide
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def host_decision(history: list[tuple[float, float]], latest: tuple[float, float], sigma: float,
-                  min_history: int, length: int) -> bool:
-    """The obvious eager code: skip when a value is not finite, or, with min_history values, when
-    either lies more than sigma (unbiased) standard deviations from the window's mean."""
-    if not all(math.isfinite(v) for v in latest):
-        return True
-    window = history[-length:]
-    if len(window) < min_history:
-        return False
-    for column, value in enumerate(latest):
-        values = [row[column] for row in window]
-        mean, std = statistics.fmean(values), statistics.stdev(values)
-        if std == 0:
-            if value != mean:
-                return True
-        elif abs(value - mean) / std > sigma:
-            return True
-    return False
-
-
-def scenario(kind: str, steps: int = 300, seed: int = 0) -> list[tuple[float, float]]:
-    gen = torch.Generator().manual_seed(seed)
-    noise = torch.randn(steps, 2, generator=gen, dtype=torch.float64) * 0.01
-    base = torch.tensor([2.0, 1.0], dtype=torch.float64)
-    values = (base + noise).tolist()
-    if kind == "loss-spike":
-        values[150][0] = 2.0 + 100 * 0.01
-    elif kind == "grad-spike":
-        values[170][1] = 1.0 + 50 * 0.01
-    elif kind == "nan-loss":
-        values[120][0] = math.nan
-    elif kind == "inf-grad":
-        values[130][1] = math.inf
-    elif kind == "drift":  # slow upward drift: each step far inside the band
-        values = [(2.0 + 0.001 * i + n[0], 1.0 + n[1]) for i, n in enumerate(noise.tolist())]
-    elif kind == "constant":
-        values = [(2.0, 1.0)] * steps
-        values[200] = (2.5, 1.0)
-    elif kind == "early-spike":
-        values[10][0] = 50.0
-    return values
-
-
-def host_run(values, sigma=6.0, min_history=20, length=128) -> list[bool]:
-    history, skips = [], []
-    for latest in values:
-        skip = host_decision(history, latest, sigma, min_history, length)
-        skips.append(skip)
-        if not skip:
-            history.append(latest)
-    return skips
+def scenario(kind: str) -> list[tuple[float, float]]:
+    return scenario_values(kind, 300, seed=0)
 
 
 def _tiny_params(seed=0):
@@ -195,7 +147,7 @@ def test_decide_matches_the_host_on_random_windows():
         for i, row in enumerate(history):
             values[:, i % length] = torch.tensor(row)
         got = decide(values, torch.tensor(count), torch.tensor(latest, dtype=torch.float64), 2.0, 5)
-        assert bool(got.skip) == host_decision(history, tuple(latest), 2.0, 5, length), trial
+        assert bool(got.skip) == host_skips(history, tuple(latest), sigma=2.0, min_history=5, window=length), trial
 
 
 def test_what_cannot_skip_on_the_device_is_refused_naming_the_fix():

@@ -65,24 +65,26 @@ class Decision(NamedTuple):
     std: torch.Tensor
 
 
-def window_stats(values: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, mean, unbiased std) per row of a ring `values` [2, L] holding min(count, L) values."""
+def window_stats(values: torch.Tensor, count: torch.Tensor,
+                 correction: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, mean, std) per row of a ring `values` [2, L] holding min(count, L) values; the std
+    divides by n - correction (1: unbiased, as torch.std_mean)."""
     length = values.shape[1]
     n = count.clamp(max=length)
     valid = torch.arange(length, device=values.device) < n
     n64 = n.to(torch.float64)
     mean = torch.where(valid, values, 0).sum(dim=1) / n64.clamp(min=1)
     deviation = torch.where(valid, values - mean[:, None], 0)
-    std = (deviation.square().sum(dim=1) / (n64 - 1).clamp(min=1)).sqrt()
+    std = (deviation.square().sum(dim=1) / (n64 - correction).clamp(min=1)).sqrt()
     return n, mean, std
 
 
 def decide(values: torch.Tensor, count: torch.Tensor, latest: torch.Tensor, sigma_factor: float,
-           min_history: int) -> Decision:
+           min_history: int, correction: int = 1) -> Decision:
     """Skip when either latest value is not finite, or, with at least min_history values in the
     window, when |z| > sigma_factor for either; a zero std gives z = 0 for a value equal to the
     mean and an infinite z otherwise."""
-    n, mean, std = window_stats(values, count)
+    n, mean, std = window_stats(values, count, correction)
     diff = latest - mean
     z = torch.where(std > 0, diff / std, torch.where(diff == 0, 0.0, diff.sign() * torch.inf))
     finite = torch.isfinite(latest).all()
@@ -161,6 +163,7 @@ class SkipStepOptimizer(torch.optim.Optimizer):
         self.consecutive = torch.zeros((), dtype=torch.int64, device=device)  # skipped since the last step taken
         self._latest = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
         self._factor = torch.ones((), dtype=torch.float32, device=device)
+        self.last_z = torch.zeros(2, dtype=torch.float64, device=device)  # the last decision's (loss, grad norm)
         # the inner optimizer reads this tensor (captures included): refilled in place each step
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if self._how == "found_inf":
@@ -214,6 +217,7 @@ class SkipStepOptimizer(torch.optim.Optimizer):
                 loss = closure()
         decision = self.decision()
         self._factor.copy_(decision.factor)
+        self.last_z.copy_(decision.z)
         self._found_inf.copy_(decision.skip.to(torch.float32))
         if self._how == "restore":
             self._step_restoring(decision.skip)
@@ -299,7 +303,7 @@ class StabilityMonitor:
         loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor = packed
         new_skips = int(skipped) - self._skipped_reported
         self._skipped_reported = int(skipped)
-        return {"window": int(n), "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
+        return {"window": int(n), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
                 "grad_norm_std": grad_std, "skipped": int(skipped), "spikes": int(skipped - nonfinite),
                 "nonfinite": int(nonfinite), "skipped_since_last_report": new_skips,
                 "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0}
