@@ -436,6 +436,9 @@ BENCHES = (
 PRESETS = (
     Preset("tiny", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS)), where="any",
            note="every scenario, 300 steps"),
+    Preset("small", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS)), where="cuda",
+           in_all=False, memory_bytes=1 << 30,
+           note="tiny on a GPU: the captured mode, capturable AdamW, host reads by sync debug mode (minutes)"),
     Preset("medium", dict(layers=24, d=1024, steps=64, grad_sets=2, scenarios=["loss-spike"]), where="cuda",
            standard=False, memory_bytes=40 << 30,
            note="about the graph-capture gate's medium size (400 M params): the overhead bench"),

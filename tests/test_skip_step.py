@@ -246,3 +246,16 @@ def test_on_the_gpu_the_finite_guard_fires_on_a_nan_momentum_only():
     assert ok.returncode == 0 and "done" in ok.stdout, ok.stderr[-2000:]
     bad = subprocess.run([sys.executable, "-c", _GUARD, "nan"], capture_output=True, text=True)
     assert bad.returncode != 0 and "finite step passed" in bad.stdout and "done" not in bad.stdout
+
+
+def test_a_scheduler_attaches_to_the_wrapper_and_advances_on_a_skipped_step():
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_adamw_fused(params), min_history=2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for step, loss in enumerate([1.0, 1.01, 0.99, math.nan]):
+        _grads(params, step)
+        opt.latest_loss, opt.latest_grad_norm = loss, 1.0
+        opt.step()
+        scheduler.step()
+    assert opt.step_factor().item() == 0.0  # the NaN step was skipped
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 5)  # and the schedule moved on regardless

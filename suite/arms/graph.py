@@ -110,7 +110,28 @@ class _Capture:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class CapturedOptimizer(torch.optim.Optimizer):
+class OptimizerWrapper(torch.optim.Optimizer):
+    """An optimizer around another (`self.optimizer`) whose param_groups, state and defaults are
+    the inner one's own objects, so LR schedulers, and anything else that takes an optimizer,
+    attach to the wrapper. A subclass sets self.optimizer and does not call
+    torch.optim.Optimizer.__init__ (which would build groups and state of its own)."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
+
+
+class CapturedOptimizer(OptimizerWrapper):
     """Steps `optimizer` eagerly warmup_steps times, then as replays of one captured CUDA graph.
 
     optimizer: Muon(capturable=True) (or any optimizer with live_hyperparameters and
@@ -172,7 +193,7 @@ class CapturedOptimizer(torch.optim.Optimizer):
         self._eager_steps_left = warmup_steps
         self._warned_set_to_none = False
         # torch.optim.Optimizer.__init__ would build groups and state of its own; the wrapper's are the
-        # inner optimizer's (the properties below), so only the base class's step hooks are set up.
+        # inner optimizer's (OptimizerWrapper's properties), so only the base class's step hooks are set up.
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._patch_step_function()
@@ -180,18 +201,6 @@ class CapturedOptimizer(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
     # The optimizer's interface
     # ----------------------------------------------------------------------------------------
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
 
     @property
     def captured(self) -> bool:

@@ -41,11 +41,12 @@ skipped before the guard sees it; without a skip the guard aborts the process at
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-from suite.arms.graph import CapturedOptimizer
+from suite.arms.graph import CapturedOptimizer, OptimizerWrapper
 from suite.arms.muon import Muon
 
 LOSS, GRAD_NORM = 0, 1  # rows of the window
@@ -126,7 +127,7 @@ def _momenta(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if key in state]
 
 
-class SkipStepOptimizer(torch.optim.Optimizer):
+class SkipStepOptimizer(OptimizerWrapper):
     """Wraps an optimizer: set `latest_loss` and `latest_grad_norm` (device tensors) before each
     `step()`; the step then runs, or is skipped with params and state keeping their bits, by a
     decision made on the device. `step_factor()` is this step's (0-d fp32, 1 or 0) once decided.
@@ -168,22 +169,12 @@ class SkipStepOptimizer(torch.optim.Optimizer):
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if self._how == "found_inf":
             inner.found_inf = self._found_inf
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
+        # torch.optim.Optimizer.__init__ would build groups and state of its own: only its step hooks
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._patch_step_function()
 
     # ---- the optimizer's interface ----
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
 
     @property
     def latest_loss(self) -> torch.Tensor:

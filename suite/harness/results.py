@@ -171,17 +171,11 @@ class Comparison(Record):
     noise_floor: Amount
 
 
-class Recommendation(Record):
-    """A contender against its baseline (BenchCase.recommend): switch it on where it is faster
-    beyond the noise floor; speedup = baseline's time / the contender's."""
+class Recommendation(Comparison):
+    """A contender against its baseline (BenchCase.recommend, `against`): switch it on where it
+    is faster beyond the noise floor; speedup = the baseline's time / the contender's."""
 
     contender: str
-    against: str
-    speedup: Positive
-    ci_low: Positive
-    ci_high: Positive
-    verdict: Verdict
-    noise_floor: Amount
 
     @property
     def advice(self) -> str:
