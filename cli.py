@@ -41,6 +41,9 @@ app = typer.Typer(
 baseline_app = typer.Typer(help="Save a run's figures as the baseline, or compare a run against it.", no_args_is_help=True,
                            rich_markup_mode="markdown")
 app.add_typer(baseline_app, name="baseline")
+checkpoint_app = typer.Typer(help="Directory-atomic checkpoints (suite.arms.checkpoint).", no_args_is_help=True,
+                             rich_markup_mode="markdown")
+app.add_typer(checkpoint_app, name="checkpoint")
 
 console = Console()
 err = Console(stderr=True)
@@ -481,6 +484,20 @@ def baseline_show(
     except OSError as exc:
         raise _unwritable("--write", write, exc) from exc
     console.print(f"wrote {len(pages)} pages under {write}", markup=False, highlight=False)
+
+
+@checkpoint_app.command("verify")
+@_guarded
+def checkpoint_verify(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint directory.")],
+) -> None:
+    """Exit 0 when DIR is a whole checkpoint (its stamp, every file's size and sha256), 3 with one
+    line saying what is wrong when it is not."""
+    from suite.arms.checkpoint import read_stamp
+
+    meta = read_stamp(directory, verify=True)
+    console.print(f"{directory}: whole checkpoint of step {meta['step']} (format {meta['format_version']}, "
+                  f"{len(meta['files'])} files verified)", soft_wrap=True)
 
 
 @app.command("report")

@@ -40,6 +40,7 @@ from suite.arms import moe
 from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
+from suite.harness import atomic
 from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
 from suite.harness.runner import Runner
 from suite.harness.store import list_reports, write_report
@@ -715,12 +716,27 @@ def test_5_a_save_killed_midway_keeps_the_previous_recording(tmp_path, monkeypat
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
+    # the move-aside path, where renameat2 cannot swap the two directories in one step
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     with pytest.raises(KeyboardInterrupt):
         save_buffers({"x": torch.ones(3)}, out, seed=2, overwrite=True)
     monkeypatch.undo()
     _, manifest = load_buffers(out)
     assert manifest.seed == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
+
+
+def test_5_an_overwrite_swaps_the_directories_in_one_step_where_linux_can(tmp_path, monkeypatch):
+    out = tmp_path / "rec"
+    save_buffers({"x": torch.zeros(3)}, out, seed=1)
+    seen = []
+    monkeypatch.setattr(os, "rename", lambda src, dst: seen.append(dst))  # never called on this path
+    save_buffers({"x": torch.ones(3)}, out, seed=2, overwrite=True)
+    monkeypatch.undo()
+    if seen:
+        pytest.skip("renameat2 cannot exchange here: the move-aside path ran")
+    _, manifest = load_buffers(out)
+    assert manifest.seed == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["rec"]
 
 
 def _save_preset(baselines: str, preset: str, start) -> list[str]:

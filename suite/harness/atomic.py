@@ -27,6 +27,7 @@ STALE_TMP_S old.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -37,7 +38,7 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
@@ -180,16 +181,45 @@ def staging_directory(parent: Path, stem: str) -> Iterator[Path]:
         shutil.rmtree(staged, ignore_errors=True)  # already gone when published
 
 
-def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> None:
+_RENAME_EXCHANGE = 2  # renameat2's flag (Linux >= 3.15, glibc >= 2.28)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one step (Linux renameat2 RENAME_EXCHANGE); False where this
+    system or filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOENT, errno.EPERM):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def publish_directory(staged: Path, final: Path, *, replace: bool = False,
+                      at: Callable[[str], None] = lambda point: None) -> None:
     """Move a whole staged directory to `final` in one rename, then sync the parent.
 
     An existing non-empty `final` fails with OSError (EEXIST / ENOTEMPTY) unless `replace`.
-    Replacing moves the old directory aside first and puts it back if the new one cannot take
-    its place, so an error or an interrupt leaves the old directory or the new one, never
-    neither; a SIGKILL between the two renames leaves the old one aside, and the next writer
-    in the parent puts it back (`tidy`).
+    Replacing swaps the two directories in one step where Linux can (renameat2), so `final` is
+    whole at every moment, then removes the old one (left under the staging name by a SIGKILL:
+    a temporary the next writer removes). Elsewhere it moves the old directory aside first and
+    puts it back if the new one cannot take its place, so an error or an interrupt leaves the
+    old directory or the new one, never neither; a SIGKILL between the two renames leaves the
+    old one aside, and the next writer in the parent puts it back (`tidy`). `at(point)` is
+    called between the steps (crash-injection tests).
     """
     fsync_path(staged)
+    at("staged synced")
+    if replace and final.exists() and _exchange(staged, final):
+        at("exchanged")
+        fsync_path(final.parent)
+        at("parent synced")
+        shutil.rmtree(staged, ignore_errors=True)
+        return
     aside: list[Path] = []
     try:
         while True:
@@ -203,6 +233,7 @@ def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> No
             with contextlib.suppress(FileNotFoundError):  # a concurrent writer moved it first
                 os.rename(final, moved)
                 aside.append(moved)
+                at("moved aside")
     except BaseException:
         if aside and not final.exists():
             os.rename(aside.pop(), final)
@@ -210,7 +241,9 @@ def publish_directory(staged: Path, final: Path, *, replace: bool = False) -> No
     finally:
         for moved in aside:
             shutil.rmtree(moved, ignore_errors=True)
+    at("renamed")
     fsync_path(final.parent)
+    at("parent synced")
 
 
 def _stage_file(path: Path, data: bytes) -> Path:

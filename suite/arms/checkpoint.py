@@ -1,0 +1,250 @@
+"""Directory-atomic checkpoints with a verified stamp.
+
+A run that dies while it writes a checkpoint must find, on restart, the old checkpoint or the new
+one, whole, and be able to tell which. Writing each file atomically is not enough: a crash between
+the weights and their sidecar leaves a pair nothing can detect. So a checkpoint is a directory,
+written whole under a temporary name beside its target and published by one rename
+(`suite.harness.atomic`: every file and the directory fsynced before, the parent after; an
+overwrite swaps the two directories in one step where Linux can, so the path is never without a
+whole checkpoint), and its last file is the stamp, `meta.json`: the train step, each file's size
+and sha256, the library versions and the format version.
+
+    save_checkpoint("ckpt/step-1000", {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                       "rng": torch.get_rng_state()}, step=1000)
+    state, meta = load_checkpoint(latest_checkpoint("ckpt"))
+
+Tensors go to one safetensors file (their devices recorded; `map_location` overrides), the rest
+to JSON, tuples, non-string dict keys, NaN and infinities kept. `load_checkpoint` verifies the stamp
+and every hash before it returns anything; `latest_checkpoint` returns the newest directory whose
+stamp verifies and ignores temporaries (the next save removes them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from suite.errors import CouldNotRun, UsageError
+from suite.harness import atomic
+
+FORMAT_VERSION = 1
+META, STATE, TENSORS = "meta.json", "state.json", "tensors.safetensors"
+CHUNK_BYTES = 8 << 20  # a file is written and hashed in chunks of this size
+
+
+class CheckpointError(CouldNotRun):
+    """A checkpoint that is not whole or not this format; the message names the file and the fault."""
+
+
+class Checkpoint(NamedTuple):
+    state: dict[str, Any]
+    step: int
+    meta: dict[str, Any]
+
+
+# ---- state <-> (JSON structure, tensors) ---------------------------------------------------------
+
+
+def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+    """`value` as JSON with each tensor replaced by a reference to its entry in `tensors`."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) if t.numel() else None
+        if key in seen:  # the same tensor twice (tied weights): stored once
+            return {"__tensor__": seen[key], "device": str(t.device)}
+        name = f"t{len(tensors)}"
+        # one copy of its own on the host: no storage shared on disk, contiguous as safetensors needs
+        tensors[name] = t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        if key is not None:
+            seen[key] = name
+        return {"__tensor__": name, "device": str(t.device)}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_split(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_split(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not any(k.startswith("__") for k in value):
+            return {k: _split(v, f"{path}[{k!r}]", tensors, seen) for k, v in value.items()}
+        items = []
+        for k, v in value.items():
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise UsageError(f"save_checkpoint: {path} has a key of type {type(k).__name__}; "
+                                 "a checkpoint's dict keys are strings, numbers, booleans or None")
+            items.append([k, _split(v, f"{path}[{k!r}]", tensors, seen)])
+        return {"__items__": items}
+    raise UsageError(f"save_checkpoint: {path} is a {type(value).__name__}; a checkpoint holds tensors, numbers, "
+                     "strings, booleans, None, and lists, tuples and dicts of them")
+
+
+def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None) -> Any:
+    if isinstance(value, list):
+        return [_join(v, tensors, map_location) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        t = tensors[value["__tensor__"]]
+        return t.to(map_location if map_location is not None else value["device"])
+    if "__tuple__" in value:
+        return tuple(_join(v, tensors, map_location) for v in value["__tuple__"])
+    if "__float__" in value:
+        return float(value["__float__"])
+    if "__items__" in value:
+        return {k: _join(v, tensors, map_location) for k, v in value["__items__"]}
+    return {k: _join(v, tensors, map_location) for k, v in value.items()}
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+
+def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]:
+    """`data` written in chunks, hashed as written, fsynced; its size and sha256."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as fh:
+        at(f"{path.name}: opened")
+        view = memoryview(data)
+        for start in range(0, len(view), CHUNK_BYTES):
+            chunk = view[start:start + CHUNK_BYTES]
+            fh.write(chunk)
+            digest.update(chunk)
+            at(f"{path.name}: {start + len(chunk)} bytes")
+        fh.flush()
+        os.fsync(fh.fileno())
+        at(f"{path.name}: synced")
+    return {"bytes": len(data), "sha256": digest.hexdigest()}
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import safetensors
+
+    try:
+        ours = version("suite")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        ours = "unknown"
+    return {"torch": torch.__version__, "safetensors": safetensors.__version__, "suite": ours}
+
+
+def write_checkpoint_files(directory: Path, state: dict[str, Any], step: int,
+                           at: Callable[[str], None] = lambda point: None) -> None:
+    """The checkpoint's files into an existing empty `directory`: tensors, state, then the stamp."""
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _split(state, "state", tensors, {})
+    files = {TENSORS: _write(directory / TENSORS, safetensors_save(tensors), at),
+             STATE: _write(directory / STATE, json.dumps(structure).encode(), at)}
+    meta = {"format_version": FORMAT_VERSION, "step": int(step), "files": files, "versions": _versions(),
+            "saved_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write(directory / META, json.dumps(meta, indent=2).encode(), at)
+
+
+def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, overwrite: bool = False,
+                    at: Callable[[str], None] = lambda point: None) -> Path:
+    """Write `state` as a checkpoint at `directory`, whole or not at all (see the module).
+    An existing checkpoint there is replaced only with overwrite=True, and anything else is
+    never replaced. `at(point)` is called between the writer's steps (crash-injection tests)."""
+    if not isinstance(state, dict):
+        raise UsageError(f"save_checkpoint: state is a {type(state).__name__}; pass a dict")
+    final = Path(directory)
+    if final.exists() and any(final.iterdir()):
+        if not overwrite:
+            raise UsageError(f"save_checkpoint: {final} already holds something; pass overwrite=True to replace "
+                             "a checkpoint there")
+        if not (final / META).exists():
+            raise UsageError(f"save_checkpoint: {final} holds files but no {META}: not a checkpoint, never replaced")
+    with atomic.staging_directory(final.parent, final.name) as staged:
+        at("staging created")
+        write_checkpoint_files(staged, state, step, at)
+        atomic.publish_directory(staged, final, replace=overwrite, at=at)
+    return final
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
+    """The stamp of a whole checkpoint: meta.json read and checked against the directory (every
+    file it names present with its size, nothing else; with verify, every sha256). Raises
+    CheckpointError naming the first fault."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    try:
+        meta = json.loads((root / META).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{root} has no {META}: not a whole checkpoint (a save that did not finish?)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{root / META} is not a checkpoint stamp: {exc}") from None
+    version = meta.get("format_version") if isinstance(meta, dict) else None
+    if not isinstance(version, int):
+        raise CheckpointError(f"{root / META} names no format_version")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{root} is format {version}, newer than this suite reads ({FORMAT_VERSION}): "
+                              "upgrade suite to load it")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not isinstance(meta.get("step"), int):
+        raise CheckpointError(f"{root / META} lacks its files or its step")
+    present = {p.name for p in root.iterdir()}
+    stray = sorted(present - set(files) - {META})
+    if stray:
+        raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
+    for name, entry in files.items():
+        path = root / name
+        if not path.is_file():
+            raise CheckpointError(f"{root} lacks {name}, which its stamp names")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or written to after the save")
+        if verify and _sha256(path) != entry["sha256"]:
+            raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after it was written")
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def load_checkpoint(directory: str | Path, map_location: str | torch.device | None = None) -> Checkpoint:
+    """The state saved at `directory`, after its stamp and every hash are verified."""
+    root = Path(directory)
+    meta = read_stamp(root, verify=True)
+    tensors = safetensors_load((root / TENSORS).read_bytes())
+    structure = json.loads((root / STATE).read_text(encoding="utf-8"))
+    return Checkpoint(state=_join(structure, tensors, map_location), step=meta["step"], meta=meta)
+
+
+def latest_checkpoint(root: str | Path, verify: bool = False) -> Path | None:
+    """The checkpoint under `root` with the highest step whose stamp verifies (sizes; with
+    verify, hashes too); temporaries and directories that do not verify are passed over."""
+    best: tuple[int, float, str] | None = None
+    found = None
+    base = Path(root)
+    if not base.is_dir():
+        return None
+    for entry in base.iterdir():
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue
+        try:
+            meta = read_stamp(entry, verify=verify)
+        except CheckpointError:
+            continue
+        key = (meta["step"], entry.stat().st_mtime, entry.name)
+        if best is None or key > best:
+            best, found = key, entry
+    return found
