@@ -18,6 +18,7 @@ GATE_MODULES = {
     "moe-bwd": "gates.moe_bwd",
     "split-muon": "gates.split_muon",
     "skip-step": "gates.skip_step",
+    "checkpoint": "gates.checkpoint",
     "train-step": "gates.train_step",
 }
 

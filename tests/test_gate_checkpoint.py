@@ -1,0 +1,44 @@
+"""Gate checkpoint on the CPU: resume bit for bit (AdamW fused, Muon), whole after SIGKILLs spread
+over a save (64 here, 240 in the gate), the four faults refused, and each saboteur caught."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import gates.checkpoint as gc
+from gatecheck import arm_result, sabotaged_result
+from suite.harness import parity
+
+GATE = gc.GATE
+
+
+@pytest.fixture(scope="module")
+def judged():
+    preset = GATE.preset("tiny")
+    preset = dataclasses.replace(preset, params={**preset.params, "kills": 64})  # CI: at least 50 kills
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    return preset, buffers, parity.expected_outputs(GATE, preset, buffers)
+
+
+def test_resume_is_bitwise_and_every_kill_leaves_a_whole_checkpoint(judged):
+    result, outputs = arm_result(GATE, judged)
+    assert outputs["crash/whole"].numel() == 64 and bool(outputs["crash/whole"].all())
+    assert {"adamw-fused/params", "muon/params"} <= set(outputs)
+
+
+@pytest.mark.parametrize("name", [s.name for s in GATE.saboteurs])
+def test_each_saboteur_is_caught(judged, name):
+    sabotaged_result(GATE, judged, next(s for s in GATE.saboteurs if s.name == name))
+
+
+def test_the_kills_cover_every_stage_of_a_save(tmp_path):
+    points = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "c", gc._state(1.0, 20000), 1, at=at))
+    stages = {p.split(":")[0] for p in points}
+    assert {gc.ck.TENSORS, gc.ck.STATE, gc.ck.META, "staging created", "staged synced", "renamed",
+            "parent synced"} <= stages
+    overwrite = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "c", gc._state(2.0, 20000), 2,
+                                                            overwrite=True, at=at))
+    assert "exchanged" in overwrite or "moved aside" in overwrite
