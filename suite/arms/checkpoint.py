@@ -25,20 +25,20 @@ import hashlib
 import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
+from safetensors.torch import load_file, save_file
 
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
 
 FORMAT_VERSION = 1
 META, STATE, TENSORS = "meta.json", "state.json", "tensors.safetensors"
-CHUNK_BYTES = 8 << 20  # a file is written and hashed in chunks of this size
+CHUNK_BYTES = 8 << 20  # the JSON files are written, and every file hashed, in chunks of this size
 
 
 class CheckpointError(CouldNotRun):
@@ -62,10 +62,14 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
         if key in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[key], "device": str(t.device)}
         name = f"t{len(tensors)}"
-        # one copy of its own on the host: no storage shared on disk, contiguous as safetensors needs
-        tensors[name] = t.to("cpu", memory_format=torch.contiguous_format, copy=True)
+        host = t.to("cpu").contiguous()
+        storage = (host.untyped_storage().data_ptr(), "storage") if host.numel() else None
+        # safetensors refuses two entries over one storage (views of one buffer): those get a copy
+        tensors[name] = host.clone() if storage in seen else host
         if key is not None:
             seen[key] = name
+        if storage is not None:
+            seen[storage] = name
         return {"__tensor__": name, "device": str(t.device)}
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
@@ -126,6 +130,19 @@ def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]
     return {"bytes": len(data), "sha256": digest.hexdigest()}
 
 
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
+    """safetensors writes the file straight from the tensors' memory (no copy of the whole state
+    in Python); it is then hashed from the page cache while the fsync runs (both leave the GIL)."""
+    save_file(tensors, path)
+    at(f"{path.name}: written")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        synced = pool.submit(atomic.fsync_path, path)
+        digest = _sha256(path)
+        synced.result()
+    at(f"{path.name}: synced")
+    return {"bytes": path.stat().st_size, "sha256": digest}
+
+
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -143,7 +160,7 @@ def write_checkpoint_files(directory: Path, state: dict[str, Any], step: int,
     """The checkpoint's files into an existing empty `directory`: tensors, state, then the stamp."""
     tensors: dict[str, torch.Tensor] = {}
     structure = _split(state, "state", tensors, {})
-    files = {TENSORS: _write(directory / TENSORS, safetensors_save(tensors), at),
+    files = {TENSORS: _write_tensors(directory / TENSORS, tensors, at),
              STATE: _write(directory / STATE, json.dumps(structure).encode(), at)}
     meta = {"format_version": FORMAT_VERSION, "step": int(step), "files": files, "versions": _versions(),
             "saved_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -224,7 +241,7 @@ def load_checkpoint(directory: str | Path, map_location: str | torch.device | No
     """The state saved at `directory`, after its stamp and every hash are verified."""
     root = Path(directory)
     meta = read_stamp(root, verify=True)
-    tensors = safetensors_load((root / TENSORS).read_bytes())
+    tensors = load_file(root / TENSORS)
     structure = json.loads((root / STATE).read_text(encoding="utf-8"))
     return Checkpoint(state=_join(structure, tensors, map_location), step=meta["step"], meta=meta)
 
