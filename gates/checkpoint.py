@@ -8,8 +8,8 @@
   around the publishing rename or exchange), spread evenly over every point of a save into a new directory beside an old
   checkpoint and of an overwrite of the old one. After each kill, `latest_checkpoint` must return
   the old checkpoint or the new one, and `load_checkpoint` must verify it; the other is never half
-  there. Also: a truncated file, a flipped byte, a missing meta.json and a newer format version
-  must each be refused by `load_checkpoint`, and passed over by `latest_checkpoint`.
+  there. Also: a truncated file, a flipped byte, a missing meta.json, an edited stamp and a newer
+  format version must each be refused by `load_checkpoint`, and passed over by `latest_checkpoint`.
 - Bench (wall clock): save and load of the preset's state against torch.save + fsync (the same
   durability), torch.save alone, torch.load, safetensors' save_file / load_file, and the disk's
   own rate for the same bytes (one plain write + fsync), measured in the same run.
@@ -120,10 +120,6 @@ def _resumed(kind: str, buffers: Buffers, k: int, save: Callable, load: Callable
 # ---- crash injection -----------------------------------------------------------------------------
 
 
-class _Killed(Exception):
-    pass
-
-
 def _points(write: Callable[[Callable[[str], None]], None]) -> list[str]:
     """Every point a write passes, from a dry run."""
     seen: list[str] = []
@@ -151,8 +147,10 @@ def _killed_at(index: int, write: Callable[[Callable[[str], None]], None]) -> in
 
 
 def _state(value: float, size: int) -> dict[str, Any]:
+    # a loss history in the JSON, so its file spans many of the crash test's chunks
     return {"model": {"w": torch.full((size,), value), "b": torch.arange(16.0) + value},
-            "optimizer": {"state": {0: {"step": torch.tensor(value)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]}}
+            "optimizer": {"state": {0: {"step": torch.tensor(value)}}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95)}]},
+            "losses": [value + i / 1000 for i in range(2000)]}
 
 
 Save = Callable[..., Path]
@@ -160,13 +158,13 @@ Load = Callable[..., Any]
 Latest = Callable[..., Path | None]
 
 
-def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes: int = 4096) -> torch.Tensor:
+def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes: int = 256) -> torch.Tensor:
     """1 per kill where the root then held the old checkpoint or the new one, whole, and nothing
     half-written was returned; 0 where not. Kills alternate between a save into a new directory
     beside the old and an overwrite of the old, each at points spread over its whole write."""
     results = []
     chunk = ck.CHUNK_BYTES
-    ck.CHUNK_BYTES = chunk_bytes  # many points inside each file
+    ck.CHUNK_BYTES = chunk_bytes  # many points inside the JSON files (safetensors writes its file in one call)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -204,14 +202,14 @@ def _survived(root: Path, load: Load, latest: Latest) -> int:
         return 0
     value = float(state["model"]["w"][0])
     whole = value in (1.0, 2.0) and bool((state["model"]["w"] == value).all()) and bool(
-        (state["model"]["b"] == torch.arange(16.0) + value).all())
+        (state["model"]["b"] == torch.arange(16.0) + value).all()) and state["losses"] == _state(value, 1)["losses"]
     return int(whole)
 
 
 def corruption_checks(save: Save, load: Load, latest: Latest) -> torch.Tensor:
     """1 per fault refused by load and passed over by latest (which returns the whole older one;
     a flipped byte only when it hashes, verify=True): a truncated file, a flipped byte, a missing
-    meta.json, a newer format."""
+    meta.json, a stamp edited after the save, a newer format."""
 
     def truncate(d: Path):
         path = d / ck.TENSORS
@@ -226,13 +224,19 @@ def corruption_checks(save: Save, load: Load, latest: Latest) -> torch.Tensor:
     def drop_meta(d: Path):
         (d / ck.META).unlink()
 
+    def edited(d: Path):
+        meta = json.loads((d / ck.META).read_text())
+        meta["step"] = 99
+        (d / ck.META).write_text(json.dumps(meta))
+
     def newer(d: Path):
         meta = json.loads((d / ck.META).read_text())
         meta["format_version"] = ck.FORMAT_VERSION + 1
+        meta["stamp_sha256"] = ck._stamp_digest(meta)  # a stamp a newer suite wrote: whole, of its own
         (d / ck.META).write_text(json.dumps(meta))
 
     results = []
-    for fault in (truncate, flip, drop_meta, newer):
+    for fault in (truncate, flip, drop_meta, edited, newer):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             save(root / "step-1", _state(1.0, 1000), 1)
@@ -266,7 +270,7 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
         outputs[f"{kind}/params"] = _flat(params)
     if preset.params["kills"]:  # the bench presets leave the kills to tiny
         outputs["crash/whole"] = torch.ones(preset.params["kills"], dtype=torch.int8)
-    outputs["corruption/refused"] = torch.ones(4, dtype=torch.int8)
+    outputs["corruption/refused"] = torch.ones(5, dtype=torch.int8)
     return outputs
 
 
@@ -297,6 +301,7 @@ def _stamp_after_publish(directory, state, step, overwrite=False, at=lambda poin
                  ck.STATE: ck._write(staged / ck.STATE, json.dumps(structure).encode(), at)}
         atomic.publish_directory(staged, final, replace=overwrite, at=at)
     meta = {"format_version": ck.FORMAT_VERSION, "step": step, "files": files}
+    meta["stamp_sha256"] = ck._stamp_digest(meta)
     ck._write(final / ck.META, json.dumps(meta).encode(), at)
     return final
 
@@ -444,15 +449,18 @@ def _state_bytes(preset: Preset) -> int:
 
 
 BENCHES = (
+    # at the sizes the targets are about: a tiny state's save is a few fixed fsyncs
     BenchCase(SAVE, "save the state (params + AdamW state) as a checkpoint", bytes=_state_bytes, ceiling="none",
-              l2="warm", modes=("wall",), window=1, calls_per_round=3),
+              l2="warm", modes=("wall",), window=1, calls_per_round=3, presets=("small", "medium")),
     BenchCase(LOAD, "load and verify it", bytes=_state_bytes, ceiling="none", l2="warm", modes=("wall",), window=1,
-              calls_per_round=3),
+              calls_per_round=3, presets=("small", "medium")),
 )
 
 PRESETS = (
     Preset("tiny", dict(layers=2, d=16, grad_sets=8, k=4, kills=240), where="any",
            note="parity and 240 kills, seconds"),
+    Preset("tiny-gpu", dict(layers=2, d=16, grad_sets=8, k=4, kills=240), where="cuda", in_all=False,
+           memory_bytes=1 << 30, note="tiny with the state on the GPU: Muon in a CapturedOptimizer resumes too"),
     Preset("small", dict(layers=6, d=512, grad_sets=2, k=2, kills=0, kinds=["adamw-fused"]), where="any",
            standard=False, note="25 M params + AdamW state (302 MB): the bench where the disk is slow"),
     Preset("medium", dict(layers=24, d=1024, grad_sets=2, k=2, kills=0, kinds=["adamw-fused"]), where="any",

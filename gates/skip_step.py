@@ -11,7 +11,8 @@ debug mode on a GPU).
 Scenarios: a +100 sigma loss spike; a grad-norm spike alone; a NaN loss; an Inf grad norm; a slow
 upward drift that must not be skipped; a constant loss with one step off it; a spike inside the
 first min_history steps; a spike whose z is 5.985 with Bessel's correction and 6.008 without it
-(what a biased std gets wrong); a state_dict saved mid-window and loaded into a fresh optimizer.
+(what a biased std gets wrong); a state_dict saved mid-window and loaded into a fresh optimizer,
+with a spike five steps later that only the restored window can judge.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def scenario_values(kind: str, steps: int, seed: int) -> list[tuple[float, float
     elif kind == "constant":
         values = [(2.0, 1.0)] * steps
         values[at] = (2.0 + 1e-3, 1.0)
+    elif kind == "resume":  # a spike soon after the restart: only a restored window can judge it
+        values[at + 5] = (values[at + 5][0] + 100 * 0.01, values[at + 5][1])
     elif kind == "early-spike":
         values[MIN_HISTORY // 2] = (50.0, values[MIN_HISTORY // 2][1])
     elif kind == "threshold":  # between 6 sigma biased and 6 sigma unbiased: only a wrong std skips it
@@ -353,6 +356,11 @@ class _ItemInStep(SkipStepOptimizer):
         return super().step(closure)
 
 
+class _WindowNotRestored(SkipStepOptimizer):
+    def load_window_state(self, state):
+        pass  # a resumed run starts with an empty window
+
+
 class _BiasedStd(SkipStepOptimizer):
     def decision(self):
         return decide(self.values, self.count, self._latest, self.sigma_factor, self.min_history, correction=0)
@@ -375,6 +383,8 @@ SABOTEURS = (
     Saboteur("params-not-state", "a skip puts the parameters back but keeps the state's update",
              _arm_with(_ParamsButNotState)),
     Saboteur("item-in-step", "step() reads its decision on the host with .item()", _arm_with(_ItemInStep)),
+    Saboteur("window-not-restored", "load_state_dict leaves the window empty", _arm_with(_WindowNotRestored),
+             applies=lambda p: "resume" in _scenarios(p)),
     Saboteur("biased-std", "the std without Bessel's correction", _arm_with(_BiasedStd),
              applies=lambda p: "threshold" in _scenarios(p)),
     Saboteur("monitor-own-threshold", "the monitor judges with its own copy of sigma (5.5, drifted)",
@@ -428,9 +438,9 @@ def _step_bytes(per_param: int) -> Callable[[Preset], int]:
 
 BENCHES = (
     BenchCase("muon-step", "one Muon(+AdamW) step with and without skip-step", bytes=_step_bytes(20), l2="warm",
-              modes=("eager",), window=2, calls_per_round=4, cold_calls=4, recommend=True),
+              modes=("eager",), window=2, calls_per_round=4, cold_calls=4),
     BenchCase("adamw-fused-step", "one AdamW fused step with and without skip-step", bytes=_step_bytes(28),
-              l2="warm", modes=("eager",), window=2, calls_per_round=4, cold_calls=4, recommend=True),
+              l2="warm", modes=("eager",), window=2, calls_per_round=4, cold_calls=4),
 )
 
 PRESETS = (
@@ -441,7 +451,7 @@ PRESETS = (
            note="tiny on a GPU: the captured mode, capturable AdamW, host reads by sync debug mode (minutes)"),
     Preset("medium", dict(layers=24, d=1024, steps=64, grad_sets=2, scenarios=["loss-spike"]), where="cuda",
            standard=False, memory_bytes=40 << 30,
-           note="about the graph-capture gate's medium size (400 M params): the overhead bench"),
+           note="277 M params (24 layers d1024): the overhead bench"),
 )
 
 GATE = Gate(

@@ -380,6 +380,7 @@ def _build(name: str) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any
         step = _Step(model, optimizer, buffers["ids"][0], compiled)
         counters = torch._dynamo.utils.counters
         breaks_before = sum(counters["graph_break"].values())
+        graphs_before = counters["stats"]["unique_graphs"]
         limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = max(limit, COMPILE_RECOMPILE_LIMIT)
         try:
@@ -394,7 +395,10 @@ def _build(name: str) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any
             torch._dynamo.config.recompile_limit = limit
         if compiled:
             breaks = sum(counters["graph_break"].values()) - breaks_before
-            step.note = f"first step (compile) {first_s:.1f} s; {breaks} graph break(s)"
+            graphs = counters["stats"]["unique_graphs"] - graphs_before
+            # dynamo reuses what an earlier contender with the same graph compiled: then nothing is traced
+            traced = f"{graphs} graph(s) traced, {breaks} graph break(s)" if graphs else "graphs reused from an earlier contender"
+            step.note = f"first step {first_s:.1f} s: {traced}"
         return step
 
     return build

@@ -177,6 +177,22 @@ def test_default_presets_larger_than_the_card_are_listed_not_run(monkeypatch):
     assert not refused
 
 
+def test_a_gate_whose_every_default_preset_is_too_large_says_so_once(monkeypatch):
+    pytest.importorskip("transformers", minversion="5")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (14.5 * 2**30, 16 * 2**30))
+    named = runner_module.Runner(runner_module.RunOptions(device=torch.device("cuda"), explicit=True))
+    units, skipped, refused = named.plan([gates.get("train-step")])
+    assert not units and all("free on this GPU" in s.reason for s in skipped)
+    assert len(skipped) == len({s.reason for s in skipped})  # one line per preset, none twice
+    (refusal,) = refused
+    assert "every default preset" in refusal.reason and "--preset" in refusal.reason
+    # a run of every gate: its real models are none of that run's presets, and it says where they run
+    every = runner_module.Runner(runner_module.RunOptions(device=torch.device("cuda"), explicit=False))
+    units, skipped, refused = every.plan([gates.get("train-step")])
+    assert not units and not refused and [s.reason for s in skipped] == [
+        "no preset of gate train-step on cuda is in a run of every gate: suite bench train-step runs them"]
+
+
 def test_any_unknown_preset_is_a_usage_error(reports):
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--preset", "tiny", "--preset", "tinny", "--reports", reports)
     assert result.exit_code == ExitCode.USAGE and "tinny" in result.output

@@ -34,11 +34,16 @@ def test_each_saboteur_is_caught(judged, name):
     sabotaged_result(GATE, judged, next(s for s in GATE.saboteurs if s.name == name))
 
 
-def test_the_kills_cover_every_stage_of_a_save(tmp_path):
+def test_the_kills_cover_every_stage_of_a_save(tmp_path, monkeypatch):
     points = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "c", gc._state(1.0, 20000), 1, at=at))
     stages = {p.split(":")[0] for p in points}
     assert {gc.ck.TENSORS, gc.ck.STATE, gc.ck.META, "staging created", "staged synced", "renamed",
             "parent synced"} <= stages
+    monkeypatch.setattr(gc.ck, "CHUNK_BYTES", 256)  # the crash test's chunks
+    crash_points = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "d", gc._state(1.0, 20000), 1, at=at))
+    inside = [p for p in crash_points if p.startswith(gc.ck.STATE) and p.endswith("bytes")]
+    assert len(inside) >= 60 and len(crash_points) >= 70  # most kills land inside a file
+    monkeypatch.undo()
     overwrite = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "c", gc._state(2.0, 20000), 2,
                                                             overwrite=True, at=at))
     assert "exchanged" in overwrite or "moved aside" in overwrite

@@ -117,7 +117,7 @@ def test_on_the_gpu_compiled_steps_have_no_graph_break_and_captured_optimizers_k
     torch._dynamo.reset()
     for name in ("stock", "rms_norm", "experts", "all arms"):
         step = ts._build(name)(case, buffers, preset)
-        assert "0 graph break(s)" in step.note, (name, step.note)
+        assert "0 graph break(s)" in step.note or "reused" in step.note, (name, step.note)
         assert torch.isfinite(step())
     judged = judge_setup(GATE, "tiny-olmoe", device="cuda")
     preset, buffers, expected = judged

@@ -11,7 +11,7 @@ and sha256, the library versions and the format version.
 
     save_checkpoint("ckpt/step-1000", {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "rng": torch.get_rng_state()}, step=1000)
-    state, meta = load_checkpoint(latest_checkpoint("ckpt"))
+    state, step, meta = load_checkpoint(latest_checkpoint("ckpt", verify=True))
 
 Tensors go to one safetensors file (their devices recorded; `map_location` overrides), the rest
 to JSON, tuples, non-string dict keys, NaN and infinities kept. `load_checkpoint` verifies the stamp
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save_file
 
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
@@ -164,6 +165,7 @@ def write_checkpoint_files(directory: Path, state: dict[str, Any], step: int,
              STATE: _write(directory / STATE, json.dumps(structure).encode(), at)}
     meta = {"format_version": FORMAT_VERSION, "step": int(step), "files": files, "versions": _versions(),
             "saved_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta["stamp_sha256"] = _stamp_digest(meta)
     _write(directory / META, json.dumps(meta, indent=2).encode(), at)
 
 
@@ -191,11 +193,29 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
 # ---- reading -----------------------------------------------------------------------------------
 
 
+def _stamp_digest(meta: dict[str, Any]) -> str:
+    """The stamp's own hash, over everything in it but this field: an edited stamp shows."""
+    body = {k: v for k, v in meta.items() if k != "stamp_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _valid_entry(name: Any, entry: Any) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..", META) and "/" not in name and "\\" not in name
+            and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0
+            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64)
+
+
 def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
-    """The stamp of a whole checkpoint: meta.json read and checked against the directory (every
-    file it names present with its size, nothing else; with verify, every sha256). Raises
-    CheckpointError naming the first fault."""
-    root = Path(directory)
+    """The stamp of a whole checkpoint: meta.json read, its own hash checked, and checked against
+    the directory (every file it names present with its size, nothing else; with verify, every
+    sha256). Raises CheckpointError naming the first fault."""
+    meta, _ = _read(Path(directory), verify=verify, keep=False)
+    return meta
+
+
+def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """(the stamp, each file's bytes when keep): every file read once, and judged by the bytes
+    read, so what is decoded is what was verified, even if the directory is replaced meanwhile."""
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
     try:
@@ -211,22 +231,34 @@ def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
         raise CheckpointError(f"{root} is format {version}, newer than this suite reads ({FORMAT_VERSION}): "
                               "upgrade suite to load it")
     files = meta.get("files")
-    if not isinstance(files, dict) or not isinstance(meta.get("step"), int):
-        raise CheckpointError(f"{root / META} lacks its files or its step")
+    if not isinstance(files, dict) or not isinstance(meta.get("step"), int) or not all(
+            _valid_entry(name, entry) for name, entry in files.items()):
+        raise CheckpointError(f"{root / META} lacks its step or a valid entry (plain file name, size, sha256) "
+                              "for each file")
+    if meta.get("stamp_sha256") != _stamp_digest(meta):
+        raise CheckpointError(f"{root / META} does not match its own hash: the stamp was edited after the save")
     present = {p.name for p in root.iterdir()}
     stray = sorted(present - set(files) - {META})
     if stray:
         raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
+    contents: dict[str, bytes] = {}
     for name, entry in files.items():
         path = root / name
         if not path.is_file():
             raise CheckpointError(f"{root} lacks {name}, which its stamp names")
-        size = path.stat().st_size
+        data = path.read_bytes() if keep else None
+        size = len(data) if keep else path.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or written to after the save")
-        if verify and _sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after it was written")
-    return meta
+            raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or "
+                                  "written to after the save")
+        if verify or keep:  # a stamp alone streams the hash; a load hashes the bytes it decodes
+            digest = hashlib.sha256(data).hexdigest() if keep else _sha256(path)
+            if digest != entry["sha256"]:
+                raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after it "
+                                      "was written")
+        if keep:
+            contents[name] = data
+    return meta, contents
 
 
 def _sha256(path: Path) -> str:
@@ -238,11 +270,11 @@ def _sha256(path: Path) -> str:
 
 
 def load_checkpoint(directory: str | Path, map_location: str | torch.device | None = None) -> Checkpoint:
-    """The state saved at `directory`, after its stamp and every hash are verified."""
-    root = Path(directory)
-    meta = read_stamp(root, verify=True)
-    tensors = load_file(root / TENSORS)
-    structure = json.loads((root / STATE).read_text(encoding="utf-8"))
+    """The state saved at `directory`, after its stamp and every hash are verified: decoded from
+    the very bytes that were hashed."""
+    meta, contents = _read(Path(directory), verify=True, keep=True)
+    tensors = safetensors_load(contents[TENSORS])
+    structure = json.loads(contents[STATE].decode("utf-8"))
     return Checkpoint(state=_join(structure, tensors, map_location), step=meta["step"], meta=meta)
 
 

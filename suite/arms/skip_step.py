@@ -19,8 +19,8 @@ flaws of its version fixed:
 - z uses the unbiased standard deviation (Bessel's correction), as `torch.std_mean` does.
 - Fewer than `min_history` values in the window: only a non-finite value is skipped.
 
-The decision (`decide`) is one function; the optimizer and `StabilityMonitor` both read it and the
-same ring, so the monitor cannot drift from what the step did.
+The decision (`decide`) is one function, run by the step; `StabilityMonitor` reads the same ring
+and what the step recorded of its decision, so the monitor cannot drift from what the step did.
 
 How a skipped step leaves params and state with their bits, per inner optimizer:
 
@@ -94,9 +94,13 @@ def decide(values: torch.Tensor, count: torch.Tensor, latest: torch.Tensor, sigm
     return Decision(factor=(~skip).to(torch.float32), skip=skip, finite=finite, z=z, mean=mean, std=std)
 
 
-def _as_float64(value: torch.Tensor | float) -> torch.Tensor:
-    # a python float keeps its double; a device tensor converts where it lives (no host read)
-    return torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
+def _set(target: torch.Tensor, value: torch.Tensor | float) -> None:
+    """A python number is filled in as a kernel argument (no host-to-device copy that would wait
+    for the stream); a tensor converts where it lives (no host read)."""
+    if isinstance(value, torch.Tensor):
+        target.copy_(value.detach().reshape(()))
+    else:
+        target.fill_(float(value))
 
 
 def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -154,6 +158,9 @@ class SkipStepOptimizer(OptimizerWrapper):
         self.sigma_factor = float(sigma_factor)
         self.min_history = min_history
         self.finite_guard = finite_guard
+        if isinstance(optimizer, CapturedOptimizer) and optimizer.captured:
+            raise ValueError("SkipStepOptimizer: the CapturedOptimizer has captured its step already, so its replays "
+                             "would never read the skip decision; wrap it before its first step()")
         inner = _innermost(optimizer)
         self._how = _how_to_skip(inner)
         device = next(p.device for g in inner.param_groups for p in g["params"])
@@ -182,7 +189,7 @@ class SkipStepOptimizer(OptimizerWrapper):
 
     @latest_loss.setter
     def latest_loss(self, value: torch.Tensor | float) -> None:
-        self._latest[LOSS].copy_(_as_float64(value))
+        _set(self._latest[LOSS], value)
 
     @property
     def latest_grad_norm(self) -> torch.Tensor:
@@ -190,7 +197,7 @@ class SkipStepOptimizer(OptimizerWrapper):
 
     @latest_grad_norm.setter
     def latest_grad_norm(self, value: torch.Tensor | float) -> None:
-        self._latest[GRAD_NORM].copy_(_as_float64(value))
+        _set(self._latest[GRAD_NORM], value)
 
     def decision(self) -> Decision:
         """What the next step() will decide, from the window and the latest values."""
@@ -278,8 +285,9 @@ class SkipStepOptimizer(OptimizerWrapper):
 
 class StabilityMonitor:
     """What the skip-step window says, read at log cadence (one host read per `report()`, never
-    inside a step): the last decision's z-scores, the window's mean and std, and the skips. It
-    reads the optimizer's own ring and `decide`, so it reports what the step decided."""
+    inside a step): the last decision (taken or not, its z-scores), the window's mean and std,
+    and the skips. It reads the optimizer's own ring, counters and last decision, written by the
+    step from `decide`, so it reports what the step decided and cannot keep a threshold of its own."""
 
     def __init__(self, optimizer: SkipStepOptimizer) -> None:
         self.optimizer = optimizer
@@ -290,14 +298,15 @@ class StabilityMonitor:
         n, mean, std = window_stats(opt.values, opt.count)
         # one transfer for everything: a single host sync
         counts = torch.stack([n, opt.skipped, opt.nonfinite, opt.consecutive]).double()
-        packed = torch.cat([mean, std, counts, opt.step_factor().reshape(1).double()]).tolist()
-        loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor = packed
+        packed = torch.cat([mean, std, counts, opt.step_factor().reshape(1).double(), opt.last_z]).tolist()
+        loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor, z_loss, z_grad = packed
         new_skips = int(skipped) - self._skipped_reported
         self._skipped_reported = int(skipped)
         return {"window": int(n), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
                 "grad_norm_std": grad_std, "skipped": int(skipped), "spikes": int(skipped - nonfinite),
                 "nonfinite": int(nonfinite), "skipped_since_last_report": new_skips,
-                "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0}
+                "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0,
+                "last_z_loss": z_loss, "last_z_grad_norm": z_grad}
 
     def state_dict(self) -> dict:
         return {"skipped_reported": self._skipped_reported}

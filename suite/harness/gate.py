@@ -106,6 +106,7 @@ class BenchCase:
     setup: bool = False
     # a recommendation per contender: faster than its baseline beyond the noise floor, or not
     recommend: bool = False
+    presets: tuple[str, ...] | None = None  # the presets it is timed at (None: every one)
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,9 @@ class Gate:
             if c.baseline is not None and (c.baseline not in names or c.baseline == c.name):
                 raise ValueError(f"{where}: contender {c.name!r} has baseline {c.baseline!r}, not another contender")
         presets, cases = {p.name for p in self.presets}, {b.name for b in self.benches}
+        for case in self.benches:
+            if case.presets is not None and not set(case.presets) <= presets:
+                raise ValueError(f"{where}: bench case {case.name!r} names presets the gate lacks: {case.presets}")
         if self.host_probe is not None and self.host_probe not in presets:
             raise ValueError(f"{where}: host_probe names no preset: {self.host_probe!r}")
         for case in self.benches:

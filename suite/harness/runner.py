@@ -193,17 +193,29 @@ class Runner:
             reason = reason or gate.missing()
             presets = [] if reason else self._selected(gate)
             free = self._free_memory()
+            too_large = []
             if presets and free is not None and not opts.presets:
                 # a default preset larger than the card's free memory is listed, not attempted
-                for preset in [p for p in presets if p.memory_bytes > free]:
+                too_large = [p for p in presets if p.memory_bytes > free]
+                for preset in too_large:
                     skipped.append(SkippedGate(gate=gate.name, reason=(
                         f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the "
                         f"{_mib(free)} free on this GPU")))
                 presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
-                reason = (f"gate {gate.name} has none of the presets {opts.presets}" if opts.presets else
-                          f"no preset of gate {gate.name} on {device.type} is in a run of every gate: "
-                          f"suite bench {gate.name} runs them")
+                if too_large:
+                    if not opts.explicit:
+                        continue  # listed above, one line per preset
+                    reason = (f"every default preset of gate {gate.name} needs more than the {_mib(free)} free on "
+                              "this GPU; pick a smaller one with --preset (suite list)")
+                elif opts.presets:
+                    reason = f"gate {gate.name} has none of the presets {opts.presets}"
+                elif not opts.explicit:
+                    reason = (f"no preset of gate {gate.name} on {device.type} is in a run of every gate: "
+                              f"suite bench {gate.name} runs them")
+                else:
+                    reason = (f"gate {gate.name} has no default preset on {device.type}; name one with --preset "
+                              "(suite list)")
             if reason is not None:
                 if opts.explicit:
                     refused.append(self._could_not_run(gate, Preset("-", {}), reason))
@@ -390,7 +402,11 @@ class Runner:
         if not result.parity.passed:
             result.bench_skipped = "parity failed: an arm that fails parity is not timed"
             return
-        cases = [c for c in gate.benches if device.type == "cuda" or c.modes == ("wall",)]
+        cases = [c for c in gate.benches if c.presets is None or preset.name in c.presets]
+        if not cases:
+            result.bench_skipped = f"gate {gate.name} times no bench case at preset {preset.name}"
+            return
+        cases = [c for c in cases if device.type == "cuda" or c.modes == ("wall",)]
         if not cases:
             result.bench_skipped = "timing needs CUDA"
             return
