@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from gates.graph_capture import MATRICES
+from gates.graph_capture import transformer_shapes as _shapes  # its medium: 403 M params
 from suite.arms import checkpoint as ck
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
@@ -40,17 +40,6 @@ ADAMW_LR, MUON_LR, WEIGHT_DECAY = 3e-4, 0.02, 0.01
 
 
 # ---- training: K steps, a checkpoint, K more --------------------------------------------------
-
-
-def _shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
-    """The graph-capture gate's transformer-shaped parameters (its medium: 403 M)."""
-    d = preset.params["d"]
-    shapes = {}
-    for layer in range(preset.params["layers"]):
-        for name, rows, cols in MATRICES:
-            shapes[f"layers.{layer}.{name}"] = (rows * d, cols * d)
-        shapes[f"layers.{layer}.norm"] = (d,)
-    return shapes
 
 
 def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:

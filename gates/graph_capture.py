@@ -36,7 +36,8 @@ from suite.harness.gate import (
 MATRICES = (("wq", 1, 1), ("wk", 1, 1), ("wv", 1, 1), ("wo", 1, 1), ("w1", 4, 1), ("w3", 4, 1), ("w2", 1, 4))
 
 
-def _shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
+def transformer_shapes(preset: Preset) -> dict[str, tuple[int, ...]]:
+    """A transformer's parameter shapes by name (preset params layers, d); gate checkpoint saves them too."""
     d = preset.params["d"]
     shapes = {}
     for layer in range(preset.params["layers"]):
@@ -58,7 +59,7 @@ SHAPE_BOUND = [f"{kind}/{scenario}" for kind, scenarios in SCENARIOS.items() for
 
 def _preset(name: str, layers: int, d: int, steps: int, scenarios: list[str], standard: bool = True,
             note: str = "") -> Preset:
-    n = sum(math.prod(s) for s in _shapes(Preset(name, dict(layers=layers, d=d))).values())
+    n = sum(math.prod(s) for s in transformer_shapes(Preset(name, dict(layers=layers, d=d))).values())
     # fp32: initial params and K grad sets; the final params of every scenario for the
     # reference and for the arm's two runs; a run's params, grads and optimizer state
     memory = 4 * n * (steps + 1 + 3 * len(scenarios) + 4) + (1 << 30)
@@ -78,12 +79,12 @@ PRESETS = (
 def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
     gen = torch.Generator(device=device).manual_seed(seed)
     buffers = {}
-    for name, shape in _shapes(preset).items():
+    for name, shape in transformer_shapes(preset).items():
         fan_in = shape[-1]
         init = torch.randn(shape, generator=gen, device=device) / math.sqrt(fan_in)
         buffers[f"param/{name}"] = torch.ones(shape, device=device) + 0.02 * init if len(shape) == 1 else init
     for step in range(preset.params["steps"]):
-        for name, shape in _shapes(preset).items():
+        for name, shape in transformer_shapes(preset).items():
             # gradients shrink over the run, as a loss does
             buffers[f"grad{step:02d}/{name}"] = 1e-3 / (1 + step) * torch.randn(shape, generator=gen, device=device)
     return buffers
@@ -181,7 +182,7 @@ def _step_bytes(per_param: int) -> Callable[[Preset], int]:
 def _muon_flops(preset: Preset) -> int:
     # Newton-Schulz per step on each matrix (m x n, m <= n): A = X X^T, A @ A, B @ X
     total = 0
-    for shape in _shapes(preset).values():
+    for shape in transformer_shapes(preset).values():
         if len(shape) == 2:
             m, n = sorted(shape)
             total += preset.params.get("ns_steps", 5) * (2 * m * m * n + 2 * m * m * m + 2 * m * m * n)

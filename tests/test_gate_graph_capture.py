@@ -23,7 +23,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_presets_match_the_issue_shapes():
     medium = GATE.preset("medium")
-    shapes = gc._shapes(medium)
+    shapes = gc.transformer_shapes(medium)
     assert sum(len(s) == 2 for s in shapes.values()) == 168 and len(shapes) == 216
     assert medium.params["params"] == 24 * 16 * 1024 * 1024 + 48 * 1024
     # K >= 10 saved gradient sets: warm-up, capture, replays, a resume at K/2
