@@ -468,6 +468,6 @@ GATE = Gate(
     saboteurs=SABOTEURS,
     contenders=_bench_contenders(),
     benches=BENCHES,
-    # at most 5% over the eager step without it; the captured pair's ratio is its recommendation
+    # at most 5% over the eager step without it; the captured pair (3% allowed) is read off its two peers
     perf=PerfCriterion(min_speedup={("medium", "muon-step"): 0.95, ("medium", "adamw-fused-step"): 0.95}),
 )

@@ -448,7 +448,7 @@ def _step_bytes(preset: Preset) -> int:
 BENCHES = tuple(
     BenchCase(name, f"one training step ({what}): forward, backward, optimizer step, zero_grad",
               bytes=_step_bytes, flops=_step_flops, ceiling="gemm", l2="warm", modes=("eager",), window=1,
-              # five a round: with three, the A/A floor of a 40 ms llama step was 15-20% on the H200
+              # five a round: with three, a whole step's A/A floor was too wide to tell arms apart
               calls_per_round=5, setup=True, recommend=True)
     for name, what in (("step", "eager model"), ("step-compiled", "torch.compile(model)")))
 
