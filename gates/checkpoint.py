@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gates.graph_capture import transformer_shapes as _shapes  # its medium: 403 M params
+from gates.optim_loop import flat_params, fresh_params, set_saved_grads
 from suite.arms import checkpoint as ck
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
@@ -68,42 +69,29 @@ def _optimizer(kind: str, params: dict[str, torch.Tensor]) -> torch.optim.Optimi
     return CapturedOptimizer(muon) if kind == "muon-captured" else muon
 
 
-def _fresh(buffers: Buffers) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("param/"): t.clone().requires_grad_() for k, t in buffers.items() if k.startswith("param/")}
-
-
 def _steps(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, buffers: Buffers, start: int,
            count: int) -> None:
     for step in range(start, start + count):
-        for name, p in params.items():
-            sets = buffers[f"grads/{name}"]
-            if p.grad is None:
-                p.grad = sets[step % sets.shape[0]].clone()
-            else:  # in place: a captured step reads the grads it saw at capture
-                p.grad.copy_(sets[step % sets.shape[0]])
+        set_saved_grads(params, buffers, step)
         optimizer.step()
 
 
-def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params.values()])
-
-
 def _resumed(kind: str, buffers: Buffers, k: int, save: Callable, load: Callable) -> torch.Tensor:
-    params = _fresh(buffers)
+    params = fresh_params(buffers)
     optimizer = _optimizer(kind, params)
     _steps(params, optimizer, buffers, 0, k)
     with tempfile.TemporaryDirectory() as root:
         path = Path(root) / "step"
         save(path, {"params": {n: p for n, p in params.items()}, "optimizer": optimizer.state_dict()}, k)
         state = load(path).state
-    params = _fresh(buffers)  # a fresh model and optimizer, as a restarted run builds them
+    params = fresh_params(buffers)  # a fresh model and optimizer, as a restarted run builds them
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state["params"][name])
     optimizer = _optimizer(kind, params)
     optimizer.load_state_dict(state["optimizer"])
     _steps(params, optimizer, buffers, k, k)
-    return _flat(params)
+    return flat_params(params)
 
 
 # ---- crash injection -----------------------------------------------------------------------------
@@ -253,10 +241,10 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
     outputs: Outputs = {}
     k = preset.params["k"]
     for kind in kinds(device, preset):
-        params = _fresh(buffers)
+        params = fresh_params(buffers)
         optimizer = _optimizer(kind, params)
         _steps(params, optimizer, buffers, 0, 2 * k)  # no stop
-        outputs[f"{kind}/params"] = _flat(params)
+        outputs[f"{kind}/params"] = flat_params(params)
     if preset.params["kills"]:  # the bench presets leave the kills to tiny
         outputs["crash/whole"] = torch.ones(preset.params["kills"], dtype=torch.int8)
     outputs["corruption/refused"] = torch.ones(5, dtype=torch.int8)
@@ -351,7 +339,7 @@ def _bench_state(buffers: Buffers) -> dict[str, Any]:
     buffers (the medium preset's is 4.8 GB)."""
     if id(buffers) not in _BENCH_STATE:
         _BENCH_STATE.clear()
-        params = _fresh(buffers)
+        params = fresh_params(buffers)
         optimizer = _optimizer("adamw-fused", params)
         _steps(params, optimizer, buffers, 0, 1)
         _BENCH_STATE[id(buffers)] = {"params": {n: p.detach() for n, p in params.items()},

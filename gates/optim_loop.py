@@ -48,6 +48,28 @@ def param_names(buffers: Buffers) -> list[str]:
     return [k.removeprefix("param/") for k in buffers if k.startswith("param/")]
 
 
+def fresh_params(buffers: Buffers) -> dict[str, torch.Tensor]:
+    """A copy of the saved initial parameters, by name, that an optimizer may step."""
+    return {n: buffers[f"param/{n}"].clone().requires_grad_() for n in param_names(buffers)}
+
+
+def set_saved_grads(params: dict[str, torch.Tensor], buffers: Buffers, step: int) -> None:
+    """Step `step`'s gradients from the stacked sets `grads/<name>`, taken in turn (a large preset
+    saves a few), written in place once a grad exists: a captured step reads the grad tensors it
+    saw at capture."""
+    for name, p in params.items():
+        sets = buffers[f"grads/{name}"]
+        if p.grad is None:
+            p.grad = sets[step % sets.shape[0]].clone()
+        else:
+            p.grad.copy_(sets[step % sets.shape[0]])
+
+
+def flat_params(params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Every parameter in one flat tensor: one bitwise output for a whole run."""
+    return torch.cat([p.detach().reshape(-1) for p in params.values()])
+
+
 def make_optimizer(kind: str, params: dict[str, torch.Tensor], capturable: bool) -> torch.optim.Optimizer:
     """Muon on the matrices with AdamW on the vectors ("muon"), or torch AdamW ("adamw": foreach,
     torch's default; "adamw-fused")."""

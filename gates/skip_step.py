@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from gates.optim_loop import flat_params, fresh_params, set_saved_grads
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.arms.skip_step import SkipStepOptimizer, StabilityMonitor, decide
@@ -169,36 +170,18 @@ def make_optimizer(kind: str, params: dict[str, torch.Tensor]) -> torch.optim.Op
                              **implementation)
 
 
-def _params(buffers: Buffers) -> dict[str, torch.Tensor]:
-    return {k.removeprefix("param/"): t.clone().requires_grad_() for k, t in buffers.items() if k.startswith("param/")}
-
-
-def _set_grads(params: dict[str, torch.Tensor], buffers: Buffers, step: int) -> None:
-    """Step `step`'s gradients: the saved sets in turn (a large preset saves a few)."""
-    for name, p in params.items():
-        sets = buffers[f"grads/{name}"]
-        if p.grad is None:
-            p.grad = sets[step % sets.shape[0]].clone()
-        else:  # in place: a captured step reads the grad tensors it saw at capture
-            p.grad.copy_(sets[step % sets.shape[0]])
-
-
-def _flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in params.values()])
-
-
 def _reference_run(kind: str, buffers: Buffers, scenario: str) -> Outputs:
     values = buffers[f"values/{scenario}"].tolist()
     skips = host_run(values)
-    params = _params(buffers)
+    params = fresh_params(buffers)
     optimizer = make_optimizer(kind, params)
     for step, skip in enumerate(skips):
-        _set_grads(params, buffers, step)
+        set_saved_grads(params, buffers, step)
         if not skip:
             optimizer.step()
     spikes = [s and all(math.isfinite(v) for v in values[i]) for i, s in enumerate(skips)]
     taken = torch.tensor([not s for s in skips], dtype=torch.int8)
-    return {"skips": torch.tensor(skips, dtype=torch.int8), "params": _flat(params),
+    return {"skips": torch.tensor(skips, dtype=torch.int8), "params": flat_params(params),
             "monitor_taken": taken, "monitor_spikes": torch.tensor([sum(spikes)]), "host_reads": torch.tensor([0])}
 
 
@@ -243,7 +226,7 @@ def _arm_run(kind: str, mode: str, buffers: Buffers, scenario: str, wrap: Factor
              monitor: Callable[[SkipStepOptimizer], StabilityMonitor]) -> Outputs:
     values = buffers[f"values/{scenario}"]
     steps = values.shape[0]
-    params = _params(buffers)
+    params = fresh_params(buffers)
     device = values.device
 
     def build() -> SkipStepOptimizer:
@@ -266,7 +249,7 @@ def _arm_run(kind: str, mode: str, buffers: Buffers, scenario: str, wrap: Factor
             saved_monitor = watcher.state_dict()
             watcher = monitor(optimizer)
             watcher.load_state_dict(saved_monitor)
-        _set_grads(params, buffers, step)
+        set_saved_grads(params, buffers, step)
         optimizer.latest_loss = values[step, 0]
         optimizer.latest_grad_norm = values[step, 1]
         with counted_host_reads(device) as count:
@@ -276,7 +259,7 @@ def _arm_run(kind: str, mode: str, buffers: Buffers, scenario: str, wrap: Factor
         skips.append(optimizer.step_factor().clone())
         taken.append(watcher.report()["last_step_taken"])  # the monitor at log cadence: every step here
     skipped = torch.stack(skips).eq(0).to(torch.int8).cpu()
-    return {"skips": skipped, "params": _flat(params), "monitor_taken": torch.tensor(taken, dtype=torch.int8),
+    return {"skips": skipped, "params": flat_params(params), "monitor_taken": torch.tensor(taken, dtype=torch.int8),
             "monitor_spikes": torch.tensor([watcher.report()["spikes"]]), "host_reads": torch.tensor([reads])}
 
 
@@ -397,8 +380,8 @@ SABOTEURS = (
 
 def _step_build(kind: str, skip: bool, captured: bool) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
-        params = _params(buffers)
-        _set_grads(params, buffers, 0)
+        params = fresh_params(buffers)
+        set_saved_grads(params, buffers, 0)
         inner = make_optimizer(kind, params)
         stepper = CapturedOptimizer(inner) if captured else inner
         if not skip:
