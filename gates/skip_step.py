@@ -154,8 +154,19 @@ def kinds(device: torch.device) -> tuple[str, ...]:
     return ("muon", "adamw-fused", "adamw") if device.type == "cuda" else ("muon", "adamw-fused")
 
 
-def modes(device: torch.device) -> tuple[str, ...]:
-    return ("eager", "captured") if device.type == "cuda" else ("eager",)
+def modes(device: torch.device, preset: Preset) -> tuple[str, ...]:
+    captured = device.type == "cuda" and preset.params.get("captured", False)
+    return ("eager", "captured") if captured else ("eager",)
+
+
+def as_captured_steps_it(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The eager twin of a CapturedOptimizer's step: torch AdamW reads its lr as the 0-d fp32
+    device tensor the wrapper makes of it (a float lr rounds differently); Muon's own live values
+    are read the same either way."""
+    if not isinstance(optimizer, Muon):
+        for group in optimizer.param_groups:
+            group["lr"] = torch.full((), group["lr"], dtype=torch.float32, device=group["params"][0].device)
+    return optimizer
 
 
 def make_optimizer(kind: str, params: dict[str, torch.Tensor]) -> torch.optim.Optimizer:
@@ -170,11 +181,13 @@ def make_optimizer(kind: str, params: dict[str, torch.Tensor]) -> torch.optim.Op
                              **implementation)
 
 
-def _reference_run(kind: str, buffers: Buffers, scenario: str) -> Outputs:
+def _reference_run(kind: str, mode: str, buffers: Buffers, scenario: str) -> Outputs:
     values = buffers[f"values/{scenario}"].tolist()
     skips = host_run(values)
     params = fresh_params(buffers)
     optimizer = make_optimizer(kind, params)
+    if mode == "captured":
+        as_captured_steps_it(optimizer)
     for step, skip in enumerate(skips):
         set_saved_grads(params, buffers, step)
         if not skip:
@@ -213,7 +226,8 @@ def counted_host_reads(device: torch.device) -> Iterator[list[int]]:
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
-        count[0] += sum("synchroniz" in str(w.message).lower() for w in caught)
+        # only sync debug mode's own report: its one-time "prototype feature" notice is no sync
+        count[0] += sum("called a synchronizing" in str(w.message) for w in caught)
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
@@ -275,11 +289,11 @@ def _detached(state: Any) -> Any:
     return state
 
 
-def _outputs(run: Callable[[str, str, str], Outputs], device: torch.device, scenarios) -> Outputs:
+def _outputs(run: Callable[[str, str, str], Outputs], device: torch.device, preset: Preset) -> Outputs:
     outputs: Outputs = {}
     for kind in kinds(device):
-        for mode in modes(device):
-            for scenario in scenarios:
+        for mode in modes(device, preset):
+            for scenario in _scenarios(preset):
                 for name, t in run(kind, mode, scenario).items():
                     outputs[f"{kind}/{mode}/{scenario}/{name}"] = t.to(device)
     return outputs
@@ -291,14 +305,14 @@ def _scenarios(preset: Preset) -> tuple[str, ...]:
 
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
     device = buffers["values/drift"].device
-    return _outputs(lambda kind, mode, scenario: _reference_run(kind, buffers, scenario), device, _scenarios(preset))
+    return _outputs(lambda kind, mode, scenario: _reference_run(kind, mode, buffers, scenario), device, preset)
 
 
 def _arm_with(wrap: Factory = SkipStepOptimizer, monitor=StabilityMonitor) -> Callable[[Buffers, Preset], Outputs]:
     def arm(buffers: Buffers, preset: Preset) -> Outputs:
         device = buffers["values/drift"].device
         return _outputs(lambda kind, mode, scenario: _arm_run(kind, mode, buffers, scenario, wrap, monitor),
-                        device, _scenarios(preset))
+                        device, preset)
 
     return arm
 
@@ -401,17 +415,15 @@ def _step_build(kind: str, skip: bool, captured: bool) -> Callable[[BenchCase, B
 
 def _bench_contenders() -> tuple[Contender, ...]:
     rows = []
-    for case, kind in (("muon-step", "muon"), ("adamw-fused-step", "adamw-fused")):
-        rows += [
-            Contender(f"{kind}", "reference", _step_build(kind, False, False), cases=(case,),
-                      note="the optimizer's eager step, no skip-step"),
-            Contender(f"{kind} + skip-step", "arm", _step_build(kind, True, False), cases=(case,),
-                      note="SkipStepOptimizer around it: the decision, the ring, the found_inf skip"),
-            Contender(f"{kind} captured", "peer", _step_build(kind, False, True), cases=(case,),
-                      note="CapturedOptimizer, no skip-step"),
-            Contender(f"{kind} captured + skip-step", "peer", _step_build(kind, True, True), cases=(case,),
-                      baseline=f"{kind} captured", note="SkipStepOptimizer around the CapturedOptimizer"),
-        ]
+    for kind in ("muon", "adamw-fused"):
+        for captured in (False, True):
+            case, label = (f"{kind}-step-captured", f"{kind} captured") if captured else (f"{kind}-step", kind)
+            rows += [
+                Contender(label, "reference", _step_build(kind, False, captured), cases=(case,),
+                          note="CapturedOptimizer, no skip-step" if captured else "the optimizer's eager step"),
+                Contender(f"{label} + skip-step", "arm", _step_build(kind, True, captured), cases=(case,),
+                          note="SkipStepOptimizer around it: the decision, the ring, the skip"),
+            ]
     return tuple(rows)
 
 
@@ -419,20 +431,22 @@ def _step_bytes(per_param: int) -> Callable[[Preset], int]:
     return lambda preset: per_param * sum(math.prod(s) for s in _shapes(preset).values())
 
 
-BENCHES = (
-    BenchCase("muon-step", "one Muon(+AdamW) step with and without skip-step", bytes=_step_bytes(20), l2="warm",
-              modes=("eager",), window=2, calls_per_round=4, cold_calls=4),
-    BenchCase("adamw-fused-step", "one AdamW fused step with and without skip-step", bytes=_step_bytes(28),
-              l2="warm", modes=("eager",), window=2, calls_per_round=4, cold_calls=4),
+BENCHES = tuple(
+    BenchCase(f"{kind}-step{suffix}", f"one {what} step{how}, with and without skip-step", bytes=_step_bytes(per_param),
+              l2="warm", modes=("eager",), window=2, calls_per_round=4, cold_calls=4, presets=("medium",))
+    for kind, what, per_param in (("muon", "Muon(+AdamW)", 20), ("adamw-fused", "AdamW fused", 28))
+    for suffix, how in (("", ""), ("-captured", " replayed by a CapturedOptimizer"))
 )
 
 PRESETS = (
     Preset("tiny", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS)), where="any",
-           note="every scenario, 300 steps"),
-    Preset("small", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS)), where="cuda",
-           in_all=False, memory_bytes=1 << 30,
-           note="tiny on a GPU: the captured mode, capturable AdamW, host reads by sync debug mode (minutes)"),
-    Preset("medium", dict(layers=24, d=1024, steps=64, grad_sets=2, scenarios=["loss-spike"]), where="cuda",
+           note="every scenario, 300 steps, eager"),
+    Preset("small", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS), captured=True),
+           where="cuda", in_all=False, memory_bytes=1 << 30,
+           note="tiny on a GPU in eager and captured mode, capturable AdamW too, host reads by sync debug mode "
+                "(minutes)"),
+    Preset("medium", dict(layers=24, d=1024, steps=64, grad_sets=2, scenarios=["loss-spike"], captured=True),
+           where="cuda",
            standard=False, memory_bytes=40 << 30,
            note="277 M params (24 layers d1024): the overhead bench"),
 )
@@ -451,6 +465,8 @@ GATE = Gate(
     saboteurs=SABOTEURS,
     contenders=_bench_contenders(),
     benches=BENCHES,
-    # at most 5% over the eager step without it; the captured pair (3% allowed) is read off its two peers
-    perf=PerfCriterion(min_speedup={("medium", "muon-step"): 0.95, ("medium", "adamw-fused-step"): 0.95}),
+    # at most 5% over the eager step without it, 3% over the captured one
+    perf=PerfCriterion(min_speedup={("medium", f"{kind}-step{suffix}"): least
+                                    for kind in ("muon", "adamw-fused")
+                                    for suffix, least in (("", 0.95), ("-captured", 0.97))}),
 )

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from gates.skip_step import host_run, host_skips, scenario_values
+from gates.skip_step import as_captured_steps_it, host_run, host_skips, scenario_values
 from suite.arms.muon import Muon
 from suite.arms.skip_step import SkipStepOptimizer, StabilityMonitor, decide
 
@@ -205,7 +205,7 @@ def test_on_the_gpu_decisions_and_bits_match_eager_skipping_without_a_host_sync(
         skips, params = _run_on_cuda(make, values, capture)
         assert skips == expected, (kind, [i for i, (a, b) in enumerate(zip(skips, expected)) if a != b])
         by_hand = [p.detach().cuda().requires_grad_() for p in _tiny_params()]
-        plain = make(by_hand)
+        plain = as_captured_steps_it(make(by_hand)) if capture else make(by_hand)
         for step, skip in enumerate(expected):
             gen = torch.Generator().manual_seed(1000 + step)
             for p in by_hand:

@@ -333,7 +333,7 @@ def _require_something_to_compare(reference: Outputs, truth: Outputs | None) -> 
     found = [_any_finite(ref, (truth or {}).get(name)) for name, ref in reference.items()]
     if empty:
         problem = f"{_preview(empty)} are empty"
-    elif found and not torch.stack(found).any():  # one host sync
+    elif found and not torch.stack([f.to(found[0].device) for f in found]).any():  # one host sync
         problem = f"every output ({_preview(list(reference))}) is all NaN/Inf"
     else:
         return
