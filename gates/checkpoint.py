@@ -246,8 +246,8 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
         _steps(params, optimizer, buffers, 0, 2 * k)  # no stop
         outputs[f"{kind}/params"] = flat_params(params)
     if preset.params["kills"]:  # the bench presets leave the kills to tiny
-        outputs["crash/whole"] = torch.ones(preset.params["kills"], dtype=torch.int8)
-    outputs["corruption/refused"] = torch.ones(5, dtype=torch.int8)
+        outputs["crash/whole"] = torch.ones(preset.params["kills"], dtype=torch.int8, device=device)
+    outputs["corruption/refused"] = torch.ones(5, dtype=torch.int8, device=device)
     return outputs
 
 

@@ -321,6 +321,8 @@ def _arm_with(wrap: Factory = SkipStepOptimizer, monitor=StabilityMonitor) -> Ca
 
 
 class _NanEntersWindow(SkipStepOptimizer):
+    fused_decision = False
+
     def _remember(self, decision):
         super()._remember(decision._replace(skip=decision.skip & decision.finite))  # a NaN step "taken" here
 
@@ -359,6 +361,8 @@ class _WindowNotRestored(SkipStepOptimizer):
 
 
 class _BiasedStd(SkipStepOptimizer):
+    fused_decision = False
+
     def decision(self):
         return decide(self.values, self.count, self._latest, self.sigma_factor, self.min_history, correction=0)
 

@@ -150,6 +150,47 @@ def test_decide_matches_the_host_on_random_windows():
         assert bool(got.skip) == host_skips(history, tuple(latest), sigma=2.0, min_history=5, window=length), trial
 
 
+@pytest.mark.parametrize("length, block", [(16, 16), (40, 16)])
+def test_the_fused_decision_kernel_writes_what_decide_and_remember_write(length, block, monkeypatch):
+    """The one-launch decision against the torch path on random windows (interpreted on the CPU):
+    partly and over-filled rings, a zero std, NaN and Inf values, a window longer than a block."""
+    import suite.arms.skip_step as skip_step
+
+    if not skip_step.interpreting(skip_step._decide_and_remember_kernel):
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+    monkeypatch.setattr(skip_step, "next_pow2", lambda n: block)  # several blocks per row
+    gen = torch.Generator().manual_seed(5)
+    specials = [math.nan, math.inf, -math.inf]
+    for trial in range(40):
+        fused, plain = (SkipStepOptimizer(_muon(_tiny_params()), rolling_interval_length=length, min_history=5,
+                                          sigma_factor=2.0) for _ in range(2))
+        plain.fused_decision = False
+        count = int(torch.randint(0, 3 * length, (1,), generator=gen))
+        ring = torch.randn(2, length, generator=gen, dtype=torch.float64)
+        if trial % 5 == 0:
+            ring.fill_(1.5)  # constant: zero std
+        latest = (torch.randn(2, generator=gen, dtype=torch.float64) * 3).tolist()
+        if trial % 4 == 1:
+            latest[trial % 2] = specials[trial % 3]
+        if trial % 5 == 0 and trial % 10 == 0:
+            latest[0] = 1.5
+        for opt in (fused, plain):
+            opt.values.copy_(ring)
+            opt.count.fill_(count)
+            opt.skipped.fill_(trial)
+            opt.consecutive.fill_(trial % 3)
+            opt.latest_loss, opt.latest_grad_norm = latest
+        fused._decide_and_remember_fused()
+        decision = plain.decision()
+        plain._factor.copy_(decision.factor)
+        plain.last_z.copy_(decision.z)
+        plain._found_inf.copy_(decision.skip.to(torch.float32))
+        plain._remember(decision)
+        for key in ("values", "count", "skipped", "nonfinite", "consecutive", "_factor", "_found_inf"):
+            assert torch.equal(getattr(fused, key), getattr(plain, key)), (trial, key)
+        torch.testing.assert_close(fused.last_z, plain.last_z, rtol=1e-12, atol=0, equal_nan=True)
+
+
 def test_what_cannot_skip_on_the_device_is_refused_naming_the_fix():
     params = _tiny_params()
     with pytest.raises(ValueError, match=r"fused=True"):

@@ -44,7 +44,7 @@ tensor, so no step reads a device value on the host.
 Skipping a step. As torch's fused optimizers do for GradScaler, a step reads `found_inf` (an
 attribute: a 0-d float tensor on the params' device, or None): where it is nonzero the step leaves
 every parameter and every state tensor (momentum, exp_avg, exp_avg_sq, the step count) with its
-bits, decided on the device, so the step needs no host sync and can be captured
+bits (a NaN stays NaN, its payload aside), decided on the device, so the step needs no host sync and can be captured
 (suite.arms.skip_step sets it).
 
 Bitwise contract. capturable=False runs the same tensor ops on the same dtypes; only its 0-d
@@ -134,6 +134,9 @@ class StepScalars(NamedTuple):
     one_minus_beta2: torch.Tensor
     # 0-d bool: this step changes nothing (the optimizer's found_inf is nonzero); None: never
     skip: torch.Tensor | None = None
+    # with a skip: decay and momentum, or 1.0 where the step is skipped (x * 1 keeps x's bits)
+    kept_decay: torch.Tensor | None = None
+    kept_momentum: torch.Tensor | None = None
 
 
 def _keep_unless(skip: torch.Tensor, kept: torch.Tensor, new: torch.Tensor) -> None:
@@ -323,11 +326,15 @@ class Muon(torch.optim.Optimizer):
             tensors = {name: torch.full((), value, dtype=torch.float32, device=device)
                        for key in self.live_hyperparameters for name, value in _device_values(group, key).items()}
         lr = tensors["lr"]
+        decay = 1 - lr * tensors["weight_decay"]
         found_inf = getattr(self, "found_inf", None)
-        return StepScalars(lr=lr, decay=1 - lr * tensors["weight_decay"], momentum=tensors["momentum"],
+        skip = None if found_inf is None else found_inf != 0
+        return StepScalars(lr=lr, decay=decay, momentum=tensors["momentum"],
                            beta1=tensors["beta1"], beta2=tensors["beta2"],
                            one_minus_beta1=tensors["one_minus_beta1"], one_minus_beta2=tensors["one_minus_beta2"],
-                           skip=None if found_inf is None else found_inf != 0)
+                           skip=skip,
+                           kept_decay=None if skip is None else torch.where(skip, 1.0, decay),
+                           kept_momentum=None if skip is None else torch.where(skip, 1.0, tensors["momentum"]))
 
     # ----------------------------------------------------------------------------------------
     # Step
@@ -371,8 +378,9 @@ class Muon(torch.optim.Optimizer):
                 if scalars.skip is None:
                     p.mul_(scalars.decay)
                     p.sub_(direction * scalars.lr)
-                else:  # the same ops out of place, kept only where the step is not skipped
-                    _keep_unless(scalars.skip, p, (p * scalars.decay).sub_(direction * scalars.lr))
+                else:  # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
+                    p.mul_(scalars.kept_decay)
+                    p.sub_(torch.where(scalars.skip, 0.0, direction * scalars.lr))
 
     def muon_momentum(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
                       scalars: StepScalars) -> torch.Tensor:
@@ -382,8 +390,8 @@ class Muon(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         if scalars.skip is None:
             buf.mul_(scalars.momentum).add_(grad)
-        else:
-            _keep_unless(scalars.skip, buf, (buf * scalars.momentum).add_(grad))
+        else:  # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
+            buf.mul_(scalars.kept_momentum).add_(torch.where(scalars.skip, -0.0, grad))
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:

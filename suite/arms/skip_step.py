@@ -45,9 +45,12 @@ from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 from suite.arms.graph import CapturedOptimizer, OptimizerWrapper
 from suite.arms.muon import Muon
+from suite.arms.triton_support import interpreting, launch_kept, next_pow2
 
 LOSS, GRAD_NORM = 0, 1  # rows of the window
 _WINDOW_KEYS = ("values", "count", "skipped", "nonfinite", "consecutive")
@@ -92,6 +95,62 @@ def decide(values: torch.Tensor, count: torch.Tensor, latest: torch.Tensor, sigm
     spike = (z.abs() > sigma_factor).any() & (n >= min_history)
     skip = spike | ~finite
     return Decision(factor=(~skip).to(torch.float32), skip=skip, finite=finite, z=z, mean=mean, std=std)
+
+
+@triton.jit
+def _decide_and_remember_kernel(values_ptr, count_ptr, latest_ptr, factor_ptr, found_inf_ptr, z_ptr, skipped_ptr,
+                                nonfinite_ptr, consecutive_ptr, length, sigma_factor, min_history,
+                                CORRECTION: tl.constexpr, BLOCK: tl.constexpr):
+    """`decide` and `SkipStepOptimizer._remember` in one program: the window's two rows reduced
+    in float64, the decision written where the step reads it, the ring and counters updated."""
+    INF: tl.constexpr = float("inf")
+    count = tl.load(count_ptr)
+    n = tl.minimum(count, length)
+    n64 = n.to(tl.float64)
+    offsets = tl.arange(0, BLOCK)
+    loss_sum = tl.zeros((BLOCK,), tl.float64)
+    grad_sum = tl.zeros((BLOCK,), tl.float64)
+    for start in range(0, length, BLOCK):
+        valid = start + offsets < n
+        loss_sum += tl.load(values_ptr + start + offsets, mask=valid, other=0.0)
+        grad_sum += tl.load(values_ptr + length + start + offsets, mask=valid, other=0.0)
+    loss_mean = tl.sum(loss_sum, 0) / tl.maximum(n64, 1.0)
+    grad_mean = tl.sum(grad_sum, 0) / tl.maximum(n64, 1.0)
+    loss_sq = tl.zeros((BLOCK,), tl.float64)
+    grad_sq = tl.zeros((BLOCK,), tl.float64)
+    for start in range(0, length, BLOCK):
+        valid = start + offsets < n
+        loss_dev = tl.where(valid, tl.load(values_ptr + start + offsets, mask=valid, other=0.0) - loss_mean, 0.0)
+        grad_dev = tl.where(valid, tl.load(values_ptr + length + start + offsets, mask=valid, other=0.0) - grad_mean,
+                            0.0)
+        loss_sq += loss_dev * loss_dev
+        grad_sq += grad_dev * grad_dev
+    loss_std = tl.sqrt(tl.sum(loss_sq, 0) / tl.maximum(n64 - CORRECTION, 1.0))
+    grad_std = tl.sqrt(tl.sum(grad_sq, 0) / tl.maximum(n64 - CORRECTION, 1.0))
+    loss = tl.load(latest_ptr)
+    grad = tl.load(latest_ptr + 1)
+    loss_diff = loss - loss_mean
+    grad_diff = grad - grad_mean
+    # a zero std: z is 0 for a value at the mean, signed infinity off it (NaN stays NaN)
+    loss_z = tl.where(loss_std > 0, loss_diff / tl.where(loss_std > 0, loss_std, 1.0),
+                      tl.where(loss_diff > 0, INF, tl.where(loss_diff < 0, -INF, loss_diff)))
+    grad_z = tl.where(grad_std > 0, grad_diff / tl.where(grad_std > 0, grad_std, 1.0),
+                      tl.where(grad_diff > 0, INF, tl.where(grad_diff < 0, -INF, grad_diff)))
+    finite = (tl.abs(loss) < INF) & (tl.abs(grad) < INF)
+    spike = ((tl.abs(loss_z) > sigma_factor) | (tl.abs(grad_z) > sigma_factor)) & (n >= min_history)
+    skip = tl.where(spike | (finite == 0), 1, 0)
+    tl.store(factor_ptr, (1 - skip).to(tl.float32))
+    tl.store(found_inf_ptr, skip.to(tl.float32))
+    tl.store(z_ptr, loss_z)
+    tl.store(z_ptr + 1, grad_z)
+    slot = count % length
+    taken = skip == 0
+    tl.store(values_ptr + slot, loss, mask=taken)
+    tl.store(values_ptr + length + slot, grad, mask=taken)
+    tl.store(count_ptr, count + (1 - skip))
+    tl.store(skipped_ptr, tl.load(skipped_ptr) + skip)
+    tl.store(nonfinite_ptr, tl.load(nonfinite_ptr) + tl.where(finite, 0, 1))
+    tl.store(consecutive_ptr, tl.where(taken, 0, tl.load(consecutive_ptr) + 1))
 
 
 def _set(target: torch.Tensor, value: torch.Tensor | float) -> None:
@@ -140,6 +199,10 @@ class SkipStepOptimizer(OptimizerWrapper):
     to it (a scheduler still advances on a skipped step, as a loop calls it). Its state_dict holds
     the inner optimizer's and the window, so a resumed run decides as if it had not stopped.
     """
+
+    # the step's decision as one Triton launch wherever Triton runs (CUDA, or its interpreter);
+    # decide() and _remember() otherwise (the gate's saboteurs change those)
+    fused_decision = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, rolling_interval_length: int = 128,
                  sigma_factor: float = 6.0, min_history: int = 20, finite_guard: bool = False) -> None:
@@ -213,15 +276,19 @@ class SkipStepOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        decision = self.decision()
-        self._factor.copy_(decision.factor)
-        self.last_z.copy_(decision.z)
-        self._found_inf.copy_(decision.skip.to(torch.float32))
+        # the window is updated before the inner step: only the next decision reads it
+        if self.fused_decision and (self.values.is_cuda or interpreting(_decide_and_remember_kernel)):
+            self._decide_and_remember_fused()
+        else:
+            decision = self.decision()
+            self._factor.copy_(decision.factor)
+            self.last_z.copy_(decision.z)
+            self._found_inf.copy_(decision.skip.to(torch.float32))
+            self._remember(decision)
         if self._how == "restore":
-            self._step_restoring(decision.skip)
+            self._step_restoring(self._found_inf != 0)
         else:
             self.optimizer.step()
-        self._remember(decision)
         if self.finite_guard:
             momenta = _momenta(_innermost(self.optimizer))
             if momenta:
@@ -244,6 +311,13 @@ class SkipStepOptimizer(OptimizerWrapper):
                 if isinstance(t, torch.Tensor):
                     previous = before.get(id(p), {}).get(key, torch.zeros_like(t))
                     t.copy_(torch.where(skip, previous, t))
+
+    def _decide_and_remember_fused(self) -> None:
+        """decide() and _remember() as one launch (the pair is some thirty small kernels apart)."""
+        length = self.rolling_interval_length
+        launch_kept(_decide_and_remember_kernel, (1,), self.values, self.count, self._latest, self._factor,
+                    self._found_inf, self.last_z, self.skipped, self.nonfinite, self.consecutive, length,
+                    self.sigma_factor, self.min_history, CORRECTION=1, BLOCK=min(next_pow2(length), 1024))
 
     def _remember(self, decision: Decision) -> None:
         """The latest values into the ring where the step was taken (never a skipped or

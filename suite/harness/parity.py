@@ -376,6 +376,7 @@ def _trimmed(checks: list[TensorCheck]) -> tuple[list[TensorCheck], dict[str, in
 
 def _check(gate: Gate, name: str, output: torch.Tensor, expected: Expected) -> TensorCheck:
     mode = gate.parity_for(name)
+    output = output.to(expected.reference[name].device)  # an arm may leave a host-side output on the CPU
     if isinstance(mode, Tolerance):
         return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor,
                                mode.row_floor)
