@@ -104,6 +104,20 @@ def _points(write: Callable[[Callable[[str], None]], None]) -> list[str]:
     return seen
 
 
+def kill_points(points: list[str], kills: int) -> list[int]:
+    """`kills` indices into `points`: every step between writes (a file opened, synced, the
+    directory staged, fsynced, renamed) first, the rest spread evenly over the points inside
+    files, so a short window such as the one between a rename and the stamp is never stepped over."""
+    inside = [i for i, point in enumerate(points) if point.endswith(" bytes")]
+    between = [i for i in range(len(points)) if i not in set(inside)]
+    if kills >= len(points):
+        return list(range(len(points)))
+    chosen = between[:kills]
+    rest = kills - len(chosen)
+    chosen += [inside[j * len(inside) // rest] for j in range(rest)] if rest > 0 else []
+    return sorted(chosen)
+
+
 def _killed_at(index: int, write: Callable[[Callable[[str], None]], None]) -> int:
     """Fork a writer that SIGKILLs itself at its index-th point; its wait status."""
     pid = os.fork()
@@ -141,7 +155,7 @@ def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes
     beside the old and an overwrite of the old, each at points spread over its whole write."""
     results = []
     chunk = ck.CHUNK_BYTES
-    ck.CHUNK_BYTES = chunk_bytes  # many points inside the JSON files (safetensors writes its file in one call)
+    ck.CHUNK_BYTES = chunk_bytes  # many points inside each file
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -157,11 +171,11 @@ def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes
                     save(root / "step-1", _state(1.0, 20000), 1)
 
                 reset()
-                points = len(_points(write))
+                points = _points(write)
                 reset()
                 share = kills // 2 if mode == "beside" else kills - kills // 2
-                for i in range(share):
-                    _killed_at(i * points // share, write)
+                for index in kill_points(points, share):
+                    _killed_at(index, write)
                     results.append(_survived(root, load, latest))
                     reset()
     finally:

@@ -10,6 +10,7 @@ import torch
 
 import gates.checkpoint as gc
 from gatecheck import arm_result, sabotaged_result
+from suite.errors import UsageError
 from suite.harness import parity
 
 GATE = gc.GATE
@@ -47,3 +48,31 @@ def test_the_kills_cover_every_stage_of_a_save(tmp_path, monkeypatch):
     overwrite = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "c", gc._state(2.0, 20000), 2,
                                                             overwrite=True, at=at))
     assert "exchanged" in overwrite or "moved aside" in overwrite
+
+
+def test_kill_points_take_every_step_between_writes_then_spread_inside_files():
+    points = ["staging created", "a: opened", *[f"a: {i} bytes" for i in range(100)], "a: synced", "renamed",
+              "meta.json: opened", "meta.json: 5 bytes", "meta.json: synced", "parent synced"]
+    chosen = gc.kill_points(points, 20)
+    between = [i for i, p in enumerate(points) if not p.endswith(" bytes")]
+    assert len(chosen) == 20 and set(between) <= set(chosen) and len(set(chosen)) == 20
+    assert gc.kill_points(points, 500) == list(range(len(points)))
+
+
+def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_its_bytes(tmp_path):
+    from safetensors.torch import load_file
+
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "bool": torch.tensor([True, False]),
+               "i64": torch.arange(4), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "u8": torch.arange(9, dtype=torch.uint8), "f8": torch.randn(6).to(torch.float8_e4m3fn)}
+    entry = gc.ck._write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
+    loaded = load_file(tmp_path / "t.safetensors")
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape
+        assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8)) if t.dim() else \
+            torch.equal(loaded[name], t)
+    assert entry == {"bytes": (tmp_path / "t.safetensors").stat().st_size,
+                     "sha256": gc.ck._sha256(tmp_path / "t.safetensors")}
+    with pytest.raises(UsageError, match="complex64"):
+        gc.ck._write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)

@@ -32,7 +32,6 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save_file
 
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
@@ -131,17 +130,55 @@ def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]
     return {"bytes": len(data), "sha256": digest.hexdigest()}
 
 
+# torch dtype -> safetensors' name for it (the format's spec); a checkpoint refuses any other
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+
+
+def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+    """The safetensors file as (header, each tensor's bytes in memory, in file order): an
+    8-byte little-endian header length, the JSON header padded with spaces to 8 bytes, then the
+    tensors back to back. Written by us so the bytes can be hashed as they are written (save_file
+    writes the file in one call and a hash must read it back); read back by safetensors' own parser."""
+    entries: dict[str, Any] = {}
+    views = []
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise UsageError(f"save_checkpoint: tensor {name} is {t.dtype}, which safetensors does not store; "
+                             f"convert it to one of {sorted(map(str, SAFETENSORS_DTYPES))}")
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                         "data_offsets": [offset, offset + len(raw)]}
+        views.append(memoryview(raw))
+        offset += len(raw)
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body, views
+
+
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
-    """safetensors writes the file straight from the tensors' memory (no copy of the whole state
-    in Python); it is then hashed from the page cache while the fsync runs (both leave the GIL)."""
-    save_file(tensors, path)
-    at(f"{path.name}: written")
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        synced = pool.submit(atomic.fsync_path, path)
-        digest = _sha256(path)
-        synced.result()
-    at(f"{path.name}: synced")
-    return {"bytes": path.stat().st_size, "sha256": digest}
+    """The tensors written straight from their memory in chunks, each hashed on a second thread
+    while the next is written (both leave the GIL), then fsynced."""
+    header, views = _safetensors_layout(tensors)
+    digest = hashlib.sha256()
+    written = 0
+    with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=1) as hasher:  # one worker: updates in order
+        at(f"{path.name}: opened")
+        for view in [memoryview(header), *views]:
+            for start in range(0, len(view), CHUNK_BYTES):
+                chunk = view[start:start + CHUNK_BYTES]
+                fh.write(chunk)
+                hasher.submit(digest.update, chunk)
+                written += len(chunk)
+                at(f"{path.name}: {written} bytes")
+        fh.flush()
+        hasher.shutdown(wait=True)
+        os.fsync(fh.fileno())
+        at(f"{path.name}: synced")
+    return {"bytes": written, "sha256": digest.hexdigest()}
 
 
 def _versions() -> dict[str, str]:
