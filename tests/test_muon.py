@@ -359,3 +359,29 @@ def test_onecycle_cycles_betas_and_stays_bitwise():
         assert len({b for step in beta1s for b in step}) > len(grads) // 2  # changed (nearly) every step
         runs.append(opt)
     assert_states_bitwise(*runs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("skipped", [False, True])
+def test_the_kept_update_rounds_as_the_eager_ops_and_a_skip_keeps_every_bit(dtype, skipped):
+    """x * a + sign * (y * b) in one kernel against x.mul_(a).add_(y * b, alpha=sign), including
+    -0.0 and NaN entries (interpreted on the CPU; tests/test_skip_step.py runs it on the GPU)."""
+    from suite.arms import muon
+
+    if not muon.interpreting(muon._kept_update_kernel):
+        pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5000, generator=gen).to(dtype)
+    y = torch.randn(5000, generator=gen).to(dtype)
+    x[:3] = torch.tensor([-0.0, float("nan"), 0.0])
+    y[3] = float("nan")
+    a, b = torch.tensor(0.9951), torch.tensor(0.0173)
+    skip = torch.tensor(skipped)
+    for sign, scale in ((-1, b), (1, None)):
+        eager = x.clone()
+        eager.mul_(a).add_(y * (scale if scale is not None else 1), alpha=sign)
+        fused = x.clone()
+        assert muon._kept_update(skip, fused, a, y, scale, sign)
+        expected = x if skipped else eager
+        assert torch.equal(fused.view(torch.int16 if dtype is torch.bfloat16 else torch.int32),
+                           expected.view(torch.int16 if dtype is torch.bfloat16 else torch.int32))

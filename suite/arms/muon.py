@@ -44,8 +44,10 @@ tensor, so no step reads a device value on the host.
 Skipping a step. As torch's fused optimizers do for GradScaler, a step reads `found_inf` (an
 attribute: a 0-d float tensor on the params' device, or None): where it is nonzero the step leaves
 every parameter and every state tensor (momentum, exp_avg, exp_avg_sq, the step count) with its
-bits (a NaN stays NaN, its payload aside), decided on the device, so the step needs no host sync and can be captured
-(suite.arms.skip_step sets it).
+bits, decided on the device, so the step needs no host sync and can be captured (suite.arms.skip_step
+sets it). Where Triton runs, the momentum and parameter updates are then one kernel each that
+rounds as the eager ops do and selects the old value on a skip; elsewhere the eager ops multiply
+by 1 and add a signed zero on a skip (a NaN stays NaN there, its payload aside).
 
 Bitwise contract. capturable=False runs the same tensor ops on the same dtypes; only its 0-d
 tensors are made afresh from the python numbers every step (torch.full, the same fill). Eager
@@ -59,6 +61,10 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
+
+from suite.arms.triton_support import interpreting, launch_kept
 
 # Keller Jordan's quintic: maximal slope at zero, singular values left within about [0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -137,6 +143,41 @@ class StepScalars(NamedTuple):
     # with a skip: decay and momentum, or 1.0 where the step is skipped (x * 1 keeps x's bits)
     kept_decay: torch.Tensor | None = None
     kept_momentum: torch.Tensor | None = None
+
+
+@triton.jit
+def _kept_update_kernel(x_ptr, y_ptr, a_ptr, b_ptr, skip_ptr, n, SIGN: tl.constexpr, BLOCK: tl.constexpr):
+    """x <- x * a + SIGN * (y * b), each product and the sum rounded to its tensor's dtype as the
+    eager ops round them (launched without FMA contraction), unless skip: then x keeps its bits."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    x = tl.load(x_ptr + offsets, mask=mask)
+    y = tl.load(y_ptr + offsets, mask=mask)
+    xa = (x.to(tl.float32) * tl.load(a_ptr)).to(x.dtype).to(tl.float32)
+    yb = (y.to(tl.float32) * tl.load(b_ptr)).to(y.dtype).to(tl.float32)
+    new = (xa + SIGN * yb).to(x.dtype)
+    tl.store(x_ptr + offsets, tl.where(tl.load(skip_ptr) != 0, x, new), mask=mask)
+
+
+_KEPT_BLOCK = 4096
+_ONE: dict[torch.device, torch.Tensor] = {}
+
+
+def _kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor | None,
+                 sign: int) -> bool:
+    """x.mul_(a).add_(y * b, alpha=sign) in one pass that a skip leaves undone (where Triton runs
+    and both are contiguous); False where the caller must run the ops itself."""
+    if not ((x.is_cuda or interpreting(_kept_update_kernel)) and x.is_contiguous() and y.is_contiguous()
+            and x.shape == y.shape):
+        return False
+    if b is None:
+        b = _ONE.get(x.device)
+        if b is None:
+            b = _ONE[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    n = x.numel()
+    launch_kept(_kept_update_kernel, (triton.cdiv(n, _KEPT_BLOCK),), x, y, a, b, skip, n, SIGN=sign,
+                BLOCK=_KEPT_BLOCK, enable_fp_fusion=False)
+    return True
 
 
 def _keep_unless(skip: torch.Tensor, kept: torch.Tensor, new: torch.Tensor) -> None:
@@ -378,7 +419,8 @@ class Muon(torch.optim.Optimizer):
                 if scalars.skip is None:
                     p.mul_(scalars.decay)
                     p.sub_(direction * scalars.lr)
-                else:  # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
+                elif not _kept_update(scalars.skip, p, scalars.decay, direction, scalars.lr, -1):
+                    # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
                     p.mul_(scalars.kept_decay)
                     p.sub_(torch.where(scalars.skip, 0.0, direction * scalars.lr))
 
@@ -390,7 +432,8 @@ class Muon(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         if scalars.skip is None:
             buf.mul_(scalars.momentum).add_(grad)
-        else:  # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
+        elif not _kept_update(scalars.skip, buf, scalars.momentum, grad, None, 1):
+            # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
             buf.mul_(scalars.kept_momentum).add_(torch.where(scalars.skip, -0.0, grad))
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
