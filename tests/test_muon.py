@@ -367,8 +367,9 @@ def test_the_kept_update_rounds_as_the_eager_ops_and_a_skip_keeps_every_bit(dtyp
     """x * a + sign * (y * b) in one kernel against x.mul_(a).add_(y * b, alpha=sign), including
     -0.0 and NaN entries (interpreted on the CPU; tests/test_skip_step.py runs it on the GPU)."""
     from suite.arms import muon
+    from suite.arms.triton_support import interpreting
 
-    if not muon.interpreting(muon._kept_update_kernel):
+    if not interpreting(muon._kept_update_kernel):
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(5000, generator=gen).to(dtype)
@@ -381,7 +382,7 @@ def test_the_kept_update_rounds_as_the_eager_ops_and_a_skip_keeps_every_bit(dtyp
         eager = x.clone()
         eager.mul_(a).add_(y * (scale if scale is not None else 1), alpha=sign)
         fused = x.clone()
-        assert muon._kept_update(skip, fused, a, y, scale, sign)
+        muon.launch_kept_update(skip, fused, a, y, scale, sign)
         expected = x if skipped else eager
         assert torch.equal(fused.view(torch.int16 if dtype is torch.bfloat16 else torch.int32),
                            expected.view(torch.int16 if dtype is torch.bfloat16 else torch.int32))

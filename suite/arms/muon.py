@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import interpreting, launch_kept
+from suite.arms.triton_support import launch_kept
 
 # Keller Jordan's quintic: maximal slope at zero, singular values left within about [0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -165,11 +165,17 @@ _ONE: dict[torch.device, torch.Tensor] = {}
 
 def _kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor | None,
                  sign: int) -> bool:
-    """x.mul_(a).add_(y * b, alpha=sign) in one pass that a skip leaves undone (where Triton runs
-    and both are contiguous); False where the caller must run the ops itself."""
-    if not ((x.is_cuda or interpreting(_kept_update_kernel)) and x.is_contiguous() and y.is_contiguous()
-            and x.shape == y.shape):
+    """x.mul_(a).add_(y * b, alpha=sign) in one pass that a skip leaves undone, on a GPU for
+    contiguous x and y; False where the caller must run the ops itself (the CPU: Triton's
+    interpreter would run it, at some milliseconds a launch)."""
+    if not (x.is_cuda and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape):
         return False
+    launch_kept_update(skip, x, a, y, b, sign)
+    return True
+
+
+def launch_kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
+                       b: torch.Tensor | None, sign: int) -> None:
     if b is None:
         b = _ONE.get(x.device)
         if b is None:
@@ -177,7 +183,6 @@ def _kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.
     n = x.numel()
     launch_kept(_kept_update_kernel, (triton.cdiv(n, _KEPT_BLOCK),), x, y, a, b, skip, n, SIGN=sign,
                 BLOCK=_KEPT_BLOCK, enable_fp_fusion=False)
-    return True
 
 
 def _keep_unless(skip: torch.Tensor, kept: torch.Tensor, new: torch.Tensor) -> None:

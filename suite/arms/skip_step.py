@@ -19,8 +19,9 @@ flaws of its version fixed:
 - z uses the unbiased standard deviation (Bessel's correction), as `torch.std_mean` does.
 - Fewer than `min_history` values in the window: only a non-finite value is skipped.
 
-The decision (`decide`) is one function, run by the step; `StabilityMonitor` reads the same ring
-and what the step recorded of its decision, so the monitor cannot drift from what the step did.
+The step decides (`decide`, and on a GPU the same decision and ring update as one Triton launch,
+tested against it); `StabilityMonitor` reads the same ring and what the step recorded of its
+decision, so the monitor cannot drift from what the step did.
 
 How a skipped step leaves params and state with their bits, per inner optimizer:
 
@@ -50,7 +51,7 @@ import triton.language as tl
 
 from suite.arms.graph import CapturedOptimizer, OptimizerWrapper
 from suite.arms.muon import Muon
-from suite.arms.triton_support import interpreting, launch_kept, next_pow2
+from suite.arms.triton_support import launch_kept, next_pow2
 
 LOSS, GRAD_NORM = 0, 1  # rows of the window
 _WINDOW_KEYS = ("values", "count", "skipped", "nonfinite", "consecutive")
@@ -200,8 +201,8 @@ class SkipStepOptimizer(OptimizerWrapper):
     the inner optimizer's and the window, so a resumed run decides as if it had not stopped.
     """
 
-    # the step's decision as one Triton launch wherever Triton runs (CUDA, or its interpreter);
-    # decide() and _remember() otherwise (the gate's saboteurs change those)
+    # the step's decision as one Triton launch on a GPU; decide() and _remember() on the CPU (where
+    # Triton's interpreter would cost milliseconds a step) and in the gate's saboteurs
     fused_decision = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, rolling_interval_length: int = 128,
@@ -277,7 +278,7 @@ class SkipStepOptimizer(OptimizerWrapper):
             with torch.enable_grad():
                 loss = closure()
         # the window is updated before the inner step: only the next decision reads it
-        if self.fused_decision and (self.values.is_cuda or interpreting(_decide_and_remember_kernel)):
+        if self.fused_decision and self.values.is_cuda:
             self._decide_and_remember_fused()
         else:
             decision = self.decision()
