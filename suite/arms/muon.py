@@ -45,7 +45,7 @@ Skipping a step. As torch's fused optimizers do for GradScaler, a step reads `fo
 attribute: a 0-d float tensor on the params' device, or None): where it is nonzero the step leaves
 every parameter and every state tensor (momentum, exp_avg, exp_avg_sq, the step count) with its
 bits, decided on the device, so the step needs no host sync and can be captured (suite.arms.skip_step
-sets it). Where Triton runs, the momentum and parameter updates are then one kernel each that
+sets it). On a GPU the momentum and parameter updates are then one Triton kernel each that
 rounds as the eager ops do and selects the old value on a skip; elsewhere the eager ops multiply
 by 1 and add a signed zero on a skip (a NaN stays NaN there, its payload aside).
 
