@@ -140,9 +140,6 @@ class StepScalars(NamedTuple):
     one_minus_beta2: torch.Tensor
     # 0-d bool: this step changes nothing (the optimizer's found_inf is nonzero); None: never
     skip: torch.Tensor | None = None
-    # with a skip: decay and momentum, or 1.0 where the step is skipped (x * 1 keeps x's bits)
-    kept_decay: torch.Tensor | None = None
-    kept_momentum: torch.Tensor | None = None
 
 
 @triton.jit
@@ -176,6 +173,7 @@ def _kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.
 
 def launch_kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
                        b: torch.Tensor | None, sign: int) -> None:
+    """The launch itself, wherever Triton runs (the tests run it under the interpreter)."""
     if b is None:
         b = _ONE.get(x.device)
         if b is None:
@@ -372,15 +370,11 @@ class Muon(torch.optim.Optimizer):
             tensors = {name: torch.full((), value, dtype=torch.float32, device=device)
                        for key in self.live_hyperparameters for name, value in _device_values(group, key).items()}
         lr = tensors["lr"]
-        decay = 1 - lr * tensors["weight_decay"]
         found_inf = getattr(self, "found_inf", None)
-        skip = None if found_inf is None else found_inf != 0
-        return StepScalars(lr=lr, decay=decay, momentum=tensors["momentum"],
+        return StepScalars(lr=lr, decay=1 - lr * tensors["weight_decay"], momentum=tensors["momentum"],
                            beta1=tensors["beta1"], beta2=tensors["beta2"],
                            one_minus_beta1=tensors["one_minus_beta1"], one_minus_beta2=tensors["one_minus_beta2"],
-                           skip=skip,
-                           kept_decay=None if skip is None else torch.where(skip, 1.0, decay),
-                           kept_momentum=None if skip is None else torch.where(skip, 1.0, tensors["momentum"]))
+                           skip=None if found_inf is None else found_inf != 0)
 
     # ----------------------------------------------------------------------------------------
     # Step
@@ -426,7 +420,7 @@ class Muon(torch.optim.Optimizer):
                     p.sub_(direction * scalars.lr)
                 elif not _kept_update(scalars.skip, p, scalars.decay, direction, scalars.lr, -1):
                     # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
-                    p.mul_(scalars.kept_decay)
+                    p.mul_(torch.where(scalars.skip, 1.0, scalars.decay))
                     p.sub_(torch.where(scalars.skip, 0.0, direction * scalars.lr))
 
     def muon_momentum(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict,
@@ -439,7 +433,7 @@ class Muon(torch.optim.Optimizer):
             buf.mul_(scalars.momentum).add_(grad)
         elif not _kept_update(scalars.skip, buf, scalars.momentum, grad, None, 1):
             # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
-            buf.mul_(scalars.kept_momentum).add_(torch.where(scalars.skip, -0.0, grad))
+            buf.mul_(torch.where(scalars.skip, 1.0, scalars.momentum)).add_(torch.where(scalars.skip, -0.0, grad))
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
