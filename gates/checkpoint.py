@@ -4,9 +4,9 @@
   steps, against 2K steps without a stop: AdamW fused and Muon (eager), and on CUDA Muon inside a
   CapturedOptimizer, whose live hyperparameters travel in its state_dict.
 - Crash injection: a forked writer SIGKILLs itself at a point of the save chosen by the writer's
-  own hooks (inside the JSON files' chunks, after the tensors file is written, after each fsync,
-  around the publishing rename or exchange), spread evenly over every point of a save into a new directory beside an old
-  checkpoint and of an overwrite of the old one. After each kill, `latest_checkpoint` must return
+  own hooks (every step between writes: a file opened or synced, the staging, the publishing
+  rename or exchange; the rest spread evenly over the chunks inside every file), in a save into a
+  new directory beside an old checkpoint and in an overwrite of the old one. After each kill, `latest_checkpoint` must return
   the old checkpoint or the new one, and `load_checkpoint` must verify it; the other is never half
   there. Also: a truncated file, a flipped byte, a missing meta.json, an edited stamp and a newer
   format version must each be refused by `load_checkpoint`, and passed over by `latest_checkpoint`.

@@ -3,8 +3,8 @@ float64 loop on the host that reads every value with `.item()`, decides, and ste
 optimizer only on the steps it keeps.
 
 Per optimizer (Muon + AdamW; torch AdamW fused; on CUDA torch AdamW foreach, capturable), per
-mode (eager; on CUDA also inside a CapturedOptimizer) and per scenario of `steps` steps, bit for
-bit: the steps skipped, the final parameters, the monitor's verdict after every step, and the
+mode (eager; on CUDA at the small and medium presets also inside a CapturedOptimizer) and per
+scenario of `steps` steps, bit for bit: the steps skipped, the final parameters, the monitor's verdict after every step, and the
 host reads inside `step()` (none: counted by patching the reads on the CPU, and by CUDA's sync
 debug mode on a GPU).
 
