@@ -254,6 +254,18 @@ def test_a_gate_written_against_the_contract_alone_gates_and_benches(reports, to
     assert parity["deterministic"] and parity["recheck_after_timing"] and parity["second_run_after_timing"]
 
 
+def test_a_case_can_cap_its_rounds_and_timings_below_the_runs_policy(reports, toy_gates, monkeypatch):
+    # a checkpoint save of seconds: one timing a round and a few rounds, whatever the policy says
+    (case,) = toygate.BENCH_GATE.benches
+    capped = dataclasses.replace(toygate.BENCH_GATE, benches=(dataclasses.replace(case, calls_per_round=1, max_rounds=4),))
+    monkeypatch.setattr(gates, "get", lambda name: capped)
+    result = invoke("bench", "toy-bench", "--device", "cpu", "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    (gate_result,) = json.loads((report_dirs(reports)[0] / "report.json").read_text())["results"]
+    (bench,) = gate_result["bench"]
+    assert bench["rounds"] == 4 and bench["calls_per_round"] == 1
+
+
 def test_a_bench_that_cannot_time_here_still_gets_its_determinism_run(reports):
     result = invoke("bench", "rmsnorm", "--device", "cpu", "--reports", reports)
     assert result.exit_code == ExitCode.OK, result.output

@@ -100,6 +100,9 @@ class BenchCase:
     window: int = 5  # calls per timed window in eager and wall modes
     gpu_busy: bool = False  # also report the GPU's busy time per call (host-bound steps)
     calls_per_round: int | None = None  # timings a round, overriding the run's policy (long steps)
+    # the most rounds, overriding the run's policy: calls of seconds (a 5 GB save) cannot afford
+    # the extension to 40; a comparison still ambiguous at the cap is reported so, never a pass
+    max_rounds: int | None = None
     cold_calls: int = 1  # calls the cold figure covers (a captured step captures on call 4)
     # each contender's build timed, with the device memory it holds at its peak: a build that runs
     # the first calls itself (compile, capture) reports them apart from the timed calls

@@ -455,6 +455,9 @@ class Runner:
         if case.calls_per_round:  # the case's count, whatever the round budget would allow
             policy = dataclasses.replace(policy, calls_per_round=case.calls_per_round,
                                          min_calls_per_round=case.calls_per_round)
+        if case.max_rounds:
+            policy = dataclasses.replace(policy, max_rounds=case.max_rounds,
+                                         min_rounds=min(policy.min_rounds, case.max_rounds))
         timer = WallTimer(device) if mode == "wall" else CudaTimer(device)
         return measure_bench(
             case, mode, timed, preset, gate.perf, self._ceilings, policy, timer,
