@@ -441,11 +441,11 @@ def _state_bytes(preset: Preset) -> int:
 
 BENCHES = (
     # at the sizes the targets are about: a tiny state's save is a few fixed fsyncs. One timing a
-    # round and at most 12 rounds: a medium save is seconds, six of them a round
+    # round and 6 rounds: a medium save is seconds on a disk of 1 GB/s, six of them a round
     BenchCase(SAVE, "save the state (params + AdamW state) as a checkpoint", bytes=_state_bytes, ceiling="none",
-              l2="warm", modes=("wall",), window=1, calls_per_round=1, max_rounds=12, presets=("small", "medium")),
+              l2="warm", modes=("wall",), window=1, calls_per_round=1, max_rounds=6, presets=("small", "medium")),
     BenchCase(LOAD, "load and verify it", bytes=_state_bytes, ceiling="none", l2="warm", modes=("wall",), window=1,
-              calls_per_round=1, max_rounds=12, presets=("small", "medium")),
+              calls_per_round=1, max_rounds=6, presets=("small", "medium")),
 )
 
 PRESETS = (

@@ -76,3 +76,32 @@ def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_i
                      "sha256": gc.ck._sha256(tmp_path / "t.safetensors")}
     with pytest.raises(UsageError, match="complex64"):
         gc.ck._write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)
+
+
+def test_views_strided_tied_and_every_dtype_come_back_bit_for_bit(tmp_path):
+    flat = torch.randn(24)
+    weight = torch.randn(4, 6)
+    state = {"first": flat[:12], "second": flat[12:].view(3, 4),  # two views of one storage
+             "transposed": weight.t(),  # not contiguous
+             "tied": [weight, weight], "scalar": torch.tensor(3, dtype=torch.int16),
+             "bits": torch.randn(5).to(torch.float8_e5m2), "mask": torch.tensor([[True], [False]])}
+    gc.ck.save_checkpoint(tmp_path / "c", state, step=7)
+    loaded = gc.ck.load_checkpoint(tmp_path / "c")
+    assert loaded.step == 7
+    for key in ("first", "second", "transposed", "scalar", "bits", "mask"):
+        got, want = loaded.state[key], state[key]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    assert all(torch.equal(t, weight) for t in loaded.state["tied"])
+
+
+def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path, monkeypatch):
+    tensors = {f"t{i}": torch.full((i + 1, 3), float(i)) for i in range(7)}
+    for ahead in (1, 2, 10):
+        views = list(gc.ck._host_views(tensors, ahead))
+        assert [bytes(v) for v in views] == [t.numpy().tobytes() for t in tensors.values()]
+    # a chunk of 16 bytes and one chunk hashed behind at most: the digest is still the file's
+    monkeypatch.setattr(gc.ck, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(gc.ck, "HASH_BACKLOG", 1)
+    entry = gc.ck._write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
+    assert entry["sha256"] == gc.ck._sha256(tmp_path / "t.safetensors")

@@ -22,13 +22,15 @@ stamp verifies and ignores temporaries (the next save removes them).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -39,6 +41,7 @@ from suite.harness import atomic
 FORMAT_VERSION = 1
 META, STATE, TENSORS = "meta.json", "state.json", "tensors.safetensors"
 CHUNK_BYTES = 8 << 20  # the JSON files are written, and every file hashed, in chunks of this size
+HASH_BACKLOG = 16  # chunks written but not yet hashed, at most
 
 
 class CheckpointError(CouldNotRun):
@@ -62,14 +65,9 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
         if key in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[key], "device": str(t.device)}
         name = f"t{len(tensors)}"
-        host = t.to("cpu").contiguous()
-        storage = (host.untyped_storage().data_ptr(), "storage") if host.numel() else None
-        # safetensors refuses two entries over one storage (views of one buffer): those get a copy
-        tensors[name] = host.clone() if storage in seen else host
+        tensors[name] = t  # where it lives: the writer copies it to the host as the file reaches it
         if key is not None:
             seen[key] = name
-        if storage is not None:
-            seen[storage] = name
         return {"__tensor__": name, "device": str(t.device)}
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
@@ -137,46 +135,71 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.float8_e5m2: "F8_E5M2", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 
 
-def _safetensors_layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
-    """The safetensors file as (header, each tensor's bytes in memory, in file order): an
-    8-byte little-endian header length, the JSON header padded with spaces to 8 bytes, then the
-    tensors back to back. Written by us so the bytes can be hashed as they are written (save_file
-    writes the file in one call and a hash must read it back); read back by safetensors' own parser."""
+def _safetensors_header(tensors: dict[str, torch.Tensor]) -> bytes:
+    """The safetensors file's head: an 8-byte little-endian length, then the JSON header padded
+    with spaces to 8 bytes; the tensors follow back to back in this order. Written by us so the
+    bytes can be hashed as they are written (save_file writes the file in one call and a hash
+    must read it back); read back by safetensors' own parser."""
     entries: dict[str, Any] = {}
-    views = []
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UsageError(f"save_checkpoint: tensor {name} is {t.dtype}, which safetensors does not store; "
                              f"convert it to one of {sorted(map(str, SAFETENSORS_DTYPES))}")
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        size = t.numel() * t.element_size()
         entries[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                         "data_offsets": [offset, offset + len(raw)]}
-        views.append(memoryview(raw))
-        offset += len(raw)
+                         "data_offsets": [offset, offset + size]}
+        offset += size
     body = json.dumps(entries, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
-    return len(body).to_bytes(8, "little") + body, views
+    return len(body).to_bytes(8, "little") + body
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """t's bytes in host memory, in row-major order (a copy from the device, or of a strided view)."""
+    host = t.to("cpu").contiguous()
+    return memoryview(host.reshape(-1).view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
+
+
+def _host_views(tensors: dict[str, torch.Tensor], ahead: int = 2) -> Iterator[memoryview]:
+    """Each tensor's host bytes in order, copied `ahead` tensors early on a worker thread (the
+    copies leave the GIL): a GPU state's device-to-host copies overlap the writes, and at most
+    `ahead` + 1 tensors' host copies exist at once instead of the whole state's."""
+    items = list(tensors.values())
+    with ThreadPoolExecutor(max_workers=1) as copier:
+        queued = deque(copier.submit(_host_bytes, t) for t in items[:ahead])
+        for t in items[ahead:]:
+            view = queued.popleft().result()
+            queued.append(copier.submit(_host_bytes, t))
+            yield view
+        while queued:
+            yield queued.popleft().result()
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
-    """The tensors written straight from their memory in chunks, each hashed on a second thread
-    while the next is written (both leave the GIL), then fsynced."""
-    header, views = _safetensors_layout(tensors)
+    """The tensors written in chunks as their host copies arrive, each chunk hashed on a second
+    thread while the next is written (both leave the GIL); the fsync waits on the disk while that
+    thread finishes the hash, which writing to the page cache outruns."""
+    header = _safetensors_header(tensors)
+    for device in {t.device for t in tensors.values() if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()  # the copier's stream sees the caller's work done
     digest = hashlib.sha256()
     written = 0
+    hashing: deque = deque()  # chunks queued to hash; each holds its tensor's host copy alive
     with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=1) as hasher:  # one worker: updates in order
         at(f"{path.name}: opened")
-        for view in [memoryview(header), *views]:
+        for view in itertools.chain([memoryview(header)], _host_views(tensors)):
             for start in range(0, len(view), CHUNK_BYTES):
                 chunk = view[start:start + CHUNK_BYTES]
                 fh.write(chunk)
-                hasher.submit(digest.update, chunk)
+                hashing.append(hasher.submit(digest.update, chunk))
+                if len(hashing) > HASH_BACKLOG:  # the page cache outruns the hash: bound what waits
+                    hashing.popleft().result()
                 written += len(chunk)
                 at(f"{path.name}: {written} bytes")
         fh.flush()
-        hasher.shutdown(wait=True)
         os.fsync(fh.fileno())
+        hasher.shutdown(wait=True)
         at(f"{path.name}: synced")
     return {"bytes": written, "sha256": digest.hexdigest()}
 

@@ -55,6 +55,11 @@ def _f(value: float | int | None, spec: str) -> str:
     return _DASH if value is None else format(value, spec)
 
 
+def _rate(value: float | None) -> str:
+    """Three figures below 100 (a disk's 0.84 GB/s, not "1"), whole numbers above."""
+    return _DASH if value is None else format(value, ".0f" if value >= 100 else ".3g")
+
+
 def _pct(value: float | None, digits: int = 1) -> str:
     return _DASH if value is None else f"{100 * value:.{digits}f}%"
 
@@ -264,7 +269,7 @@ def _bench_section(bench: BenchResult) -> list[str]:
             f"{cmp.speedup:.2f}x [{cmp.ci_low:.2f}, {cmp.ci_high:.2f}] {cmp.verdict}"
         )
         rows.append([
-            c.name, c.role, _f(c.cold_ms, ".3f"), _f(c.median_ms, ".4f"), _f(c.gbps, ".0f"),
+            c.name, c.role, _f(c.cold_ms, ".3f"), _f(c.median_ms, ".4f"), _rate(c.gbps),
             _f(c.tflops, ".1f"), _pct(c.ceiling_fraction, 0), _f(c.host_us, ".1f"), speedup,
             "; ".join(note for note in (
                 c.method or None,
