@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
-from safetensors.torch import load as safetensors_load
 
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
@@ -273,7 +272,7 @@ def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
     return meta
 
 
-def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, bytes]]:
+def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, bytearray]]:
     """(the stamp, each file's bytes when keep): every file read once, and judged by the bytes
     read, so what is decoded is what was verified, even if the directory is replaced meanwhile."""
     if not root.is_dir():
@@ -301,24 +300,43 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     stray = sorted(present - set(files) - {META})
     if stray:
         raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
-    contents: dict[str, bytes] = {}
+    contents: dict[str, bytearray] = {}
     for name, entry in files.items():
         path = root / name
         if not path.is_file():
             raise CheckpointError(f"{root} lacks {name}, which its stamp names")
-        data = path.read_bytes() if keep else None
-        size = len(data) if keep else path.stat().st_size
+        size = path.stat().st_size
+        if size == entry["bytes"] and keep:  # a load hashes the very bytes it decodes
+            data, size, digest = _read_hashed(path, size)
+        elif size == entry["bytes"] and verify:
+            digest = _sha256(path)
         if size != entry["bytes"]:
             raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or "
                                   "written to after the save")
-        if verify or keep:  # a stamp alone streams the hash; a load hashes the bytes it decodes
-            digest = hashlib.sha256(data).hexdigest() if keep else _sha256(path)
+        if verify or keep:
             if digest != entry["sha256"]:
                 raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after it "
                                       "was written")
         if keep:
             contents[name] = data
     return meta, contents
+
+
+def _read_hashed(path: Path, size: int) -> tuple[bytearray, int, str]:
+    """(the file's bytes, how many there were, their sha256): read in chunks, each hashed on a
+    second thread while the next is read (both leave the GIL). A file that grew or shrank since
+    its size was taken reads as its new size, and so fails the size check."""
+    data = bytearray(size)
+    view = memoryview(data)
+    digest = hashlib.sha256()
+    read = 0
+    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=1) as hasher:
+        while read < size and (n := fh.readinto(view[read:read + CHUNK_BYTES])):
+            hasher.submit(digest.update, view[read:read + n])
+            read += n
+        if read == size and fh.read(1):
+            read += 1
+    return data, read, digest.hexdigest()
 
 
 def _sha256(path: Path) -> str:
@@ -329,11 +347,55 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+_DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+def _tensors_from(data: bytearray, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes, as views of them where aligned (a copy of one
+    tensor's bytes where its offset is not a multiple of its element size): no copy of the whole
+    file, which safetensors' own `load` makes twice. A header that does not describe the bytes
+    is a CheckpointError."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
+
+    if len(data) < 8:
+        raise bad("shorter than its header's length")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise bad(f"its header claims {length} bytes of {len(data) - 8}")
+    try:
+        header = json.loads(bytes(data[8:8 + length]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    base, end = 8 + length, len(data)
+    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES_BY_NAME[entry["dtype"]]
+            shape = [int(n) for n in entry["shape"]]
+            start, stop = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {name!r} lacks a known dtype, a shape or its data_offsets") from None
+        size = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or stop - start != size or start < 0 or base + stop > end:
+            raise bad(f"entry {name!r} ({entry['dtype']} {shape}) does not fit its offsets {start}..{stop}")
+        raw = whole[base + start:base + stop]
+        if (base + start) % dtype.itemsize:
+            raw = raw.clone()  # a view of another dtype must start on its element size
+        tensors[name] = raw.view(dtype).reshape(shape)
+    return tensors
+
+
 def load_checkpoint(directory: str | Path, map_location: str | torch.device | None = None) -> Checkpoint:
     """The state saved at `directory`, after its stamp and every hash are verified: decoded from
     the very bytes that were hashed."""
     meta, contents = _read(Path(directory), verify=True, keep=True)
-    tensors = safetensors_load(contents[TENSORS])
+    tensors = _tensors_from(contents[TENSORS], Path(directory) / TENSORS)
     structure = json.loads(contents[STATE].decode("utf-8"))
     return Checkpoint(state=_join(structure, tensors, map_location), step=meta["step"], meta=meta)
 
