@@ -16,6 +16,7 @@ real models' layers at 8192 tokens in bf16, and the edge cases at a smaller size
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 from functools import partial
 from typing import Any, Callable
@@ -427,6 +428,66 @@ def _transformers_missing(device: torch.device) -> str | None:
     return _grouped_mm_missing(device)
 
 
+def sonicmoe_layout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The weights as SonicMoE's MoE module keeps them: c_fc [E, 2f, d] with gate and up rows
+    interleaved (gate i at row 2i, up i at 2i + 1) and c_proj [E, d, f]; fresh leaves."""
+    w_gate, w_up, w_down = (w.detach() for w in weights)
+    c_fc = torch.stack([w_gate.transpose(1, 2), w_up.transpose(1, 2)], dim=2).flatten(1, 2).contiguous()
+    return [nn.Parameter(c_fc), nn.Parameter(w_down.transpose(1, 2).contiguous())]
+
+
+def sonicmoe_experts(routing) -> Callable:
+    """SonicMoE's experts (CuTe DSL grouped GEMMs on QuACK) on the same routing, given as the
+    (token, expert, score) triples of its moe_general_routing_inputs; its own layout metadata
+    kernel included, as a model calling it pays. Weights in its layout (sonicmoe_layout)."""
+    from sonicmoe import moe_general_routing_inputs
+    from sonicmoe.enums import ActivationType
+
+    if routing.capacity is not None:
+        raise ValueError("SonicMoE takes no capacity factor: every routed slot is computed")
+    tokens, k = routing.expert_ids.shape
+    device = routing.expert_ids.device
+    token_indices = torch.arange(tokens, dtype=torch.int32, device=device).repeat_interleave(k)
+    expert_indices = routing.expert_ids.reshape(-1).to(torch.int32)
+    stream = torch.cuda.current_stream(device).cuda_stream
+
+    def run(x, routing, c_fc, c_proj):
+        out, _ = moe_general_routing_inputs(x, routing.probs.reshape(-1), token_indices, expert_indices,
+                                            c_fc.permute(1, 2, 0), None, c_proj.permute(1, 2, 0), None,
+                                            c_fc.shape[0], stream, ActivationType.SWIGLU)
+        return out
+
+    return run
+
+
+def _sonicmoe_missing(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "SonicMoE runs on CUDA devices only"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"SonicMoE's kernels are for sm90 and sm100 cards; this one is sm{major}{minor}"
+    if importlib.util.find_spec("sonicmoe") is None:
+        return ("sonic-moe is not installed (its metadata pins torch <= 2.9.1, so: pip install --no-deps "
+                "sonic-moe quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi "
+                "torch-c-dlpack-ext einops)")
+    return None
+
+
+def _build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+    """SonicMoE's build: one forward first, against the arm's on the same routing and weights,
+    so a layout mistaken here is an unavailable peer with its reason, never a fast wrong one (and
+    its CuTe kernels' JIT, minutes on a first call, falls in the build, not the cold timing)."""
+    x, weights, routing = _leaves(buffers, preset)
+    with torch.no_grad():
+        theirs = sonicmoe_experts(routing)(x, routing, *sonicmoe_layout(weights)).float()
+        ours = experts(x, routing, *weights).float()
+        error = float((theirs - ours).norm() / ours.norm().clamp(min=1e-30))
+    if not error <= 0.02:
+        raise ValueError(f"SonicMoE's output differs from the arm's by relative L2 {error:.3g} on the same "
+                         "routing and weights: not the same layer")
+    return _build(lambda routing, _: sonicmoe_experts(routing), sonicmoe_layout)(case, buffers, preset)
+
+
 def padded_bmm(routing) -> Callable:
     """The experts as batched GEMMs over [E, C, ...], every expert padded to the largest one's
     C rows (read on the host here, once, as padded implementations do per step)."""
@@ -590,6 +651,9 @@ CONTENDERS = (
               note="transformers' OLMoE experts, implementation grouped_mm, from the top-k ids (its sort included)"),
     # fwd+bwd alone: "bwd" runs the backward of one forward again and again (retain_graph),
     # which a compiled backward that donates its buffers refuses
+    Contender("sonicmoe", "peer", _build_sonicmoe, unavailable=_sonicmoe_missing, cases=("fwd+bwd",),
+              note="SonicMoE 0.1.2 (Dao lab): CuTe DSL grouped GEMMs, its routing metadata kernel, on the same "
+                   "routing and weights"),
     Contender("arm compiled", "peer", _build(lambda routing, preset: compiled(experts, preset)), cases=("fwd+bwd",),
               note="the arm inside torch.compile(fullgraph=True): its custom ops as a compiled model calls them"),
     Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
@@ -649,7 +713,7 @@ BENCHES = (
 )
 
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
-STRONGEST_PEERS = ("grouped_mm gate|up", "grouped_mm gate|up compiled", "transformers grouped_mm")
+STRONGEST_PEERS = ("grouped_mm gate|up", "grouped_mm gate|up compiled", "transformers grouped_mm", "sonicmoe")
 
 PERF = PerfCriterion(
     not_slower_than=("reference",),

@@ -261,3 +261,29 @@ def test_bench_counts():
     fwd_bwd, bwd = GATE.benches[:2]
     assert fwd_bwd.flops(olmoe) == 18 * 8192 * 8 * 2048 * 1024
     assert bwd.flops(olmoe) == 12 * 8192 * 8 * 2048 * 1024
+
+
+def test_sonicmoe_layout_interleaves_gate_and_up_as_its_swiglu_reads_them():
+    """SonicMoE's MoE reads c_fc's rows as gate at 2i and up at 2i + 1 (its torch path's
+    _swiglu); the same layer computed that way from sonicmoe_layout's weights is the
+    reference's. On CUDA the build also checks its kernels' output against the arm's."""
+    import torch.nn.functional as F
+
+    preset = GATE.preset("tiny-top2")
+    buffers = GATE.make_buffers(preset, 1, CPU)
+    x, weights, routing = moe_bwd._leaves(buffers, preset)
+    c_fc, c_proj = moe_bwd.sonicmoe_layout(weights)
+    assert c_fc.shape == (weights[0].shape[0], 2 * weights[0].shape[2], weights[0].shape[1])
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for s in range(routing.k):
+            e = int(routing.expert_ids[t, s])
+            both = x[t] @ c_fc[e].T
+            out[t] += routing.probs[t, s] * ((F.silu(both[0::2]) * both[1::2]) @ c_proj[e].T)
+    want = moe.experts_reference(x, routing, *weights)
+    torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_sonicmoe_says_why_it_cannot_run_here():
+    assert moe_bwd._sonicmoe_missing(CPU) == "SonicMoE runs on CUDA devices only"
+    assert "sonicmoe" in moe_bwd.STRONGEST_PEERS
