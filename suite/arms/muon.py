@@ -143,43 +143,50 @@ class StepScalars(NamedTuple):
 
 
 @triton.jit
-def _kept_update_kernel(x_ptr, y_ptr, a_ptr, b_ptr, skip_ptr, n, SIGN: tl.constexpr, BLOCK: tl.constexpr):
+def _kept_update_kernel(x_ptr, y_ptr, a_ptr, b_ptr, skip_ptr, n, SIGN: tl.constexpr, HAS_B: tl.constexpr,
+                        HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
     """x <- x * a + SIGN * (y * b), each product and the sum rounded to its tensor's dtype as the
-    eager ops round them (launched without FMA contraction), unless skip: then x keeps its bits."""
+    eager ops round them (launched without FMA contraction), unless skip: then x keeps its bits.
+    Without b, y itself (y * 1 is y); without skip, every step updates."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(x_ptr + offsets, mask=mask)
     y = tl.load(y_ptr + offsets, mask=mask)
     xa = (x.to(tl.float32) * tl.load(a_ptr)).to(x.dtype).to(tl.float32)
-    yb = (y.to(tl.float32) * tl.load(b_ptr)).to(y.dtype).to(tl.float32)
+    if HAS_B:
+        yb = (y.to(tl.float32) * tl.load(b_ptr)).to(y.dtype).to(tl.float32)
+    else:
+        yb = y.to(tl.float32)
     new = (xa + SIGN * yb).to(x.dtype)
-    tl.store(x_ptr + offsets, tl.where(tl.load(skip_ptr) != 0, x, new), mask=mask)
+    if HAS_SKIP:
+        new = tl.where(tl.load(skip_ptr) != 0, x, new)
+    tl.store(x_ptr + offsets, new, mask=mask)
 
 
 _KEPT_BLOCK = 4096
-_ONE: dict[torch.device, torch.Tensor] = {}
 
 
-def _kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor | None,
-                 sign: int) -> bool:
-    """x.mul_(a).add_(y * b, alpha=sign) in one pass that a skip leaves undone, on a GPU for
-    contiguous x and y; False where the caller must run the ops itself (the CPU: Triton's
-    interpreter would run it, at some milliseconds a launch)."""
-    if not (x.is_cuda and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape):
+def _kept_update(skip: torch.Tensor | None, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
+                 b: torch.Tensor | None, sign: int) -> bool:
+    """x.mul_(a).add_(y * b, alpha=sign) in one pass (that a skip leaves undone), on a GPU for
+    contiguous x and y of one dtype (mixed, a NaN's payload could differ from the eager ops'):
+    the eager ops make three passes over x and a temporary. False where the
+    caller must run the ops itself (the CPU: Triton's interpreter would run it, at some
+    milliseconds a launch)."""
+    if not (x.is_cuda and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape and x.dtype == y.dtype):
         return False
     launch_kept_update(skip, x, a, y, b, sign)
     return True
 
 
-def launch_kept_update(skip: torch.Tensor, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
+def launch_kept_update(skip: torch.Tensor | None, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
                        b: torch.Tensor | None, sign: int) -> None:
-    """The launch itself, wherever Triton runs (the tests run it under the interpreter)."""
-    if b is None:
-        b = _ONE.get(x.device)
-        if b is None:
-            b = _ONE[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    """The launch itself, wherever Triton runs (the tests run it under the interpreter). An
+    absent b or skip is passed as `a`, which the kernel then never reads: every pointer stays a
+    tensor, as kept launches need."""
     n = x.numel()
-    launch_kept(_kept_update_kernel, (triton.cdiv(n, _KEPT_BLOCK),), x, y, a, b, skip, n, SIGN=sign,
+    launch_kept(_kept_update_kernel, (triton.cdiv(n, _KEPT_BLOCK),), x, y, a, a if b is None else b,
+                a if skip is None else skip, n, SIGN=sign, HAS_B=b is not None, HAS_SKIP=skip is not None,
                 BLOCK=_KEPT_BLOCK, enable_fp_fusion=False)
 
 
@@ -415,11 +422,12 @@ class Muon(torch.optim.Optimizer):
         directions = self.directions([(group, group_updates) for (group, _, _), group_updates in zip(groups, updates)])
         for (group, params, scalars), group_directions in zip(groups, directions):
             for p, direction in zip(params, group_directions):
+                if _kept_update(scalars.skip, p, scalars.decay, direction, scalars.lr, -1):
+                    continue
                 if scalars.skip is None:
                     p.mul_(scalars.decay)
                     p.sub_(direction * scalars.lr)
-                elif not _kept_update(scalars.skip, p, scalars.decay, direction, scalars.lr, -1):
-                    # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
+                else:  # the same ops; on a skip p * 1 - (+0.0), which is p, -0.0 included
                     p.mul_(torch.where(scalars.skip, 1.0, scalars.decay))
                     p.sub_(torch.where(scalars.skip, 0.0, direction * scalars.lr))
 
@@ -429,11 +437,11 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         buf = state["momentum_buffer"]
-        if scalars.skip is None:
-            buf.mul_(scalars.momentum).add_(grad)
-        elif not _kept_update(scalars.skip, buf, scalars.momentum, grad, None, 1):
-            # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
-            buf.mul_(torch.where(scalars.skip, 1.0, scalars.momentum)).add_(torch.where(scalars.skip, -0.0, grad))
+        if not _kept_update(scalars.skip, buf, scalars.momentum, grad, None, 1):
+            if scalars.skip is None:
+                buf.mul_(scalars.momentum).add_(grad)
+            else:  # the same ops; on a skip buf * 1 + (-0.0), which is buf, -0.0 included (a NaN grad never enters)
+                buf.mul_(torch.where(scalars.skip, 1.0, scalars.momentum)).add_(torch.where(scalars.skip, -0.0, grad))
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
