@@ -312,7 +312,7 @@ def _unverified_load(directory, map_location=None):
     root = Path(directory)
     tensors = load_file(root / ck.TENSORS)
     structure = json.loads((root / ck.STATE).read_text())
-    return ck.Checkpoint(state=ck._join(structure, tensors, map_location), step=-1, meta={})
+    return ck.Checkpoint(state=ck._join(structure, tensors, map_location, {}), step=-1, meta={})
 
 
 def _trusting_latest(root, verify=False):

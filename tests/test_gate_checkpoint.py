@@ -105,3 +105,39 @@ def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path
     monkeypatch.setattr(gc.ck, "HASH_BACKLOG", 1)
     entry = gc.ck._write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
     assert entry["sha256"] == gc.ck._sha256(tmp_path / "t.safetensors")
+
+
+def _tensors_file(header: bytes, body: bytes = b"") -> torch.Tensor:
+    return torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header + body), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("header, body", [
+    (b'{"a":{"dtype":"F32","shape":[Infinity],"data_offsets":[0,4]}}', b"\0" * 4),
+    (b'{"a":{"dtype":"F32","shape":[0,1000000000000000000000000000000],"data_offsets":[0,0]}}', b""),
+    (b"[" * 100000 + b"]" * 100000, b""),
+    (b'{"a":{"dtype":"F32","shape":"4","data_offsets":[0,16]}}', b"\0" * 16),
+    (b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}', b"\0" * 4),
+    (b'{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', b"\0" * 4),
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":"04"}}', b"\0" * 4),
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+     b"\0" * 4),  # overlapping
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', b"\0" * 8),  # a gap before it
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 5),  # bytes after the last
+    (b'{"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}', b"\0" * 8),
+    (b'{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}', b"\0" * 4),
+    (b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', b"\0" * 4),
+    (b'{"a":[]}', b""),
+    (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'.decode().encode("utf-16"), b"\0" * 4),
+])
+def test_the_reader_refuses_a_header_that_does_not_describe_its_bytes(header, body, tmp_path):
+    with pytest.raises(gc.ck.CheckpointError, match="not a safetensors file this suite wrote"):
+        gc.ck._tensors_from(_tensors_file(header, body), tmp_path / "t")
+
+
+def test_a_loaded_cpu_tensor_owns_its_memory_and_tied_ones_stay_tied(tmp_path):
+    weight, step = torch.randn(256, 256), torch.tensor(3.0)
+    gc.ck.save_checkpoint(tmp_path / "c", {"tied": [weight, weight], "step": step}, step=1)
+    state = gc.ck.load_checkpoint(tmp_path / "c").state
+    # a kept step counter must not hold the file's buffer (256 KB here, gigabytes in a run)
+    assert state["step"].untyped_storage().nbytes() == 4 and torch.equal(state["step"], step)
+    assert state["tied"][0] is state["tied"][1] and torch.equal(state["tied"][0], weight)

@@ -90,21 +90,28 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
                      "strings, booleans, None, and lists, tuples and dicts of them")
 
 
-def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None) -> Any:
+def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None,
+          placed: dict[str, torch.Tensor]) -> Any:
+    """`value` with each tensor reference replaced by its tensor on its device (or map_location),
+    once per entry, so tied tensors come back tied. A tensor that stays on the CPU is copied out
+    of the file's buffer: a kept 0-d step counter would otherwise hold the whole file in memory."""
     if isinstance(value, list):
-        return [_join(v, tensors, map_location) for v in value]
+        return [_join(v, tensors, map_location, placed) for v in value]
     if not isinstance(value, dict):
         return value
     if "__tensor__" in value:
-        t = tensors[value["__tensor__"]]
-        return t.to(map_location if map_location is not None else value["device"])
+        name = value["__tensor__"]
+        if name not in placed:
+            moved = tensors[name].to(map_location if map_location is not None else value["device"])
+            placed[name] = moved.clone() if moved.device.type == "cpu" else moved
+        return placed[name]
     if "__tuple__" in value:
-        return tuple(_join(v, tensors, map_location) for v in value["__tuple__"])
+        return tuple(_join(v, tensors, map_location, placed) for v in value["__tuple__"])
     if "__float__" in value:
         return float(value["__float__"])
     if "__items__" in value:
-        return {k: _join(v, tensors, map_location) for k, v in value["__items__"]}
-    return {k: _join(v, tensors, map_location) for k, v in value.items()}
+        return {k: _join(v, tensors, map_location, placed) for k, v in value["__items__"]}
+    return {k: _join(v, tensors, map_location, placed) for k, v in value.items()}
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -161,9 +168,12 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _host_views(tensors: dict[str, torch.Tensor], ahead: int = 2) -> Iterator[memoryview]:
-    """Each tensor's host bytes in order, copied `ahead` tensors early on a worker thread (the
-    copies leave the GIL): a GPU state's device-to-host copies overlap the writes, and at most
-    `ahead` + 1 tensors' host copies exist at once instead of the whole state's."""
+    """Each tensor's host bytes in order, copied `ahead` (>= 1) tensors early on a worker thread
+    (the copies leave the GIL): a GPU state's device-to-host copies overlap the writes. The host
+    holds a few tensors' copies instead of the whole state's: `ahead` + 1 here, and those whose
+    chunks still wait for the hash (at most HASH_BACKLOG chunks, see _write_tensors)."""
+    if ahead < 1:
+        raise ValueError(f"_host_views: ahead must be >= 1, got {ahead}")
     items = list(tensors.values())
     with ThreadPoolExecutor(max_workers=1) as copier:
         queued = deque(copier.submit(_host_bytes, t) for t in items[:ahead])
@@ -196,6 +206,9 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[s
                     hashing.popleft().result()
                 written += len(chunk)
                 at(f"{path.name}: {written} bytes")
+        if written != len(header) + sum(t.numel() * t.element_size() for t in tensors.values()):
+            raise CheckpointError(f"{path}: wrote {written} bytes where the header describes another count (a "
+                                  "tensor resized during the save?)")
         fh.flush()
         os.fsync(fh.fileno())
         hasher.shutdown(wait=True)
@@ -272,7 +285,7 @@ def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
     return meta
 
 
-def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, bytearray]]:
+def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(the stamp, each file's bytes when keep): every file read once, and judged by the bytes
     read, so what is decoded is what was verified, even if the directory is replaced meanwhile."""
     if not root.is_dir():
@@ -300,7 +313,7 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     stray = sorted(present - set(files) - {META})
     if stray:
         raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
-    contents: dict[str, bytearray] = {}
+    contents: dict[str, torch.Tensor] = {}
     for name, entry in files.items():
         path = root / name
         if not path.is_file():
@@ -322,12 +335,12 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     return meta, contents
 
 
-def _read_hashed(path: Path, size: int) -> tuple[bytearray, int, str]:
-    """(the file's bytes, how many there were, their sha256): read in chunks, each hashed on a
-    second thread while the next is read (both leave the GIL). A file that grew or shrank since
-    its size was taken reads as its new size, and so fails the size check."""
-    data = bytearray(size)
-    view = memoryview(data)
+def _read_hashed(path: Path, size: int) -> tuple[torch.Tensor, int, str]:
+    """(the file's bytes as a uint8 tensor, how many there were, their sha256): read in chunks,
+    each hashed on a second thread while the next is read (both leave the GIL). A file that grew
+    or shrank since its size was taken reads as another size, and so fails the size check."""
+    data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+    view = memoryview(data.numpy())
     digest = hashlib.sha256()
     read = 0
     with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=1) as hasher:
@@ -350,41 +363,57 @@ def _sha256(path: Path) -> str:
 _DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 
-def _tensors_from(data: bytearray, path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file's bytes, as views of them where aligned (a copy of one
-    tensor's bytes where its offset is not a multiple of its element size): no copy of the whole
-    file, which safetensors' own `load` makes twice. A header that does not describe the bytes
-    is a CheckpointError."""
+def _count(value: Any) -> bool:
+    """A JSON count: an int (not a bool, a float or a string) in 0..2^63-1."""
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _tensors_from(data: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes (a uint8 tensor), as views of them where aligned
+    (a copy of one tensor's bytes where its offset is not a multiple of its element size): no copy
+    of the whole file, which safetensors' own `load` makes twice. The header must describe the
+    bytes exactly, as safetensors validates it: UTF-8 JSON, each entry a known dtype, a shape of
+    counts and two offsets, the entries back to back from the end of the header to the end of the
+    file. Anything else is a CheckpointError (a stamp is no signature: its hashes can be remade)."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
 
-    if len(data) < 8:
+    if data.numel() < 8:
         raise bad("shorter than its header's length")
-    length = int.from_bytes(data[:8], "little")
-    if length > len(data) - 8:
-        raise bad(f"its header claims {length} bytes of {len(data) - 8}")
+    length = int.from_bytes(data[:8].numpy().tobytes(), "little")
+    if length > data.numel() - 8:
+        raise bad(f"its header claims {length} bytes of {data.numel() - 8}")
     try:
-        header = json.loads(bytes(data[8:8 + length]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"its header is not JSON ({exc})") from None
+        header = json.loads(data[8:8 + length].numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise bad(f"its header is not UTF-8 JSON ({type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise bad("its header is not a JSON object")
-    base, end = 8 + length, len(data)
-    whole = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    tensors = {}
+    base = 8 + length
+    entries = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = _DTYPES_BY_NAME[entry["dtype"]]
-            shape = [int(n) for n in entry["shape"]]
-            start, stop = (int(n) for n in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"entry {name!r} lacks a known dtype, a shape or its data_offsets") from None
-        size = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or stop - start != size or start < 0 or base + stop > end:
-            raise bad(f"entry {name!r} ({entry['dtype']} {shape}) does not fit its offsets {start}..{stop}")
-        raw = whole[base + start:base + stop]
+        if not (isinstance(entry, dict) and entry.get("dtype") in _DTYPES_BY_NAME
+                and isinstance(entry.get("shape"), list) and all(map(_count, entry["shape"]))
+                and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+                and all(map(_count, entry["data_offsets"]))):
+            raise bad(f"entry {name!r} lacks a known dtype, a shape of counts or its two offsets")
+        dtype, (start, stop) = _DTYPES_BY_NAME[entry["dtype"]], entry["data_offsets"]
+        if stop - start != math.prod(entry["shape"]) * dtype.itemsize:
+            raise bad(f"entry {name!r} ({entry['dtype']} {entry['shape']}) does not fit its offsets {start}..{stop}")
+        entries.append((start, stop, name, dtype, entry["shape"]))
+    entries.sort()
+    reached = 0
+    for start, stop, name, _, _ in entries:
+        if start != reached:
+            raise bad(f"entry {name!r} starts at {start}, not where the one before it ends ({reached})")
+        reached = stop
+    if base + reached != data.numel():
+        raise bad(f"its entries end at byte {base + reached} of {data.numel()}")
+    tensors = {}
+    for start, stop, name, dtype, shape in entries:
+        raw = data[base + start:base + stop]
         if (base + start) % dtype.itemsize:
             raw = raw.clone()  # a view of another dtype must start on its element size
         tensors[name] = raw.view(dtype).reshape(shape)
@@ -396,8 +425,8 @@ def load_checkpoint(directory: str | Path, map_location: str | torch.device | No
     the very bytes that were hashed."""
     meta, contents = _read(Path(directory), verify=True, keep=True)
     tensors = _tensors_from(contents[TENSORS], Path(directory) / TENSORS)
-    structure = json.loads(contents[STATE].decode("utf-8"))
-    return Checkpoint(state=_join(structure, tensors, map_location), step=meta["step"], meta=meta)
+    structure = json.loads(contents[STATE].numpy().tobytes().decode("utf-8"))
+    return Checkpoint(state=_join(structure, tensors, map_location, {}), step=meta["step"], meta=meta)
 
 
 def latest_checkpoint(root: str | Path, verify: bool = False) -> Path | None:
