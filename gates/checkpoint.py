@@ -441,8 +441,8 @@ def _state_bytes(preset: Preset) -> int:
 
 BENCHES = (
     # at the sizes the targets are about: a tiny state's save is a few fixed fsyncs. One timing a
-    # round and 5 rounds: on a disk of 0.84 GB/s a medium save is 6-9 s and seven are timed a
-    # round, so the bench fits one 10-minute call
+    # round and 5 rounds: on a disk near 1 GB/s a medium save takes seconds and seven are timed
+    # a round, and the bench must fit one 10-minute call
     BenchCase(SAVE, "save the state (params + AdamW state) as a checkpoint", bytes=_state_bytes, ceiling="none",
               l2="warm", modes=("wall",), window=1, calls_per_round=1, max_rounds=5, presets=("small", "medium")),
     BenchCase(LOAD, "load and verify it", bytes=_state_bytes, ceiling="none", l2="warm", modes=("wall",), window=1,

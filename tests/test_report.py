@@ -373,6 +373,6 @@ def test_report_models_still_accept_minimal_results():
 def test_a_slow_rate_keeps_three_figures_and_a_fast_one_is_whole():
     from suite.harness import render
 
-    # a disk's 0.84 GB/s printed as "1" hid a 0.59x gap to the disk's own rate
+    # a disk's rate under 1 GB/s printed as "1" hides how far a save is from it
     assert render._rate(0.84123) == "0.841" and render._rate(44.57) == "44.6" and render._rate(3443.4) == "3443"
     assert render._rate(None) == render._DASH

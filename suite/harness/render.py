@@ -56,7 +56,7 @@ def _f(value: float | int | None, spec: str) -> str:
 
 
 def _rate(value: float | None) -> str:
-    """Three figures below 100 (a disk's 0.84 GB/s, not "1"), whole numbers above."""
+    """Three figures below 100 (a disk's rate under 1 GB/s, not "1"), whole numbers above."""
     return _DASH if value is None else format(value, ".0f" if value >= 100 else ".3g")
 
 
