@@ -4,6 +4,8 @@ over a save (64 here, 240 in the gate), the four faults refused, and each sabote
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import pytest
 import torch
@@ -73,7 +75,8 @@ def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_i
         assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8)) if t.dim() else \
             torch.equal(loaded[name], t)
     assert entry == {"bytes": (tmp_path / "t.safetensors").stat().st_size,
-                     "sha256": gc.ck._sha256(tmp_path / "t.safetensors")}
+                     "sha256": _chunked_sha256(tmp_path / "t.safetensors", gc.ck.HASH_CHUNK_BYTES),
+                     "chunk_bytes": gc.ck.HASH_CHUNK_BYTES}
     with pytest.raises(UsageError, match="complex64"):
         gc.ck._write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)
 
@@ -100,11 +103,49 @@ def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path
     for ahead in (1, 2, 10):
         views = list(gc.ck._host_views(tensors, ahead))
         assert [bytes(v) for v in views] == [t.numpy().tobytes() for t in tensors.values()]
-    # a chunk of 16 bytes and one chunk hashed behind at most: the digest is still the file's
+    # written in 16-byte pieces, hashed in 24-byte chunks that span them, one chunk waiting at
+    # most: the digest is still the file's, and reading it back (a load, a verify) agrees
     monkeypatch.setattr(gc.ck, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(gc.ck, "HASH_CHUNK_BYTES", 24)
     monkeypatch.setattr(gc.ck, "HASH_BACKLOG", 1)
-    entry = gc.ck._write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
-    assert entry["sha256"] == gc.ck._sha256(tmp_path / "t.safetensors")
+    path = tmp_path / "t.safetensors"
+    entry = gc.ck._write_tensors(path, tensors, lambda point: None)
+    assert entry["sha256"] == _chunked_sha256(path, 24) and entry["chunk_bytes"] == 24
+    assert gc.ck.file_sha256(path, 24) == entry["sha256"]
+    assert gc.ck._read_hashed(path, path.stat().st_size, 24)[2] == entry["sha256"]
+
+
+def _chunked_sha256(path, chunk_bytes: int) -> str:
+    """The stamp's digest computed here, apart from the arm's code: the sha256 of the chunks' own."""
+    data = path.read_bytes()
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + chunk_bytes]).digest()
+                                   for i in range(0, len(data), chunk_bytes))).hexdigest()
+
+
+def test_a_format_1_checkpoint_still_loads_and_a_changed_chunk_is_caught(tmp_path):
+    state = {"w": torch.randn(64, 64), "step": 3}
+    root = gc.ck.save_checkpoint(tmp_path / "c", state, step=3)
+    meta = json.loads((root / gc.ck.META).read_text())
+    assert meta["format_version"] == 2
+    # rewritten as format 1 wrote it: one sha256 over each file's bytes, no chunk size
+    old = {**meta, "format_version": 1,
+           "files": {name: {"bytes": e["bytes"], "sha256": hashlib.sha256((root / name).read_bytes()).hexdigest()}
+                     for name, e in meta["files"].items()}}
+    old["stamp_sha256"] = gc.ck._stamp_digest(old)
+    (root / gc.ck.META).write_text(json.dumps(old))
+    assert torch.equal(gc.ck.load_checkpoint(root).state["w"], state["w"])
+    assert gc.ck.read_stamp(root, verify=True)["format_version"] == 1
+    # a byte changed in either format's tensors file: the file's digest differs (format 2: its
+    # chunk's digest, and so the digest over the chunks')
+    fresh = gc.ck.save_checkpoint(tmp_path / "c2", state, step=3)
+    for where in (root, fresh):
+        data = bytearray((where / gc.ck.TENSORS).read_bytes())
+        data[-1] ^= 1
+        (where / gc.ck.TENSORS).write_bytes(bytes(data))
+        with pytest.raises(gc.ck.CheckpointError, match="does not match its sha256"):
+            gc.ck.load_checkpoint(where)
+        with pytest.raises(gc.ck.CheckpointError, match="does not match its sha256"):
+            gc.ck.read_stamp(where, verify=True)
 
 
 def _tensors_file(header: bytes, body: bytes = b"") -> torch.Tensor:

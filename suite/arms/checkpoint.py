@@ -21,6 +21,7 @@ stamp verifies and ignores temporaries (the next save removes them).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -37,9 +38,12 @@ import torch
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
 
-FORMAT_VERSION = 1
+# 2: a file's sha256 is over its HASH_CHUNK_BYTES chunks' own digests (1: over its bytes; read still)
+FORMAT_VERSION = 2
 META, STATE, TENSORS = "meta.json", "state.json", "tensors.safetensors"
-CHUNK_BYTES = 8 << 20  # the JSON files are written, and every file hashed, in chunks of this size
+CHUNK_BYTES = 8 << 20  # files are written (and read) in pieces of this size
+HASH_CHUNK_BYTES = 8 << 20  # ... and hashed in chunks of this size, each on its own, in parallel
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 HASH_BACKLOG = 16  # chunks written but not yet hashed, at most
 
 
@@ -117,21 +121,71 @@ def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torc
 # ---- writing -----------------------------------------------------------------------------------
 
 
-def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]:
-    """`data` written in chunks, hashed as written, fsynced; its size and sha256."""
+def _chunk_digest(pieces: list[memoryview]) -> bytes:
     digest = hashlib.sha256()
-    with open(path, "wb") as fh:
+    for piece in pieces:
+        digest.update(piece)
+    return digest.digest()
+
+
+class _ChunkedSha256:
+    """A file's sha256 as a format-2 stamp holds it: the sha256 of the concatenated sha256
+    digests of its HASH_CHUNK_BYTES-long chunks (the last one shorter), in file order. Each chunk
+    is hashed on its own by a pool of threads (hashlib leaves the GIL), so hashing keeps pace
+    with a disk faster than one core's sha256, for writes and for verifying reads alike. Bytes
+    are fed in order, in pieces of any length; at most HASH_BACKLOG chunks wait, each holding
+    the memory its pieces view."""
+
+    def __init__(self, pool: ThreadPoolExecutor, chunk_bytes: int = 0) -> None:
+        self.pool, self.chunk_bytes = pool, chunk_bytes or HASH_CHUNK_BYTES
+        self.pieces: list[memoryview] = []
+        self.filled = 0
+        self.waiting: deque = deque()
+        self.digests: list[bytes] = []
+
+    def update(self, view: memoryview) -> None:
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self.filled)
+            self.pieces.append(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == self.chunk_bytes:
+                self._submit()
+
+    def _submit(self) -> None:
+        self.waiting.append(self.pool.submit(_chunk_digest, self.pieces))
+        self.pieces, self.filled = [], 0
+        while len(self.waiting) > HASH_BACKLOG:
+            self.digests.append(self.waiting.popleft().result())
+
+    def hexdigest(self) -> str:
+        if self.filled:
+            self._submit()
+        self.digests += [future.result() for future in self.waiting]
+        self.waiting.clear()
+        return hashlib.sha256(b"".join(self.digests)).hexdigest()
+
+
+def _entry(written: int, digest: _ChunkedSha256) -> dict[str, Any]:
+    return {"bytes": written, "sha256": digest.hexdigest(), "chunk_bytes": digest.chunk_bytes}
+
+
+def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]:
+    """`data` written in pieces, hashed as written, fsynced; its stamp entry."""
+    with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digest = _ChunkedSha256(pool)
         at(f"{path.name}: opened")
         view = memoryview(data)
         for start in range(0, len(view), CHUNK_BYTES):
-            chunk = view[start:start + CHUNK_BYTES]
-            fh.write(chunk)
-            digest.update(chunk)
-            at(f"{path.name}: {start + len(chunk)} bytes")
+            piece = view[start:start + CHUNK_BYTES]
+            fh.write(piece)
+            digest.update(piece)
+            at(f"{path.name}: {start + len(piece)} bytes")
         fh.flush()
         os.fsync(fh.fileno())
+        entry = _entry(len(data), digest)
         at(f"{path.name}: synced")
-    return {"bytes": len(data), "sha256": digest.hexdigest()}
+    return entry
 
 
 # torch dtype -> safetensors' name for it (the format's spec); a checkpoint refuses any other
@@ -186,34 +240,30 @@ def _host_views(tensors: dict[str, torch.Tensor], ahead: int = 2) -> Iterator[me
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
-    """The tensors written in chunks as their host copies arrive, each chunk hashed on a second
-    thread while the next is written (both leave the GIL); the fsync waits on the disk while that
-    thread finishes the hash, which writing to the page cache outruns."""
+    """The tensors written in pieces as their host copies arrive, each chunk hashed on the pool
+    while the next are written; the fsync waits on the disk while the pool finishes."""
     header = _safetensors_header(tensors)
     for device in {t.device for t in tensors.values() if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()  # the copier's stream sees the caller's work done
-    digest = hashlib.sha256()
     written = 0
-    hashing: deque = deque()  # chunks queued to hash; each holds its tensor's host copy alive
-    with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=1) as hasher:  # one worker: updates in order
+    with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digest = _ChunkedSha256(pool)
         at(f"{path.name}: opened")
         for view in itertools.chain([memoryview(header)], _host_views(tensors)):
             for start in range(0, len(view), CHUNK_BYTES):
-                chunk = view[start:start + CHUNK_BYTES]
-                fh.write(chunk)
-                hashing.append(hasher.submit(digest.update, chunk))
-                if len(hashing) > HASH_BACKLOG:  # the page cache outruns the hash: bound what waits
-                    hashing.popleft().result()
-                written += len(chunk)
+                piece = view[start:start + CHUNK_BYTES]
+                fh.write(piece)
+                digest.update(piece)
+                written += len(piece)
                 at(f"{path.name}: {written} bytes")
         if written != len(header) + sum(t.numel() * t.element_size() for t in tensors.values()):
             raise CheckpointError(f"{path}: wrote {written} bytes where the header describes another count (a "
                                   "tensor resized during the save?)")
         fh.flush()
         os.fsync(fh.fileno())
-        hasher.shutdown(wait=True)
+        entry = _entry(written, digest)
         at(f"{path.name}: synced")
-    return {"bytes": written, "sha256": digest.hexdigest()}
+    return entry
 
 
 def _versions() -> dict[str, str]:
@@ -274,7 +324,8 @@ def _stamp_digest(meta: dict[str, Any]) -> str:
 def _valid_entry(name: Any, entry: Any) -> bool:
     return (isinstance(name, str) and name not in ("", ".", "..", META) and "/" not in name and "\\" not in name
             and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0
-            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64)
+            and isinstance(entry.get("sha256"), str) and len(entry["sha256"]) == 64
+            and (type(entry.get("chunk_bytes", 1)) is int and 0 < entry.get("chunk_bytes", 1) <= 1 << 30))
 
 
 def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
@@ -319,10 +370,11 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
         if not path.is_file():
             raise CheckpointError(f"{root} lacks {name}, which its stamp names")
         size = path.stat().st_size
+        chunk_bytes = entry.get("chunk_bytes", 0)  # 0: format 1, one sha256 over the bytes
         if size == entry["bytes"] and keep:  # a load hashes the very bytes it decodes
-            data, size, digest = _read_hashed(path, size)
+            data, size, digest = _read_hashed(path, size, chunk_bytes)
         elif size == entry["bytes"] and verify:
-            digest = _sha256(path)
+            digest = file_sha256(path, chunk_bytes)
         if size != entry["bytes"]:
             raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or "
                                   "written to after the save")
@@ -335,29 +387,51 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     return meta, contents
 
 
-def _read_hashed(path: Path, size: int) -> tuple[torch.Tensor, int, str]:
-    """(the file's bytes as a uint8 tensor, how many there were, their sha256): read in chunks,
-    each hashed on a second thread while the next is read (both leave the GIL). A file that grew
-    or shrank since its size was taken reads as another size, and so fails the size check."""
+class _Sha256:
+    """Format 1's sha256 over the bytes, fed like _ChunkedSha256: one thread, in order."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool, self.digest, self.waiting = pool, hashlib.sha256(), deque()
+
+    def update(self, view: memoryview) -> None:
+        self.waiting.append(self.pool.submit(self.digest.update, view))
+        while len(self.waiting) > HASH_BACKLOG:
+            self.waiting.popleft().result()
+
+    def hexdigest(self) -> str:
+        for future in self.waiting:
+            future.result()
+        return self.digest.hexdigest()
+
+
+def _hasher(pool_of: Callable[[int], ThreadPoolExecutor], chunk_bytes: int):
+    return _ChunkedSha256(pool_of(HASH_THREADS), chunk_bytes) if chunk_bytes else _Sha256(pool_of(1))
+
+
+def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor, int, str]:
+    """(the file's bytes as a uint8 tensor, how many there were, their stamp's sha256): read in
+    pieces, hashed as they arrive while the next are read (hashing leaves the GIL). A file that
+    grew or shrank since its size was taken reads as another size, and so fails the size check."""
     data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
     view = memoryview(data.numpy())
-    digest = hashlib.sha256()
     read = 0
-    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=1) as hasher:
+    with open(path, "rb", buffering=0) as fh, contextlib.ExitStack() as pools:
+        digest = _hasher(lambda n: pools.enter_context(ThreadPoolExecutor(max_workers=n)), chunk_bytes)
         while read < size and (n := fh.readinto(view[read:read + CHUNK_BYTES])):
-            hasher.submit(digest.update, view[read:read + n])
+            digest.update(view[read:read + n])
             read += n
         if read == size and fh.read(1):
             read += 1
-    return data, read, digest.hexdigest()
+        return data, read, digest.hexdigest()
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+def file_sha256(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
+    """The sha256 a stamp holds for the file at `path` (chunk_bytes 0: format 1's, over the bytes)."""
+    with open(path, "rb") as fh, contextlib.ExitStack() as pools:
+        digest = _hasher(lambda n: pools.enter_context(ThreadPoolExecutor(max_workers=n)), chunk_bytes)
+        while piece := fh.read(CHUNK_BYTES):
+            digest.update(memoryview(piece))
+        return digest.hexdigest()
 
 
 _DTYPES_BY_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
