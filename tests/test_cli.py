@@ -339,3 +339,18 @@ def test_help_renders_the_baseline_path_whole():
     # help is rendered as Markdown (paragraphs rewrapped): a bare <device-slug> would be an HTML tag
     output = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["baseline", "save", "--help"]).output
     assert "baselines/<device-slug>/<gate>.json" in output, output
+
+
+def test_checkpoint_verify_says_whole_or_names_the_fault(tmp_path):
+    import torch
+
+    from suite.arms.checkpoint import TENSORS, save_checkpoint
+
+    root = save_checkpoint(tmp_path / "step-5", {"w": torch.randn(300, 300)}, step=5)
+    result = invoke("checkpoint", "verify", root)
+    assert result.exit_code == ExitCode.OK and "whole checkpoint of step 5 (format 2, 2 files verified)" in result.output
+    data = bytearray((root / TENSORS).read_bytes())
+    data[len(data) // 2] ^= 0x40
+    (root / TENSORS).write_bytes(bytes(data))
+    result = invoke("checkpoint", "verify", root)
+    assert result.exit_code == 3 and f"{TENSORS} does not match its sha256" in " ".join(result.output.split())
