@@ -544,11 +544,14 @@ def routing_truth(logits: torch.Tensor, routing: Routing, renormalize: bool = Tr
     return probs, wide
 
 
-def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+def _plan(x, probs, w_gate, w_up, w_down, token_of_row) -> moe_kernels.LayerPlan | None:
+    return moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+
+
+def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
     """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
     routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
-    never read. Through the call shape's kept LayerPlan where there is one."""
-    plan = moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+    never read. Through the call shape's kept LayerPlan (`_plan`) where there is one."""
     if plan is not None:
         return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
     a, g, u = moe_kernels.expert_up(x, w_gate, w_up, token_of_row, offsets)
@@ -556,10 +559,10 @@ def _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_
     return moe_kernels.combine(y_rows, row_id_map, probs), a, g, u, y_rows
 
 
-def _experts_backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
+                      row_id_map):
     """-> (dx, dprobs, dw_gate, dw_up, dw_down)."""
     grad_out = grad_out.contiguous()
-    plan = moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
     if plan is not None and grad_out.dtype == plan.dtype:
         return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
                              row_id_map)
@@ -577,13 +580,14 @@ class _ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-        out, *saved = _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
+        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
         ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return *_experts_backward(grad_out, *ctx.saved_tensors), None, None, None
+        return *_experts_backward(ctx.plan, grad_out, *ctx.saved_tensors), None, None, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
@@ -657,7 +661,8 @@ def _(expert_ids, num_experts, capacity, max_rows):
 def _experts_op(x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
                 token_of_row: torch.Tensor, offsets: torch.Tensor, row_id_map: torch.Tensor) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _experts_forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+    return _experts_forward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), x, probs, w_gate, w_up, w_down,
+                            token_of_row, offsets, row_id_map)
 
 
 @_experts_op.register_fake
@@ -673,8 +678,8 @@ def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.T
                          y_rows: torch.Tensor, token_of_row: torch.Tensor, offsets: torch.Tensor,
                          row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                             torch.Tensor]:
-    return _experts_backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                             row_id_map)
+    return _experts_backward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), grad_out, x, probs, w_gate, w_up,
+                             w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map)
 
 
 @_experts_backward_op.register_fake
