@@ -10,8 +10,9 @@ On a CUDA GPU the kernels launch: at a few tokens the GPU's work is smaller than
 back-to-back calls measure dispatch (the checks, the tile choice, the launch path, autograd).
 The device time of each call (CUDA-graph replays) is printed beside it: where the host time
 exceeds it, an eager loop waits on the host. Without a GPU the launches are stubbed and what
-is left is the entry points' own Python, the part a change to their checks or tile choice
-moves (the 2-core CPU of CI and development); a CPU device takes the RTX card's shared-memory
+is left is the Python of the entry points, and of the experts layer under autograd and the
+routing, the part a change to their checks, buffers or tile choice moves (the 2-core CPU of
+CI and development); a CPU device takes the RTX card's shared-memory
 limit (suite.device_profile), so its tiles are chosen as on the user's card, where the first
 tile tried fits less often than on the H200. Defaults: the top2-small preset's layer.
 
@@ -33,8 +34,12 @@ from typing import Any, Callable
 import torch
 from tabulate import tabulate
 
-from suite.arms import moe, moe_kernels as mk
-from suite.harness.timers import CudaTimer, host_us_per_call
+if not torch.cuda.is_available():  # the launch paths Triton's interpreter takes, before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from suite.arms import moe, moe_kernels as mk  # noqa: E402
+from suite.arms.triton_support import KeptLaunches  # noqa: E402
+from suite.harness.timers import CudaTimer, host_us_per_call  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,13 +58,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 @contextmanager
 def launches_stubbed():
-    """The entry points' Python alone: no kernel launches, and CPU tensors accepted."""
-    saved = mk.PlannedLaunch.__call__, mk._require_runnable
+    """The Python alone: no kernel launches (planned or kept: the routing's too), and CPU
+    tensors accepted. What the stubbed kernels would have written is left unwritten."""
+    saved = mk.PlannedLaunch.__call__, mk._require_runnable, KeptLaunches.__call__
     mk.PlannedLaunch.__call__, mk._require_runnable = (lambda self, *tensors: None), (lambda t, fn: None)
+    KeptLaunches.__call__ = lambda self, *args: None
     try:
         yield
     finally:
-        mk.PlannedLaunch.__call__, mk._require_runnable = saved
+        mk.PlannedLaunch.__call__, mk._require_runnable, KeptLaunches.__call__ = saved
 
 
 def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]],
@@ -101,7 +108,8 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
     }
     leaves = [p.requires_grad_() for p in (x.clone(), w_gate.clone(), w_up.clone(), w_down.clone())]
     layer_probs = routing.probs.detach().requires_grad_()
-    layer_routing = dataclasses.replace(routing, probs=layer_probs)
+    # as route() made it (its checks would read what stubbed kernels left unwritten)
+    layer_routing = moe._trusted_routing(**{**vars(routing), "probs": layer_probs})
 
     def experts_layer():
         result = moe.experts(leaves[0], layer_routing, *leaves[1:])
@@ -145,7 +153,8 @@ def measure(args: argparse.Namespace) -> dict:
     rows = []
     with nullcontext() if cuda else launches_stubbed():
         calls, layers = entry_points(args, device)
-        named = [*calls.items(), *(layers.items() if cuda else [])]
+        # on the CPU the MoEExperts layer's router runs its real matmuls there: not the host's cost
+        named = [*calls.items(), *((n, fn) for n, fn in layers.items() if cuda or not n.startswith("MoEExperts"))]
         timer = CudaTimer(device) if cuda else None
         for name, fn in named:
             fn()  # compiles
