@@ -474,17 +474,22 @@ def _sonicmoe_missing(device: torch.device) -> str | None:
 
 
 def _build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
-    """SonicMoE's build: one forward first, against the arm's on the same routing and weights,
-    so a layout mistaken here is an unavailable peer with its reason, never a fast wrong one (and
-    its CuTe kernels' JIT, minutes on a first call, falls in the build, not the cold timing)."""
+    """SonicMoE's build: one forward and backward first, against the arm's on the same routing
+    and weights (the output, dx and dprobs, which no weight layout changes), so a layout mistaken
+    here is an unavailable peer with its reason, never a fast wrong one; its CuTe kernels' JIT,
+    minutes on a first call, falls here too, not in the cold timing."""
     x, weights, routing = _leaves(buffers, preset)
-    with torch.no_grad():
-        theirs = sonicmoe_experts(routing)(x, routing, *sonicmoe_layout(weights)).float()
-        ours = experts(x, routing, *weights).float()
-        error = float((theirs - ours).norm() / ours.norm().clamp(min=1e-30))
-    if not error <= 0.02:
-        raise ValueError(f"SonicMoE's output differs from the arm's by relative L2 {error:.3g} on the same "
-                         "routing and weights: not the same layer")
+    grad_out = buffers["grad_out"]
+    theirs_out = sonicmoe_experts(routing)(x, routing, *sonicmoe_layout(weights))
+    ours_out = experts(x, routing, *weights)
+    for name, theirs, ours in (
+            ("output", theirs_out, ours_out),
+            *zip(("dx", "dprobs"), torch.autograd.grad(theirs_out, (x, routing.probs), grad_out),
+                 torch.autograd.grad(ours_out, (x, routing.probs), grad_out))):
+        error = float((theirs.float() - ours.float()).norm() / ours.float().norm().clamp(min=1e-30))
+        if not error <= 0.02:
+            raise ValueError(f"SonicMoE's {name} differs from the arm's by relative L2 {error:.3g} on the same "
+                             "routing and weights: not the same layer")
     return _build(lambda routing, _: sonicmoe_experts(routing), sonicmoe_layout)(case, buffers, preset)
 
 

@@ -263,25 +263,54 @@ def test_bench_counts():
     assert bwd.flops(olmoe) == 12 * 8192 * 8 * 2048 * 1024
 
 
-def test_sonicmoe_layout_interleaves_gate_and_up_as_its_swiglu_reads_them():
-    """SonicMoE's MoE reads c_fc's rows as gate at 2i and up at 2i + 1 (its torch path's
-    _swiglu); the same layer computed that way from sonicmoe_layout's weights is the
-    reference's. On CUDA the build also checks its kernels' output against the arm's."""
+def _sonicmoe_in_torch(gate_rows: slice = slice(0, None, 2), up_rows: slice = slice(1, None, 2)):
+    """SonicMoE's layer as its module's torch path computes it (gate at c_fc's even rows, up at
+    its odd ones: its _swiglu), differentiable: sonicmoe_experts' stand-in on the CPU."""
     import torch.nn.functional as F
 
+    def experts_for(routing):
+        def run(x, routing, c_fc, c_proj):
+            rows = []
+            for t in range(x.shape[0]):
+                row = 0
+                for s in range(routing.k):
+                    e = int(routing.expert_ids[t, s])
+                    both = x[t] @ c_fc[e].T
+                    row = row + routing.probs[t, s] * ((F.silu(both[gate_rows]) * both[up_rows]) @ c_proj[e].T)
+                rows.append(row)
+            return torch.stack(rows)
+        return run
+
+    return experts_for
+
+
+def test_sonicmoe_layout_interleaves_gate_and_up_as_its_swiglu_reads_them():
+    """SonicMoE's MoE reads c_fc's rows as gate at 2i and up at 2i + 1 (its torch path's
+    _swiglu, and QuACK's gated epilogue); the same layer computed that way from
+    sonicmoe_layout's weights is the reference's."""
     preset = GATE.preset("tiny-top2")
     buffers = GATE.make_buffers(preset, 1, CPU)
     x, weights, routing = moe_bwd._leaves(buffers, preset)
     c_fc, c_proj = moe_bwd.sonicmoe_layout(weights)
     assert c_fc.shape == (weights[0].shape[0], 2 * weights[0].shape[2], weights[0].shape[1])
-    out = torch.zeros_like(x, dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for s in range(routing.k):
-            e = int(routing.expert_ids[t, s])
-            both = x[t] @ c_fc[e].T
-            out[t] += routing.probs[t, s] * ((F.silu(both[0::2]) * both[1::2]) @ c_proj[e].T)
+    out = _sonicmoe_in_torch()(routing)(x, routing, c_fc, c_proj)
     want = moe.experts_reference(x, routing, *weights)
     torch.testing.assert_close(out, want.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_sonicmoe_build_refuses_a_layer_that_is_not_the_arms(monkeypatch):
+    """The build's check, with the torch stand-in: the right layout builds a timed call; gate and
+    up swapped (a layout mistaken) is refused with the output's error named."""
+    preset = GATE.preset("tiny-top2")
+    buffers = GATE.make_buffers(preset, 1, CPU)
+    case = next(c for c in GATE.benches if c.name == "fwd+bwd")
+    monkeypatch.setattr(moe_bwd, "sonicmoe_experts", _sonicmoe_in_torch())
+    grads = moe_bwd._build_sonicmoe(case, buffers, preset)()
+    assert len(grads) == 4 and grads[1].shape == moe_bwd.sonicmoe_layout([buffers[n] for n in
+                                                                          ("w_gate", "w_up", "w_down")])[0].shape
+    monkeypatch.setattr(moe_bwd, "sonicmoe_experts", _sonicmoe_in_torch(slice(1, None, 2), slice(0, None, 2)))
+    with pytest.raises(ValueError, match="SonicMoE's output differs from the arm's by relative L2"):
+        moe_bwd._build_sonicmoe(case, buffers, preset)
 
 
 def test_sonicmoe_says_why_it_cannot_run_here():

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import launch_kept
+from suite.arms.triton_support import launch_kept, on_device_of
 
 # Keller Jordan's quintic: maximal slope at zero, singular values left within about [0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -145,16 +145,19 @@ class StepScalars(NamedTuple):
 @triton.jit
 def _kept_update_kernel(x_ptr, y_ptr, a_ptr, b_ptr, skip_ptr, n, SIGN: tl.constexpr, HAS_B: tl.constexpr,
                         HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr):
-    """x <- x * a + SIGN * (y * b), each product and the sum rounded to its tensor's dtype as the
-    eager ops round them (launched without FMA contraction), unless skip: then x keeps its bits.
-    Without b, y itself (y * 1 is y); without skip, every step updates."""
+    """x <- x * a + SIGN * (y * b), rounded as the eager CUDA ops round it (launched without FMA
+    contraction): a and b (0-d fp32 device tensors) first to x's dtype, as ATen casts a 0-d
+    device operand to the other's dtype; each product and the sum to x's dtype. Unless skip:
+    then x keeps its bits. Without b, y itself (y * 1 is y); without skip, every step updates."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     x = tl.load(x_ptr + offsets, mask=mask)
     y = tl.load(y_ptr + offsets, mask=mask)
-    xa = (x.to(tl.float32) * tl.load(a_ptr)).to(x.dtype).to(tl.float32)
+    a = tl.load(a_ptr).to(x.dtype).to(tl.float32)
+    xa = (x.to(tl.float32) * a).to(x.dtype).to(tl.float32)
     if HAS_B:
-        yb = (y.to(tl.float32) * tl.load(b_ptr)).to(y.dtype).to(tl.float32)
+        b = tl.load(b_ptr).to(y.dtype).to(tl.float32)
+        yb = (y.to(tl.float32) * b).to(y.dtype).to(tl.float32)
     else:
         yb = y.to(tl.float32)
     new = (xa + SIGN * yb).to(x.dtype)
@@ -164,18 +167,22 @@ def _kept_update_kernel(x_ptr, y_ptr, a_ptr, b_ptr, skip_ptr, n, SIGN: tl.conste
 
 
 _KEPT_BLOCK = 4096
+_KEPT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _kept_update(skip: torch.Tensor | None, x: torch.Tensor, a: torch.Tensor, y: torch.Tensor,
                  b: torch.Tensor | None, sign: int) -> bool:
     """x.mul_(a).add_(y * b, alpha=sign) in one pass (that a skip leaves undone), on a GPU for
-    contiguous x and y of one dtype (mixed, a NaN's payload could differ from the eager ops'):
-    the eager ops make three passes over x and a temporary. False where the
-    caller must run the ops itself (the CPU: Triton's interpreter would run it, at some
-    milliseconds a launch)."""
-    if not (x.is_cuda and x.is_contiguous() and y.is_contiguous() and x.shape == y.shape and x.dtype == y.dtype):
+    contiguous x and y of one dtype of _KEPT_DTYPES (mixed, a NaN's payload could differ from the
+    eager ops'; float64, the kernel's fp32 would round it): the eager ops make three passes over
+    x and a temporary. False where the caller must run the ops itself (the CPU too: Triton's
+    interpreter would run it, at some milliseconds a launch)."""
+    if not (x.is_cuda and x.dtype in _KEPT_DTYPES and x.dtype == y.dtype and x.shape == y.shape
+            and x.is_contiguous() and y.is_contiguous()):
         return False
-    launch_kept_update(skip, x, a, y, b, sign)
+    with on_device_of(x):
+        launch_kept_update(skip, x, a, y, b, sign)
+    torch.autograd.graph.increment_version(x)  # as an in-place op does: autograd sees x changed
     return True
 
 

@@ -17,7 +17,6 @@ bits exactly.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import numbers
@@ -29,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from suite.arms.triton_support import KeptLaunches, Launcher, interpreting, launch, launcher
+from suite.arms.triton_support import KeptLaunches, Launcher, interpreting, launch, launcher, on_device_of
 from suite.device_profile import smem_limit
 from suite.errors import CouldNotRun
 
@@ -501,13 +500,6 @@ def _require_runnable(t: torch.Tensor, **others: torch.Tensor) -> None:
         raise TypeError(f"rms_norm: stats must be the forward's fp32 stats, got {stats.dtype}")
 
 
-def _on_device_of(t: torch.Tensor):
-    """t's CUDA device made current for the launches (Triton launches on the current one)."""
-    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """(..., N) -> (M, N) with unit column stride (kernels take a row stride but assume adjacent
     columns); copies only when the columns are not adjacent or the rows cannot be one stride."""
@@ -528,7 +520,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     """
     _require_runnable(x2d, weight=weight)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
-    with _on_device_of(x2d):
+    with on_device_of(x2d):
         return _forward(_unit_col_stride(x2d), _unit_col_stride(weight), float(eps), float(offset), cfg, True)
 
 
@@ -538,7 +530,7 @@ def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tenso
     _require_runnable(x2d, dy=dy2d, weight=weight, stats=stats)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
-    with _on_device_of(x2d):
+    with on_device_of(x2d):
         return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=False)
 
 
@@ -550,7 +542,7 @@ def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.T
         return torch.zeros(n_cols, dtype=dtype, device=dw_partials.device)
     _require_runnable(dw_partials)
     dw = torch.empty(n_cols, dtype=dtype, device=dw_partials.device)
-    with _on_device_of(dw_partials):
+    with on_device_of(dw_partials):
         launch(
             _reduce_dw_partials_kernel, (_cdiv(n_cols, REDUCE_BLOCK_N),),
             dw_partials.contiguous(), dw, n_parts, n_cols, dw_group_size(n_parts),
@@ -573,7 +565,7 @@ def rms_norm_backward_reduced(
         dx, partials = rms_norm_backward(dy2d, x2d, weight, stats, offset)
         return dx, reduce_dw_partials(partials, weight.dtype)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
-    with _on_device_of(x2d):
+    with on_device_of(x2d):
         return _backward(dy2d, x2d, weight, stats, float(offset), cfg, reduce_dw=True)
 
 
@@ -630,7 +622,7 @@ class _RMSNormFunction(torch.autograd.Function):
 @torch.library.custom_op("suite::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd_op(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
     x2d, weight, cfg = _prepare(x, weight)
-    with _on_device_of(x2d):  # as the eager path: an op called outside Inductor's device guard
+    with on_device_of(x2d):  # as the eager path: an op called outside Inductor's device guard
         y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
     return y.view(x.shape), stats
 

@@ -392,6 +392,13 @@ def launchers_of(kernel) -> list[Launcher]:
 _kept_launches = KeptLaunches(limit=256)
 
 
+def on_device_of(t: torch.Tensor):
+    """t's CUDA device made current for the launches (Triton launches on the current one)."""
+    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def launch_kept(kernel, grid, *args, **meta) -> None:
     """launch(), for a kernel whose tensor arguments all come first: once a call with these
     dtypes, scalars and grid has launched, later ones go through its kept DirectLaunch (see
