@@ -21,7 +21,6 @@ stamp verifies and ignores temporaries (the next save removes them).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -387,25 +386,10 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     return meta, contents
 
 
-class _Sha256:
-    """Format 1's sha256 over the bytes, fed like _ChunkedSha256: one thread, in order."""
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool, self.digest, self.waiting = pool, hashlib.sha256(), deque()
-
-    def update(self, view: memoryview) -> None:
-        self.waiting.append(self.pool.submit(self.digest.update, view))
-        while len(self.waiting) > HASH_BACKLOG:
-            self.waiting.popleft().result()
-
-    def hexdigest(self) -> str:
-        for future in self.waiting:
-            future.result()
-        return self.digest.hexdigest()
-
-
-def _hasher(pool_of: Callable[[int], ThreadPoolExecutor], chunk_bytes: int):
-    return _ChunkedSha256(pool_of(HASH_THREADS), chunk_bytes) if chunk_bytes else _Sha256(pool_of(1))
+def _hasher(pool: ThreadPoolExecutor, chunk_bytes: int):
+    """The stamp's hash of a file as its entry says: format 2's over chunks of chunk_bytes, or
+    (chunk_bytes 0) format 1's plain sha256, fed in order on the caller's thread."""
+    return _ChunkedSha256(pool, chunk_bytes) if chunk_bytes else hashlib.sha256()
 
 
 def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor, int, str]:
@@ -415,8 +399,8 @@ def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor,
     data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
     view = memoryview(data.numpy())
     read = 0
-    with open(path, "rb", buffering=0) as fh, contextlib.ExitStack() as pools:
-        digest = _hasher(lambda n: pools.enter_context(ThreadPoolExecutor(max_workers=n)), chunk_bytes)
+    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digest = _hasher(pool, chunk_bytes)
         while read < size and (n := fh.readinto(view[read:read + CHUNK_BYTES])):
             digest.update(view[read:read + n])
             read += n
@@ -427,8 +411,8 @@ def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor,
 
 def file_sha256(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
     """The sha256 a stamp holds for the file at `path` (chunk_bytes 0: format 1's, over the bytes)."""
-    with open(path, "rb") as fh, contextlib.ExitStack() as pools:
-        digest = _hasher(lambda n: pools.enter_context(ThreadPoolExecutor(max_workers=n)), chunk_bytes)
+    with open(path, "rb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digest = _hasher(pool, chunk_bytes)
         while piece := fh.read(CHUNK_BYTES):
             digest.update(memoryview(piece))
         return digest.hexdigest()
