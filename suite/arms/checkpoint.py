@@ -198,7 +198,7 @@ def _safetensors_header(tensors: dict[str, torch.Tensor]) -> bytes:
     """The safetensors file's head: an 8-byte little-endian length, then the JSON header padded
     with spaces to 8 bytes; the tensors follow back to back in this order. Written by us so the
     bytes can be hashed as they are written (save_file writes the file in one call and a hash
-    must read it back); read back by safetensors' own parser."""
+    must read it back); safetensors' own load_file reads it, and _tensors_from loads it here."""
     entries: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
