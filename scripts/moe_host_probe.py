@@ -23,7 +23,6 @@ table last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
