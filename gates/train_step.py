@@ -6,8 +6,8 @@ A user switches an arm on inside a model, where its verdict can differ from the 
 this gate judges and times the step a user runs:
 
 - Parity, eager: `steps` AdamW steps of each kernel contender (rms_norm, experts, all arms) give
-  per-step losses and first-step gradients within k x stock's own error against the same model
-  and steps in float64 (the truth: stock's math with transformers' eager experts); the captured
+  each step's per-token losses and first-step gradients within k x stock's own error against the
+  same model and steps in float64 (the truth: stock's math with transformers' eager experts); the captured
   optimizers (CUDA) claim bits: CapturedOptimizer(AdamW fused) against stock, and
   CapturedOptimizer(Muon) against eager Muon, losses and final parameters, under
   torch.use_deterministic_algorithms as the parity runs, with eager attention on both sides.
@@ -200,29 +200,35 @@ def _zero_grad(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=not isinstance(optimizer, CapturedOptimizer))
 
 
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """The causal LM loss transformers computes from labels, in the logits' own precision where
-    that is wider than fp32 (transformers upcasts to fp32, which would round a float64 truth)."""
+def next_token_losses(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Each position's causal LM loss, unreduced, in the logits' own precision where that is
+    wider than fp32 (transformers upcasts to fp32, which would round a float64 truth)."""
     logits = model(input_ids=batch).logits[:, :-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                             reduction="none")
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
-          loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
-    """One step per batch of ids: the losses (at least fp32), the first step's gradients (None as
-    zeros) and the parameters after the last step. The loss is the model's own (from labels)
-    unless `loss_of` computes it."""
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The causal LM loss transformers computes from labels: the mean of next_token_losses."""
+    return next_token_losses(model, batch).mean()
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> dict[str, Any]:
+    """One step per batch of ids on the mean of next_token_losses: each step's per-token losses
+    [steps, tokens], the first step's gradients (None as zeros) and the parameters after the last
+    step. Parity judges the per-token losses, not their means: a few means are a few draws of
+    rounding noise, thousands of tokens measure it, and one token's own error shows."""
     losses, first_grads = [], {}
     for step, batch in enumerate(ids):
-        loss = model(input_ids=batch, labels=batch).loss if loss_of is None else loss_of(model, batch)
-        loss.backward()
+        token_losses = next_token_losses(model, batch)
+        token_losses.mean().backward()
         if step == 0:
             first_grads = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
                            for name, p in model.named_parameters()}
         optimizer.step()
         _zero_grad(optimizer)
-        losses.append(loss.detach().to(torch.promote_types(loss.dtype, torch.float32)))
+        losses.append(token_losses.detach())
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return {"loss": torch.stack(losses), "grads": first_grads, "params": params}
 
@@ -286,7 +292,7 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
     experts = "eager" if preset.params.get("experts") else None
     model = build_model(preset, buffers, torch.float64, experts=experts)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, foreach=False)
-    run = train(model, optimizer, _parity_ids(buffers, preset), loss_of=next_token_loss)
+    run = train(model, optimizer, _parity_ids(buffers, preset))
     outputs: Outputs = {}
     for name in _kernel_contenders(preset, buffers):
         outputs.update(_outputs(name, run, bitwise=False))

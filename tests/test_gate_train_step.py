@@ -40,7 +40,7 @@ def test_dense_model_passes_and_a_norm_without_weight_gradient_is_caught():
     judged = judge_setup(GATE, "tiny-llama")
     result, outputs = arm_result(GATE, judged)
     assert {name.split("/")[0] for name in outputs} == {"all arms"}  # the CPU: every kernel arm together
-    assert outputs["all arms/loss"].shape == (3,)
+    assert outputs["all arms/loss"].shape == (3, 2 * 15)  # per step, each token's loss (batch 2, seq 16)
     sabotaged_result(GATE, judged, _saboteur("norm-weight-frozen"))
 
 
