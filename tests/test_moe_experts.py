@@ -140,6 +140,33 @@ def test_fused_and_eager_layers_train_alike():
         assert abs(a - b) <= 1e-4 * max(b, 1e-3), (step, a, b)
 
 
+@pytest.mark.parametrize("capacity_factor, z_loss", [(None, False), (0.75, True)])
+def test_the_module_routes_and_runs_its_experts_in_one_node_with_the_composed_bits(capacity_factor, z_loss):
+    """MoEExperts' eager forward puts the routing and the experts behind one autograd node:
+    the bits of route() then experts() on the same weights, the z-loss's gradient included."""
+    torch.manual_seed(3)
+    layer = moe.MoEExperts(D, F, num_experts=5, top_k=2, capacity_factor=capacity_factor, z_loss=z_loss)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(4))
+    grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(5))
+    params = list(layer.parameters())
+
+    def grads(out, z):
+        loss = (out * grad_out).sum() + (1e-3 * z if z is not None else 0.0)
+        return [out.detach(), *(t.detach() for t in ([z] if z is not None else [])),
+                *torch.autograd.grad(loss, [xx, *params])]
+
+    xx = x.clone().requires_grad_()
+    out = layer(xx)
+    assert "_LayerFunction" in type(out.grad_fn.next_functions[0][0]).__name__
+    fused = grads(out, layer.last_z_loss)
+    xx = x.clone().requires_grad_()
+    routing = moe.route(layer.router(xx), 2, capacity_factor=layer._capacity, z_loss=z_loss)
+    composed = grads(moe.experts(xx, routing, layer.w_gate, layer.w_up, layer.w_down), routing.z_loss)
+    assert len(fused) == len(composed)
+    for a, b in zip(fused, composed):
+        assert torch.equal(a, b)
+
+
 def test_module_keeps_the_input_shape_and_refuses_an_unknown_impl():
     layer = moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="eager")
     assert layer(torch.randn(2, 5, 16)).shape == (2, 5, 16)
@@ -213,3 +240,21 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
     for name, a, b in zip(NAMES, planned, checked):
         assert torch.equal(a, b), name
+
+
+def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole():
+    """The backward writes its temporaries into the forward's saved activations only when
+    autograd frees them after it: with retain_graph a second backward reads them intact, and
+    both give the bits of a backward that did reuse them."""
+    num_experts, k, capacity_factor, shift = CASES["capacity-drops"]
+    x, weights, logits, grad_out = make_inputs(num_experts, seed=5, logit_shift=shift)
+    leaves = [x.requires_grad_(), *(w.requires_grad_() for w in weights)]
+
+    def forward():
+        return moe.experts(x, moe.route(logits, k, capacity_factor=capacity_factor), *weights)
+
+    out = forward()
+    kept = [torch.autograd.grad(out, leaves, grad_out, retain_graph=True) for _ in range(2)]
+    reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
+    for first, second, third in zip(*kept, reused):
+        assert torch.equal(first, second) and torch.equal(first, third)

@@ -172,7 +172,7 @@ def _check_routing_indices(r: Routing) -> None:
     """A hand-built Routing's integers describe a layout the kernels can index safely: every id
     in range, the rows of expert e at offsets[e]:offsets[e+1] below max_rows, and the maps from
     rows to (token, slot) and back inverse to each other. Checked on the device (`_require`)."""
-    tokens, k, num_experts, slots = r.num_tokens, r.k, r.num_experts, r.row_id_map.numel()
+    k, num_experts, slots = r.k, r.num_experts, r.row_id_map.numel()
     device = r.offsets.device
     if slots:
         lowest, highest = torch.aminmax(r.expert_ids)
@@ -332,8 +332,9 @@ def _route_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _route_grads(ctx, grad_probs, grad_z, backward) -> torch.Tensor | None:
-    logits, lse, expert_ids, probs = ctx.saved_tensors
+def _route_grads(ctx, grad_probs, grad_z, backward, saved=None) -> torch.Tensor | None:
+    """dlogits by `backward` from what the routing saved (ctx.saved_tensors unless given)."""
+    logits, lse, expert_ids, probs = ctx.saved_tensors if saved is None else saved
     grad_z = grad_z if ctx.z_loss else None
     if grad_probs is None and grad_z is None:
         return None
@@ -548,30 +549,36 @@ def _plan(x, probs, w_gate, w_up, w_down, token_of_row) -> moe_kernels.LayerPlan
     return moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
 
 
-def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, eager=False):
     """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
     routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
-    never read. Through the call shape's kept LayerPlan (`_plan`) where there is one."""
+    never read. Through the call shape's kept LayerPlan (`_plan`) where there is one; eager
+    (not a custom op): a, g and u share one allocation."""
     if plan is not None:
-        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=eager)
     a, g, u = moe_kernels.expert_up(x, w_gate, w_up, token_of_row, offsets)
     y_rows = moe_kernels.expert_down(a, w_down, offsets)
     return moe_kernels.combine(y_rows, row_id_map, probs), a, g, u, y_rows
 
 
 def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                      row_id_map):
-    """-> (dx, dprobs, dw_gate, dw_up, dw_down)."""
+                      row_id_map, reuse_saved=False):
+    """-> (dx, dprobs, dw_gate, dw_up, dw_down). reuse_saved: a, g, u and y_rows are dead after
+    this call, and the plan may write into them."""
     grad_out = grad_out.contiguous()
     if plan is not None and grad_out.dtype == plan.dtype:
         return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                             row_id_map)
+                             row_id_map, reuse_saved)
     grad_rows, grad_probs = moe_kernels.combine_backward(grad_out, y_rows, probs, row_id_map)
     dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
     dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
     # each token's k slots summed in slot order, so dx repeats its bits run to run
     dx = moe_kernels.combine(dx_rows, row_id_map, top_k=probs.shape[1])
     return dx, grad_probs, dw_gate, dw_up, dw_down
+
+
+# whether the running backward keeps its graph; where torch lacks the query, assume it does
+_graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
 class _ExpertsFunction(torch.autograd.Function):
@@ -581,13 +588,17 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
         ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
-        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
+                                       eager=True)
         ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return *_experts_backward(ctx.plan, grad_out, *ctx.saved_tensors), None, None, None
+        # the saved activations are released after this backward unless the graph is kept
+        # (retain_graph, create_graph): only then may it write its temporaries into them
+        reuse = not _graph_kept()
+        return *_experts_backward(ctx.plan, grad_out, *ctx.saved_tensors, reuse_saved=reuse), None, None, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
@@ -601,6 +612,48 @@ def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _experts_op(*args)[0]
     return _ExpertsFunction.apply(*args)
+
+
+class _LayerFunction(torch.autograd.Function):
+    """MoEExperts' eager forward on the kernels: the routing's and the experts' launches behind
+    one autograd node, with no Routing made between them (one node's dispatch instead of two).
+    The same kernels on the same buffers as route() then experts(), so the same bits."""
+
+    @staticmethod
+    def forward(ctx, logits, x, w_gate, w_up, w_down, k, renormalize, capacity, max_rows, z_loss):
+        probs, expert_ids, offsets, row_id_map, _, token_of_row, _, lse, z = moe_route_kernels.route_forward(
+            logits, k, renormalize, capacity, max_rows, z_loss)
+        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)
+        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
+                                       eager=True)
+        ctx.save_for_backward(logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *saved, token_of_row, offsets,
+                              row_id_map)
+        ctx.renormalize, ctx.z_loss = renormalize, z_loss
+        ctx.set_materialize_grads(False)
+        return out, z
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_z):
+        logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
+        dx = dw_gate = dw_up = dw_down = grad_probs = None
+        if grad_out is not None:
+            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward(
+                ctx.plan, grad_out, x, probs, w_gate, w_up, w_down, *rest, reuse_saved=not _graph_kept())
+        dlogits = _route_grads(ctx, grad_probs, grad_z, moe_route_kernels.route_backward,
+                               saved=(logits, lse, expert_ids, probs))
+        return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
+
+
+def _fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
+    """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
+    MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
+    _check_route_args("MoEExperts", logits, k, capacity_factor)
+    num_tokens, num_experts = logits.shape
+    capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    return _LayerFunction.apply(logits, x.contiguous(), w_gate, w_up, w_down, k, renormalize,
+                                num_tokens * k if capacity is None else capacity,
+                                _max_rows(num_tokens, k, num_experts, capacity), z_loss)
 
 
 # ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
@@ -692,9 +745,13 @@ def _experts_setup(ctx, inputs, output):
     x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map = inputs
     ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *output[1:], token_of_row, offsets, row_id_map)
     ctx.mark_non_differentiable(*output[1:])
+    # the saved activations never get a gradient: no zeros made for them each backward
+    ctx.set_materialize_grads(False)
 
 
 def _experts_op_backward(ctx, grad_out, *_grad_saved):
+    if grad_out is None:
+        return None, None, None, None, None, None, None, None
     return *_experts_backward_op(grad_out, *ctx.saved_tensors), None, None, None
 
 
@@ -745,7 +802,13 @@ class MoEExperts(nn.Module):
         router_input = tokens
         if self.training and self.jitter_eps is not None:
             router_input = jittered(tokens, self.jitter_eps, self.generator)
-        routing = route(self.router(router_input), self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
+        logits = self.router(router_input)
+        if (self.impl == "fused" and tokens.shape[0] and not torch.compiler.is_compiling()
+                and moe_route_kernels.runs_on(logits)):
+            out, self.last_z_loss = _fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
+                                                 self.renormalize, self._capacity, self.z_loss)
+            return out.view(x.shape)
+        routing = route(logits, self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
         self.last_z_loss = routing.z_loss
         run = experts if self.impl == "fused" else experts_reference
         return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)

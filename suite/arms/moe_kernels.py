@@ -192,8 +192,8 @@ def _rows_gemm_kernel(
 @triton.jit
 def _swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, BLOCK: tl.constexpr):
     """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
-    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself (each element is read before
-    the same program writes it)."""
+    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself, and DG and DU may be G and
+    U (each element is read before the same program writes it)."""
     n = tl.load(OFFSETS + n_experts).to(tl.int64) * f
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -813,27 +813,39 @@ class LayerPlan:
     def _empty(self, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
 
-    def forward(self, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-        """expert_up, expert_down and combine: -> (out, a, g, u, y_rows)."""
+    def forward(self, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=False):
+        """expert_up, expert_down and combine: -> (out, a, g, u, y_rows). one_buffer: a, g and u
+        as views of one allocation (not for a custom op, whose outputs must not share memory)."""
         rows, f = self.n_rows, self.f
-        a, g, u, y_rows, out = (self._empty(rows, f), self._empty(rows, f), self._empty(rows, f),
-                                self._empty(rows, self.d), self._empty(self.n_tokens, self.d))
+        if one_buffer:
+            a, g, u = torch.empty((3, rows, f), dtype=self.dtype, device=self.device).unbind(0)
+        else:
+            a, g, u = self._empty(rows, f), self._empty(rows, f), self._empty(rows, f)
+        y_rows, out = self._empty(rows, self.d), self._empty(self.n_tokens, self.d)
         self.up(x, w_gate, w_up, token_of_row, offsets, a, g, u)
         self.down(a, a, w_down, w_down, offsets, y_rows)
         self.combine(y_rows, row_id_map, probs, out)
         return out, a, g, u, y_rows
 
-    def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+    def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map,
+                 reuse_saved=False):
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
-        -> (dx, grad_probs, dw_gate, dw_up, dw_down)."""
+        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's a, g, u and
+        y_rows are dead after this backward (autograd keeps no graph), so its temporaries go
+        into them, each once the launches that read it are done: three allocations fewer."""
         rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
-        dg, du, dw_down = self._empty(rows, f), self._empty(rows, f), self._empty(n_experts, f, d)
-        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, du)  # d_a, in du's buffer
-        self.swiglu(du, g, u, dg, du, offsets)
+        dw_down = self._empty(n_experts, f, d)
         self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
-        dx_rows, dw_gate, dw_up = self._empty(rows, d), self._empty(n_experts, d, f), self._empty(n_experts, d, f)
+        if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
+            d_a, dg, du, dx_rows = a, g, u, y_rows
+        else:
+            dg, du, dx_rows = self._empty(rows, f), self._empty(rows, f), self._empty(rows, d)
+            d_a = du
+        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
+        self.swiglu(d_a, g, u, dg, du, offsets)
+        dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
         self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
         self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
         dx = self._empty(self.n_tokens, d)
