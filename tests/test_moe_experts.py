@@ -167,6 +167,18 @@ def test_the_module_routes_and_runs_its_experts_in_one_node_with_the_composed_bi
         assert torch.equal(a, b)
 
 
+def test_the_module_refuses_weights_of_another_shape_and_a_second_order_backward():
+    layer = moe.MoEExperts(D, F, num_experts=5, top_k=2)
+    x = torch.randn(T, D, requires_grad=True)
+    out = layer(x)
+    (dx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="marked with @once_differentiable"):
+        dx.sum().backward()
+    layer.w_down = torch.nn.Parameter(torch.randn(5, F, D + 8))
+    with pytest.raises(ValueError, match=r"MoEExperts: weights must be w_gate/w_up \[E, d, f\] and w_down"):
+        layer(x)
+
+
 def test_module_keeps_the_input_shape_and_refuses_an_unknown_impl():
     layer = moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="eager")
     assert layer(torch.randn(2, 5, 16)).shape == (2, 5, 16)
@@ -258,3 +270,16 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole():
     reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
     for first, second, third in zip(*kept, reused):
         assert torch.equal(first, second) and torch.equal(first, third)
+
+
+def test_the_forwards_shared_buffer_starts_each_activation_16_byte_aligned():
+    """a, g and u share one allocation in an eager call; rows x ffn x 4 bytes = 60 here, so each
+    slab is padded: the kept launches take only 16-byte aligned pointers."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 8, generator=gen, requires_grad=True)
+    weights = [torch.randn(2, 8, 5, generator=gen), torch.randn(2, 8, 5, generator=gen),
+               torch.randn(2, 5, 8, generator=gen)]
+    out = moe.experts(x, moe.route(torch.randn(3, 2, generator=gen), 1), *weights)
+    a, g, u = out.grad_fn.saved_tensors[5:8]
+    assert all(t.shape == (3, 5) and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, g, u))
+    assert a.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()  # one allocation

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from suite.arms import moe_kernels, moe_route_kernels
 
@@ -353,6 +354,7 @@ class _RouteFunction(torch.autograd.Function):
         return output
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_probs, *grads):
         return _route_grads(ctx, grad_probs, grads[-1], moe_route_kernels.route_backward), None, None, None, None, None
 
@@ -452,21 +454,26 @@ def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
     if not isinstance(routing, Routing):
         raise TypeError(f"experts: routing must be a Routing from route() or routing_from_topk(), got "
                         f"{type(routing).__name__}")
+    _check_expert_tensors("experts", x, routing.num_tokens, routing.num_experts, w_gate, w_up, w_down)
+
+
+def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) -> None:
+    """x [num_tokens, d] and the weights w_gate/w_up [E, d, f], w_down [E, f, d] of the routing's E."""
     for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"experts: {name} must be a tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
     if w_gate.dim() != 3:
-        raise ValueError(f"experts: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
-    num_experts, d, f = w_gate.shape
+        raise ValueError(f"{fn}: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
+    weight_experts, d, f = w_gate.shape
     if x.dim() != 2 or x.shape[1] != d:
-        raise ValueError(f"experts: x must be [tokens, {d}], got shape {tuple(x.shape)}")
-    if x.shape[0] != routing.num_tokens:
-        raise ValueError(f"experts: x has {x.shape[0]} tokens but the routing has {routing.num_tokens}")
-    if routing.num_experts != num_experts:
-        raise ValueError(f"experts: the routing has {routing.num_experts} experts but the weights {num_experts}")
-    if w_up.shape != (num_experts, d, f) or w_down.shape != (num_experts, f, d):
+        raise ValueError(f"{fn}: x must be [tokens, {d}], got shape {tuple(x.shape)}")
+    if x.shape[0] != num_tokens:
+        raise ValueError(f"{fn}: x has {x.shape[0]} tokens but the routing has {num_tokens}")
+    if num_experts != weight_experts:
+        raise ValueError(f"{fn}: the routing has {num_experts} experts but the weights {weight_experts}")
+    if w_up.shape != (weight_experts, d, f) or w_down.shape != (weight_experts, f, d):
         raise ValueError(
-            f"experts: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
+            f"{fn}: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
             f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
         )
 
@@ -594,6 +601,7 @@ class _ExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         # the saved activations are released after this backward unless the graph is kept
         # (retain_graph, create_graph): only then may it write its temporaries into them
@@ -633,6 +641,7 @@ class _LayerFunction(torch.autograd.Function):
         return out, z
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_z):
         logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
         dx = dw_gate = dw_up = dw_down = grad_probs = None
@@ -649,6 +658,7 @@ def _fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_facto
     MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
     _check_route_args("MoEExperts", logits, k, capacity_factor)
     num_tokens, num_experts = logits.shape
+    _check_expert_tensors("MoEExperts", x, num_tokens, num_experts, w_gate, w_up, w_down)
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     return _LayerFunction.apply(logits, x.contiguous(), w_gate, w_up, w_down, k, renormalize,
@@ -805,6 +815,8 @@ class MoEExperts(nn.Module):
         logits = self.router(router_input)
         if (self.impl == "fused" and tokens.shape[0] and not torch.compiler.is_compiling()
                 and moe_route_kernels.runs_on(logits)):
+            # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
+            # backward through it or the next forward, as the output does
             out, self.last_z_loss = _fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
                                                  self.renormalize, self._capacity, self.z_loss)
             return out.view(x.shape)

@@ -817,8 +817,11 @@ class LayerPlan:
         """expert_up, expert_down and combine: -> (out, a, g, u, y_rows). one_buffer: a, g and u
         as views of one allocation (not for a custom op, whose outputs must not share memory)."""
         rows, f = self.n_rows, self.f
-        if one_buffer:
-            a, g, u = torch.empty((3, rows, f), dtype=self.dtype, device=self.device).unbind(0)
+        if one_buffer:  # each slab starts 16-byte aligned, as the kept launches need
+            n = rows * f
+            slab = -(-n * self.dtype.itemsize // 16) * 16 // self.dtype.itemsize
+            flat = torch.empty(3 * slab, dtype=self.dtype, device=self.device)
+            a, g, u = (flat[i * slab:i * slab + n].view(rows, f) for i in range(3))
         else:
             a, g, u = self._empty(rows, f), self._empty(rows, f), self._empty(rows, f)
         y_rows, out = self._empty(rows, self.d), self._empty(self.n_tokens, self.d)

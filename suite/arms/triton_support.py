@@ -420,28 +420,29 @@ class PlannedLaunch:
     fixes by keeping one PlannedLaunch per call shape: they key the kept launch, so a call with
     other dtypes would run code compiled for these."""
 
-    __slots__ = ("bound", "grid", "scalars", "varying", "direct", "device")
+    __slots__ = ("bound", "grid", "scalars", "varying", "direct")
 
     def __init__(self, kernel, grid: tuple, scalars: tuple, dtypes: tuple, **meta):
         self.bound = launcher(kernel, **meta)
         self.grid, self.scalars, self.varying = grid, scalars, (grid, *dtypes)
-        # the kept DirectLaunch itself, once there is one: everything its key holds but the
-        # device is fixed here, so a call checks the device and the alignment, not a key
-        self.direct: DirectLaunch | None = None
-        self.device = -1
+        # (device, its kept DirectLaunch), once there is one: everything else its key holds is
+        # fixed here, so a call checks the device and the alignment, not a key
+        self.direct: tuple[int, DirectLaunch] | None = None
 
     def __call__(self, *tensors) -> None:
-        direct = self.direct
-        if direct is not None:
+        kept = self.direct
+        if kept is not None:
+            device, direct = kept
             pointers = [t.data_ptr() for t in tensors]
-            if (not functools.reduce(or_, pointers) & 15 and torch._C._cuda_getDevice() == self.device
-                    and direct(torch._C._cuda_getCurrentRawStream(self.device), *pointers, *self.scalars)):
+            if (not functools.reduce(or_, pointers) & 15 and torch._C._cuda_getDevice() == device
+                    and direct(torch._C._cuda_getCurrentRawStream(device), *pointers, *self.scalars)):
                 return
         _kept_launches(self.bound, self.grid, self.varying, tensors, self.scalars)
-        if direct is None and self.bound.compiled:
+        if kept is None and self.bound.compiled:
             device = torch._C._cuda_getDevice()
-            self.direct = _kept_launches.kept.get((self.bound, device, self.varying, self.scalars))
-            self.device = device
+            direct = _kept_launches.kept.get((self.bound, device, self.varying, self.scalars))
+            if direct is not None:
+                self.direct = (device, direct)
 
 
 def launch(kernel, grid, *args, **meta) -> None:
