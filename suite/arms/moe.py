@@ -603,8 +603,8 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        # the saved activations are released after this backward unless the graph is kept
-        # (retain_graph, create_graph): only then may it write its temporaries into them
+        # the saved activations die with this backward unless the graph is kept (retain_graph,
+        # create_graph): only when they die may it write its temporaries into them
         reuse = not _graph_kept()
         return *_experts_backward(ctx.plan, grad_out, *ctx.saved_tensors, reuse_saved=reuse), None, None, None
 
