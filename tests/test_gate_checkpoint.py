@@ -113,6 +113,9 @@ def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path
     assert entry["sha256"] == _chunked_sha256(path, 24) and entry["chunk_bytes"] == 24
     assert gc.ck.file_sha256(path, 24) == entry["sha256"]
     assert gc.ck._read_hashed(path, path.stat().st_size, 24)[2] == entry["sha256"]
+    got, size, digest = gc.ck._read_tensors(path, path.stat().st_size, 24)
+    assert digest == entry["sha256"] and size == path.stat().st_size
+    assert list(got) == list(tensors) and all(torch.equal(got[name], t) for name, t in tensors.items())
 
 
 def _chunked_sha256(path, chunk_bytes: int) -> str:
@@ -148,8 +151,9 @@ def test_a_format_1_checkpoint_still_loads_and_a_changed_chunk_is_caught(tmp_pat
             gc.ck.read_stamp(where, verify=True)
 
 
-def _tensors_file(header: bytes, body: bytes = b"") -> torch.Tensor:
-    return torch.frombuffer(bytearray(len(header).to_bytes(8, "little") + header + body), dtype=torch.uint8)
+def _tensors_file(path, header: bytes, body: bytes = b""):
+    path.write_bytes(len(header).to_bytes(8, "little") + header + body)
+    return path
 
 
 @pytest.mark.parametrize("header, body", [
@@ -171,8 +175,21 @@ def _tensors_file(header: bytes, body: bytes = b"") -> torch.Tensor:
     (b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'.decode().encode("utf-16"), b"\0" * 4),
 ])
 def test_the_reader_refuses_a_header_that_does_not_describe_its_bytes(header, body, tmp_path):
+    path = _tensors_file(tmp_path / "t", header, body)
     with pytest.raises(gc.ck.CheckpointError, match="not a safetensors file this suite wrote"):
-        gc.ck._tensors_from(_tensors_file(header, body), tmp_path / "t")
+        gc.ck._read_tensors(path, path.stat().st_size, 0)
+
+
+def test_a_changed_header_is_named_by_the_stamp_first(tmp_path):
+    """A byte flipped in the tensors file's header fails the header's own checks too; the load
+    names what the stamp sees, a file changed after it was written."""
+    gc.ck.save_checkpoint(tmp_path / "c", {"w": torch.arange(4.0)}, step=1)
+    path = tmp_path / "c" / gc.ck.TENSORS
+    data = bytearray(path.read_bytes())
+    data[9] ^= 0xFF  # inside the JSON header
+    path.write_bytes(bytes(data))
+    with pytest.raises(gc.ck.CheckpointError, match="does not match its sha256"):
+        gc.ck.load_checkpoint(tmp_path / "c")
 
 
 def test_a_loaded_cpu_tensor_owns_its_memory_and_tied_ones_stay_tied(tmp_path):

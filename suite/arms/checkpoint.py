@@ -96,8 +96,7 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
 def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None,
           placed: dict[str, torch.Tensor]) -> Any:
     """`value` with each tensor reference replaced by its tensor on its device (or map_location),
-    once per entry, so tied tensors come back tied. A tensor that stays on the CPU is copied out
-    of the file's buffer: a kept 0-d step counter would otherwise hold the whole file in memory."""
+    once per entry, so tied tensors come back tied."""
     if isinstance(value, list):
         return [_join(v, tensors, map_location, placed) for v in value]
     if not isinstance(value, dict):
@@ -105,8 +104,7 @@ def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torc
     if "__tensor__" in value:
         name = value["__tensor__"]
         if name not in placed:
-            moved = tensors[name].to(map_location if map_location is not None else value["device"])
-            placed[name] = moved.clone() if moved.device.type == "cpu" else moved
+            placed[name] = tensors[name].to(map_location if map_location is not None else value["device"])
         return placed[name]
     if "__tuple__" in value:
         return tuple(_join(v, tensors, map_location, placed) for v in value["__tuple__"])
@@ -198,7 +196,7 @@ def _safetensors_header(tensors: dict[str, torch.Tensor]) -> bytes:
     """The safetensors file's head: an 8-byte little-endian length, then the JSON header padded
     with spaces to 8 bytes; the tensors follow back to back in this order. Written by us so the
     bytes can be hashed as they are written (save_file writes the file in one call and a hash
-    must read it back); safetensors' own load_file reads it, and _tensors_from loads it here."""
+    must read it back); safetensors' own load_file reads it, and _read_tensors loads it here."""
     entries: dict[str, Any] = {}
     offset = 0
     for name, t in tensors.items():
@@ -335,9 +333,10 @@ def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
     return meta
 
 
-def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(the stamp, each file's bytes when keep): every file read once, and judged by the bytes
-    read, so what is decoded is what was verified, even if the directory is replaced meanwhile."""
+def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the stamp, when keep each file's contents: the tensors file's tensors, the others'
+    bytes): every file read once, and judged by the bytes read, so what is decoded is what was
+    verified, even if the directory is replaced meanwhile."""
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
     try:
@@ -363,7 +362,7 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
     stray = sorted(present - set(files) - {META})
     if stray:
         raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
-    contents: dict[str, torch.Tensor] = {}
+    contents: dict[str, Any] = {}
     for name, entry in files.items():
         path = root / name
         if not path.is_file():
@@ -371,7 +370,14 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
         size = path.stat().st_size
         chunk_bytes = entry.get("chunk_bytes", 0)  # 0: format 1, one sha256 over the bytes
         if size == entry["bytes"] and keep:  # a load hashes the very bytes it decodes
-            data, size, digest = _read_hashed(path, size, chunk_bytes)
+            try:
+                data, size, digest = (_read_tensors if name == TENSORS else _read_hashed)(path, size, chunk_bytes)
+            except CheckpointError:
+                # the stamp is judged first: a changed file is named as such, not by what changed
+                if file_sha256(path, chunk_bytes) != entry["sha256"]:
+                    raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after "
+                                          "it was written") from None
+                raise
         elif size == entry["bytes"] and verify:
             digest = file_sha256(path, chunk_bytes)
         if size != entry["bytes"]:
@@ -426,30 +432,59 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
 
 
-def _tensors_from(data: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file's bytes (a uint8 tensor), as views of them where aligned
-    (a copy of one tensor's bytes where its offset is not a multiple of its element size): no copy
-    of the whole file, which safetensors' own `load` makes twice. The header must describe the
-    bytes exactly, as safetensors validates it: UTF-8 JSON, each entry a known dtype, a shape of
-    counts and two offsets, the entries back to back from the end of the header to the end of the
-    file. Anything else is a CheckpointError (a stamp is no signature: its hashes can be remade)."""
+def _read_tensors(path: Path, size: int, chunk_bytes: int) -> tuple[dict[str, torch.Tensor], int, str]:
+    """(a safetensors file's tensors, how many bytes it held, their stamp's sha256): the header
+    read and validated first, then each tensor's bytes read straight into memory of its own in
+    file order, hashed as they arrive while the next are read. No buffer of the whole file, so
+    no copy out of it (safetensors' own `load` copies the file twice), and a tensor kept alone
+    holds only its own bytes. The header must describe the bytes exactly, as safetensors
+    validates it: UTF-8 JSON, each entry a known dtype, a shape of counts and two offsets, the
+    entries back to back from the end of the header to the end of the file. Anything else is a
+    CheckpointError (a stamp is no signature: its hashes can be remade). A file that grew or
+    shrank since its size was taken reads as another size, and so fails the size check."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
 
-    if data.numel() < 8:
-        raise bad("shorter than its header's length")
-    length = int.from_bytes(data[:8].numpy().tobytes(), "little")
-    if length > data.numel() - 8:
-        raise bad(f"its header claims {length} bytes of {data.numel() - 8}")
+    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digest = _hasher(pool, chunk_bytes)
+        head = fh.read(8)
+        if len(head) < 8:
+            raise bad("shorter than its header's length")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise bad(f"its header claims {length} bytes of {size - 8}")
+        header = fh.read(length)
+        digest.update(head)
+        digest.update(header)
+        read = 8 + len(header)
+        tensors = {}
+        for name, dtype, shape, nbytes in _entries(header, size - read, bad):
+            raw = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+            view = memoryview(raw.numpy())
+            got = 0
+            while got < nbytes and (n := fh.readinto(view[got:got + CHUNK_BYTES])):
+                digest.update(view[got:got + n])
+                got += n
+            read += got
+            if got < nbytes:
+                break
+            tensors[name] = raw.view(dtype).reshape(shape)
+        if read == size and fh.read(1):
+            read += 1
+        return tensors, read, digest.hexdigest()
+
+
+def _entries(header: bytes, body_bytes: int, bad: Callable[[str], CheckpointError]) -> list[tuple]:
+    """(name, dtype, shape, bytes) of each tensor a safetensors header describes, in file order,
+    the body being body_bytes long."""
     try:
-        header = json.loads(data[8:8 + length].numpy().tobytes().decode("utf-8"))
+        parsed = json.loads(header.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise bad(f"its header is not UTF-8 JSON ({type(exc).__name__})") from None
-    if not isinstance(header, dict):
+    if not isinstance(parsed, dict):
         raise bad("its header is not a JSON object")
-    base = 8 + length
     entries = []
-    for name, entry in header.items():
+    for name, entry in parsed.items():
         if name == "__metadata__":
             continue
         if not (isinstance(entry, dict) and entry.get("dtype") in _DTYPES_BY_NAME
@@ -467,22 +502,16 @@ def _tensors_from(data: torch.Tensor, path: Path) -> dict[str, torch.Tensor]:
         if start != reached:
             raise bad(f"entry {name!r} starts at {start}, not where the one before it ends ({reached})")
         reached = stop
-    if base + reached != data.numel():
-        raise bad(f"its entries end at byte {base + reached} of {data.numel()}")
-    tensors = {}
-    for start, stop, name, dtype, shape in entries:
-        raw = data[base + start:base + stop]
-        if (base + start) % dtype.itemsize:
-            raw = raw.clone()  # a view of another dtype must start on its element size
-        tensors[name] = raw.view(dtype).reshape(shape)
-    return tensors
+    if reached != body_bytes:
+        raise bad(f"its entries end at byte {reached} of the {body_bytes} after its header")
+    return [(name, dtype, shape, stop - start) for start, stop, name, dtype, shape in entries]
 
 
 def load_checkpoint(directory: str | Path, map_location: str | torch.device | None = None) -> Checkpoint:
     """The state saved at `directory`, after its stamp and every hash are verified: decoded from
     the very bytes that were hashed."""
     meta, contents = _read(Path(directory), verify=True, keep=True)
-    tensors = _tensors_from(contents[TENSORS], Path(directory) / TENSORS)
+    tensors = contents[TENSORS]
     structure = json.loads(contents[STATE].numpy().tobytes().decode("utf-8"))
     return Checkpoint(state=_join(structure, tensors, map_location, {}), step=meta["step"], meta=meta)
 
