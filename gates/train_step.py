@@ -209,16 +209,11 @@ def next_token_losses(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tens
                                              reduction="none")
 
 
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """The causal LM loss transformers computes from labels: the mean of next_token_losses."""
-    return next_token_losses(model, batch).mean()
-
-
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> dict[str, Any]:
     """One step per batch of ids on the mean of next_token_losses: each step's per-token losses
     [steps, tokens], the first step's gradients (None as zeros) and the parameters after the last
     step. Parity judges the per-token losses, not their means: a few means are a few draws of
-    rounding noise, thousands of tokens measure it, and one token's own error shows."""
+    rounding noise, thousands of tokens measure it."""
     losses, first_grads = [], {}
     for step, batch in enumerate(ids):
         token_losses = next_token_losses(model, batch)

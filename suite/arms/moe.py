@@ -588,6 +588,13 @@ def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y
 _graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
+def _experts_eager_backward(plan, grad_out, saved):
+    """_experts_backward inside an autograd Function's backward, `saved` its experts' tensors.
+    The saved activations die with this backward unless the graph is kept (retain_graph,
+    create_graph): only when they die may it write its temporaries into them."""
+    return _experts_backward(plan, grad_out, *saved, reuse_saved=not _graph_kept())
+
+
 class _ExpertsFunction(torch.autograd.Function):
     """Eager calls: the kernels behind autograd without the custom op's dispatch (about 20 us a
     call of host time; scripts/moe_host_probe.py measures the entry points)."""
@@ -603,10 +610,7 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        # the saved activations die with this backward unless the graph is kept (retain_graph,
-        # create_graph): only when they die may it write its temporaries into them
-        reuse = not _graph_kept()
-        return *_experts_backward(ctx.plan, grad_out, *ctx.saved_tensors, reuse_saved=reuse), None, None, None
+        return *_experts_eager_backward(ctx.plan, grad_out, ctx.saved_tensors), None, None, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
@@ -646,8 +650,8 @@ class _LayerFunction(torch.autograd.Function):
         logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
         dx = dw_gate = dw_up = dw_down = grad_probs = None
         if grad_out is not None:
-            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward(
-                ctx.plan, grad_out, x, probs, w_gate, w_up, w_down, *rest, reuse_saved=not _graph_kept())
+            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_eager_backward(
+                ctx.plan, grad_out, (x, probs, w_gate, w_up, w_down, *rest))
         dlogits = _route_grads(ctx, grad_probs, grad_z, moe_route_kernels.route_backward,
                                saved=(logits, lse, expert_ids, probs))
         return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
