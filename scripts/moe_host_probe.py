@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and, on a GPU,
 of the layers: the experts' forward+backward under autograd, the routing alone, and a whole
-MoEExperts forward+backward from its input (router, routing, experts).
+MoEExperts forward+backward from its input (router, routing, experts), and its two parts (the
+router's nn.Linear under cuBLAS and cuBLASLt; the routing and experts' one autograd node).
 
     python scripts/moe_host_probe.py [--tokens 8] [--hidden 1024 --ffn 2816 --experts 16 --top-k 2]
                                      [--profile CALLS]   (cProfile of each layer: where the time goes)
@@ -122,10 +123,27 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
         out = module(module_x)
         return torch.autograd.grad(out, [module_x, *module.parameters()], grad_out)
 
+    # MoEExperts in its two parts: the router's nn.Linear (cuBLAS or cuBLASLt, whichever torch
+    # prefers), and the routing plus experts behind their one autograd node, from fixed logits
+    router_x, router_grad = x.clone().requires_grad_(), randn(t, e)
+    fused_logits = module.router(x).detach().requires_grad_()
+
+    def router_layer(blas: str):
+        torch.backends.cuda.preferred_blas_library(blas)
+        return torch.autograd.grad(module.router(router_x), [router_x, module.router.weight], router_grad)
+
+    def fused_layer():
+        out, _ = moe._fused_layer(fused_logits, module_x, module.w_gate, module.w_up, module.w_down, k,
+                                  module.renormalize, module._capacity, False)
+        return torch.autograd.grad(out, [fused_logits, module_x, module.w_gate, module.w_up, module.w_down], grad_out)
+
     layers = {
         "experts fwd+bwd (autograd)": experts_layer,
         "route (logits -> Routing)": lambda: moe.route(logits, k),
         "MoEExperts fwd+bwd (router, route, experts)": module_layer,
+        "MoEExperts' router fwd+bwd, cuBLAS": lambda: router_layer("cublas"),
+        "MoEExperts' router fwd+bwd, cuBLASLt": lambda: router_layer("cublaslt"),
+        "MoEExperts' route+experts fwd+bwd (one node)": fused_layer,
     }
     return calls, layers
 
@@ -154,6 +172,7 @@ def measure(args: argparse.Namespace) -> dict:
         calls, layers = entry_points(args, device)
         # on the CPU the MoEExperts layer's router runs its real matmuls there: not the host's cost
         named = [*calls.items(), *((n, fn) for n, fn in layers.items() if cuda or not n.startswith("MoEExperts"))]
+        blas = torch.backends.cuda.preferred_blas_library() if cuda else None
         timer = CudaTimer(device) if cuda else None
         for name, fn in named:
             fn()  # compiles
@@ -162,6 +181,8 @@ def measure(args: argparse.Namespace) -> dict:
                 replay = timer.capture(fn)
                 row["device_us"] = 1e3 * min(timer.time_calls(replay, 20, flush_l2=False, window=10))
             rows.append(row)
+            if blas is not None:
+                torch.backends.cuda.preferred_blas_library(blas)  # the router rows set their own
         if cuda and args.profile:
             for name, fn in layers.items():
                 print(f"--- cProfile of {args.profile} calls: {name}")
