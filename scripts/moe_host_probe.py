@@ -6,6 +6,7 @@ router's nn.Linear under cuBLAS and cuBLASLt; the routing and experts' one autog
 
     python scripts/moe_host_probe.py [--tokens 8] [--hidden 1024 --ffn 2816 --experts 16 --top-k 2]
                                      [--profile CALLS]   (cProfile of each layer: where the time goes)
+                                     [--trace CALLS]     (torch.profiler of each layer: the ops')
 
 On a CUDA GPU the kernels launch: at a few tokens the GPU's work is smaller than the host's, so
 back-to-back calls measure dispatch (the checks, the tile choice, the launch path, autograd).
@@ -53,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="where to write the figures (default: $OUT/moe_host_probe.json)")
     parser.add_argument("--profile", type=int, default=0, metavar="CALLS",
                         help="also cProfile this many calls of each layer and print the top functions")
+    parser.add_argument("--trace", type=int, default=0, metavar="CALLS",
+                        help="also trace this many calls of each layer with torch.profiler and print the ops with "
+                             "the most host time of their own (allocations, launches, the autograd engine's)")
     return parser.parse_args(argv)
 
 
@@ -163,6 +167,19 @@ def print_profile(fn: Callable[[], Any], calls: int, sync: Callable[[], None], t
     pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
+def print_trace(fn: Callable[[], Any], calls: int, sync: Callable[[], None], top: int = 25) -> None:
+    """The host's time by op (torch.profiler, CPU side): where Python's profile shows only the
+    autograd engine and the builtins, this names the aten ops, the allocator and the launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        sync()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
+
+
 def measure(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -187,6 +204,10 @@ def measure(args: argparse.Namespace) -> dict:
             for name, fn in layers.items():
                 print(f"--- cProfile of {args.profile} calls: {name}")
                 print_profile(fn, args.profile, sync)
+        if cuda and args.trace:
+            for name, fn in layers.items():
+                print(f"--- torch.profiler of {args.trace} calls: {name}")
+                print_trace(fn, args.trace, sync)
     return {
         "what": "launched on CUDA" if cuda else "python only: launches stubbed, CPU tensors",
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
