@@ -127,8 +127,9 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
         out = module(module_x)
         return torch.autograd.grad(out, [module_x, *module.parameters()], grad_out)
 
-    # MoEExperts in its two parts: the router's nn.Linear (cuBLAS or cuBLASLt, whichever torch
-    # prefers), and the routing plus experts behind their one autograd node, from fixed logits
+    # MoEExperts in its two parts: the router's nn.Linear (under cuBLAS, then cuBLASLt: each call
+    # sets its library, a microsecond or two of its row), and the routing plus experts behind
+    # their one autograd node, from fixed logits
     router_x, router_grad = x.clone().requires_grad_(), randn(t, e)
     fused_logits = module.router(x).detach().requires_grad_()
 
