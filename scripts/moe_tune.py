@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", default=None, choices=("auto", "rtx", "none"),
                         help="default: SUITE_PROFILE, else auto")
     parser.add_argument("--replays", type=_positive, default=20, help="graph replays per figure; the median is kept")
-    parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json)")
+    parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json; a relative path goes under $OUT when set)")
     return parser.parse_args(argv)
 
 
@@ -351,7 +351,9 @@ def main(argv=None) -> int:
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "profile": os.environ.get("SUITE_PROFILE", "auto"), "ceilings": ceilings.model_dump(),
                "presets": []}
-    path = args.json or (os.path.join(os.environ["OUT"], "moe_tune.json") if os.environ.get("OUT") else None)
+    path = args.json or ("moe_tune.json" if os.environ.get("OUT") else None)
+    if path and os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], path)  # an absolute path stays itself
 
     def save(figures: dict[str, Any]) -> None:
         entry = figures["kernels"][-1]

@@ -231,11 +231,17 @@ def _weight_grad_kernel(
     rs = tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
     acc2 = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+    if GATHER:
+        next_src = tl.load(TOKEN_OF_ROW + row_start + rs, mask=row_start + rs < row_end, other=0).to(tl.int64)
     for r0 in range(row_start, row_end, BLOCK_R):
         rows = r0 + rs
         row_mask = rows < row_end
         if GATHER:
-            src = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+            # the step's token indices came from the step before: the x load then waits on no
+            # load of its own step, so the pipeliner buffers it every stage ahead, not two
+            src = next_src
+            ahead = rows + BLOCK_R
+            next_src = tl.load(TOKEN_OF_ROW + ahead, mask=ahead < row_end, other=0).to(tl.int64)
         else:
             src = rows.to(tl.int64)
         xt = tl.load(X + src[None, :] * stride_x + ii[:, None], mask=i_mask[:, None] & row_mask[None, :], other=0.0)
@@ -367,10 +373,11 @@ GEMM_KINDS = {
     "swiglu_grad": ((1, 1), (128, 256, 64, 4, 8, 8)),  # d_a = grad_rows @ w_down^T
     "dx": ((1, 1), (128, 256, 64, 4, 8, 16)),  # dg @ w_gate^T then du @ w_up^T, one accumulator
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
-    "weight_grad_two": ((1, 2), (128, 64, 64, 4, 4, 0)),  # dW_gate and dW_up
+    "weight_grad_two": ((1, 2), (128, 128, 64, 3, 8, 0)),  # dW_gate and dW_up
 }
 # From this many elements per expert (mixtral's 4096 x 14336) the gate/up weight gradient outgrows
-# the L2: grouped tiles and 8 warps then pay (scripts/moe_tune.py; figures: docs/tuning.md).
+# the L2: taller tiles in groups then pay, 256x(2x64) grouped by 16 (scripts/moe_tune.py --sweep;
+# figures: docs/arms/moe.md).
 _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
@@ -410,7 +417,7 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
     if rows < _MANY_ROWS:
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
     if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:
-        num_warps, group_m = 8, 16
+        block_m, block_n, group_m = 256, 64, 16
     block_n = max(16, min(block_n, next_pow2(n)))
     if itemsize == 4:
         block_k //= 2  # fp32 (the parity path): the same bytes a step
