@@ -35,7 +35,10 @@ if [ ! -d /tmp/sonic-site ] && [ -e /tmp/sonic-parts/part-aa ] && [ -e /tmp/soni
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sonic-site "$joined" /tmp/sonic-parts/*.whl \
     && echo "SonicMoE installed" || { echo "SonicMoE's wheels did not install"; rm -rf /tmp/sonic-site; }
 fi
-[ -d /tmp/sonic-site ] && export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
+if [ -d /tmp/sonic-site ]; then
+  export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
+  export CUTE_DSL_CACHE_DIR=/tmp/cute-dsl-cache  # its JIT's file cache: a later process skips the compile
+fi
 mode=${1:-tests}; shift || true
 case "$mode" in
   tests) python3 -m pytest -q -m cuda "$@" 2>&1 | tee -a "$out/cuda-tests.log"; rc=${PIPESTATUS[0]} ;;
