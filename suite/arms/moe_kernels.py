@@ -377,7 +377,7 @@ GEMM_KINDS = {
 }
 # From this many elements per expert (mixtral's 4096 x 14336) the gate/up weight gradient outgrows
 # the L2: taller tiles in groups then pay, 256x(2x64) grouped by 16 (scripts/moe_tune.py --sweep;
-# figures: docs/arms/moe.md).
+# figures: docs/tuning.md).
 _BIG_WEIGHT = 1 << 24
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
