@@ -38,6 +38,11 @@ fi
 if [ -d /tmp/sonic-site ]; then
   export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
   export CUTE_DSL_CACHE_DIR=/tmp/cute-dsl-cache  # its JIT's file cache: a later process skips the compile
+  # the cache an earlier machine left (carry .sonic/jit, saved from $OUT/cute-dsl-cache.tgz) spares
+  # a fresh machine's first process its minutes of JIT
+  if [ ! -d "$CUTE_DSL_CACHE_DIR" ] && [ -s .sonic/jit/cute-dsl-cache.tgz ]; then
+    tar xzf .sonic/jit/cute-dsl-cache.tgz -C /tmp && echo "SonicMoE JIT cache restored"
+  fi
 fi
 mode=${1:-tests}; shift || true
 case "$mode" in
@@ -68,4 +73,5 @@ for d in "$out"/reports/*/; do
   for f in report.json report.md; do cp "$d/$f" "$out/${name}_$f" 2>/dev/null; done
 done
 rm -rf "$out/reports"
+if [ -d /tmp/cute-dsl-cache ]; then tar czf "$out/cute-dsl-cache.tgz" -C /tmp cute-dsl-cache; fi
 exit $rc
