@@ -37,11 +37,13 @@ if [ ! -d /tmp/sonic-site ] && [ -e /tmp/sonic-parts/part-aa ] && [ -e /tmp/soni
 fi
 if [ -d /tmp/sonic-site ]; then
   export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
-  export CUTE_DSL_CACHE_DIR=/tmp/cute-dsl-cache  # its JIT's file cache: a later process skips the compile
-  # the cache an earlier machine left (carry .sonic/jit, saved from $OUT/cute-dsl-cache.tgz) spares
-  # a fresh machine's first process its minutes of JIT
-  if [ ! -d "$CUTE_DSL_CACHE_DIR" ] && [ -s .sonic/jit/cute-dsl-cache.tgz ]; then
-    tar xzf .sonic/jit/cute-dsl-cache.tgz -C /tmp && echo "SonicMoE JIT cache restored"
+  # QuACK autotunes each GEMM for each new shape, compiling every config first (the first
+  # process on a machine took 7.5 min before its first timing); its autotune results and
+  # compiled .o files go to one folder, which comes back in $OUT (quack-cache.tgz, split in
+  # 15 MB parts) and, carried as .sonic/jit, spares a later machine that work
+  export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_COMPILE_WORKERS=16
+  if [ ! -d "$QUACK_CACHE_DIR" ] && ls .sonic/jit/quack-cache.tgz* >/dev/null 2>&1; then
+    cat .sonic/jit/quack-cache.tgz* | tar xz -C /tmp && echo "SonicMoE's QuACK cache restored"
   fi
 fi
 mode=${1:-tests}; shift || true
@@ -73,5 +75,8 @@ for d in "$out"/reports/*/; do
   for f in report.json report.md; do cp "$d/$f" "$out/${name}_$f" 2>/dev/null; done
 done
 rm -rf "$out/reports"
-if [ -d /tmp/cute-dsl-cache ]; then tar czf "$out/cute-dsl-cache.tgz" -C /tmp cute-dsl-cache; fi
+if [ -d /tmp/quack-cache ]; then
+  tar czf /tmp/quack-cache.tgz -C /tmp quack-cache && split -b 15M -d /tmp/quack-cache.tgz "$out/quack-cache.tgz."
+  du -sh /tmp/quack-cache /tmp/quack-cache.tgz
+fi
 exit $rc
