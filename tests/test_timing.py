@@ -643,6 +643,8 @@ def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
     for over in ({"nobody": 1.0}, {"arm": 1.0}):  # an unknown contender, or the arm itself
         with pytest.raises(ValueError, match=f"{next(iter(over))} \\(not a contender timed"):
             dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup_over={("tiny", "sum"): over}))
+        with pytest.raises(ValueError, match=f"{next(iter(over))} \\(not a contender timed"):
+            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(speedup_targets={("tiny", "sum"): over}))
     with pytest.raises(ValueError, match="not timed in mode 'grpah'"):
         dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("tiny", "sum", "grpah"): 2.0}))
     for table in ("max_over_reference_busy", "max_eager_over_graph"):
@@ -975,3 +977,39 @@ def test_recommendations_judge_each_contender_against_its_baseline():
     assert by["arm"].verdict == "same" and by["arm"].advice == "no gain: leave off"
     plain, _ = bench(dists, contenders=make_contenders("slow peer"), mode="eager")
     assert plain.recommendations == []  # only where the case asks
+
+
+@pytest.mark.parametrize("aim, met", [(0.8, True), (0.81, False)])
+def test_a_speedup_target_is_reported_met_or_missed_and_never_fails_the_bench(aim, met):
+    """An issue's aim against a peer is judged like a bar and reported, but a miss leaves the
+    bench passed (its figures can still be a baseline); the bars beside it still decide."""
+    dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
+    criterion = PerfCriterion(not_slower_than=("reference",), speedup_targets={("small", "fwd"): {"peer": aim}})
+    result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
+    check = next(c for c in result.criteria if c.name == f"target: speedup over peer >= {aim:g}x")
+    assert check.target and check.passed is met and "0.800x" in check.detail
+    assert result.passed and not result.ambiguous
+    slow_ref = PerfCriterion(not_slower_than=("reference",), min_speedup={("small", "fwd"): 3.0},
+                             speedup_targets={("small", "fwd"): {"peer": 0.5}})
+    result, _ = bench(dists, slow_ref, contenders=make_contenders("peer"))
+    assert not result.passed and next(c for c in result.criteria if c.target).passed
+
+
+def test_a_bar_outranks_an_aim_against_the_same_peer_and_aims_add_no_rounds():
+    dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.001)}
+    both = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 0.75}},
+                         speedup_targets={("small", "fwd"): {"peer": 1.1}})
+    result, _ = bench(dists, both, contenders=make_contenders("peer"))
+    assert [c.name for c in result.criteria if "peer" in c.name] == ["speedup over peer >= 0.75x"]
+    # tied with the peer within the noise: a 1.0 aim stays undecided, which adds no round
+    aim = PerfCriterion(speedup_targets={("small", "fwd"): {"peer": 1.05}})
+    result, _ = bench(dists, aim, contenders=make_contenders("peer"))
+    check = next(c for c in result.criteria if c.target)
+    assert result.rounds == POLICY.min_rounds and result.passed and not result.ambiguous and not check.passed
+
+
+def test_an_aim_against_an_unavailable_peer_is_not_met():
+    criterion = PerfCriterion(speedup_targets={("small", "fwd"): {"peer": 1.0}})
+    result, _ = bench(EXACT, criterion, contenders=make_contenders(unavailable={"peer": "no such kernel here"}))
+    check = next(c for c in result.criteria if c.target)
+    assert not check.passed and "no such kernel here" in check.detail and result.passed

@@ -534,7 +534,8 @@ def _status(result: GateResult) -> tuple[str, str | None]:
         reasons.append(f"saboteurs not caught (the gate has no teeth for them): {missed}")
     # a criterion that failed outright outranks another that stayed ambiguous
     slow = [
-        f"{b.case} ({b.mode}): {c.detail}" for b in result.bench for c in b.criteria if not c.passed and not c.ambiguous
+        f"{b.case} ({b.mode}): {c.detail}" for b in result.bench for c in b.criteria
+        if not c.passed and not c.ambiguous and not c.target
     ]
     if slow:
         reasons.append("performance: " + "; ".join(slow))

@@ -210,7 +210,7 @@ def measure_bench(
         calls_per_round=bench.calls_per_round, noise_floor=math.expm1(bench.floor_log),
         aa_log_ratios=bench.aa[bench.ref_name], peer_aa_log_ratios={name: bench.aa[name] for name in bench.judged},
         contenders=timings, comparisons=bench.comparisons, criteria=checks,
-        passed=all(c.passed for c in checks) and not ambiguous, ambiguous=ambiguous,
+        passed=all(c.passed for c in checks if not c.target) and not ambiguous, ambiguous=ambiguous,
         host_probe=host_probe, recommendations=bench.recommendations() if case.recommend else [],
         duration_s=time.perf_counter() - bench.started)
 
@@ -361,8 +361,8 @@ class _Bench:
                 for name in self.fns if name != self.arm_name
             ]
             by_name = {c.against: c for c in self.comparisons}
-            # more rounds only for what will be judged: each demand against a peer, the speedup floor
-            undecided = [by_name[name] for name, bar, _, _ in self.demands if name in by_name
+            # more rounds only for what can fail: each bar against a peer (not an aim), the speedup floor
+            undecided = [by_name[name] for name, bar, _, _, aim in self.demands if name in by_name and not aim
                          and at_least_within_noise(by_name[name], bar, floors[name]) == "undecided"]
             if self.least is not None and at_least(by_name[ref_name], self.least) == "undecided":
                 undecided.append(by_name[ref_name])
@@ -417,14 +417,18 @@ class _Bench:
 
 def _peer_demands(
     criterion: PerfCriterion, preset: Preset, case: BenchCase, mode: TimingMode
-) -> list[tuple[str, float, str, bool]]:
-    """(peer, bar, title, the bar is a target against that peer) for each claim against another
-    contender. "Not slower than" a peer is at least 1x of it; a bar against a peer is a fraction
-    of it, and where a case declares one it replaces not-slower for that peer (the narrower
-    claim). The rounds loop extends for these and _check_criteria judges them: one list."""
+) -> list[tuple[str, float, str, bool, bool]]:
+    """(peer, bar, title, the bar is a target against that peer, it is an aim only) for each
+    claim against another contender. "Not slower than" a peer is at least 1x of it; a bar
+    against a peer is a fraction of it, and where a case declares one it replaces not-slower for
+    that peer (the narrower claim); an aim (speedup_targets) is judged beside them. The rounds
+    loop extends for these and _check_criteria judges them: one list."""
     bars = criterion.speedups_over(preset.name, case.name, mode)
-    demands = [(name, 1.0, f"not slower than {name}", False) for name in criterion.not_slower(mode) if name not in bars]
-    return demands + [(name, bar, f"speedup over {name} >= {bar:g}x", True) for name, bar in bars.items()]
+    demands = [(name, 1.0, f"not slower than {name}", False, False)
+               for name in criterion.not_slower(mode) if name not in bars]
+    return demands + [(name, bar, f"speedup over {name} >= {bar:g}x", True, False) for name, bar in bars.items()] + [
+        (name, aim, f"target: speedup over {name} >= {aim:g}x", True, True)
+        for name, aim in criterion.targets_over(preset.name, case.name, mode).items()]
 
 
 def _check_criteria(
@@ -444,7 +448,7 @@ def _check_criteria(
     against = {c.against: c for c in comparisons}
     reasons = {t.name: t.unavailable for t in timings if t.unavailable}
     timed = {c.name for c in contenders}
-    for name, bar, title, peer_is_target in _peer_demands(criterion, preset, case, mode):
+    for name, bar, title, peer_is_target, aim in _peer_demands(criterion, preset, case, mode):
         if name not in timed:
             continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
         if name in reasons:
@@ -453,7 +457,7 @@ def _check_criteria(
             declared = next((c.unavailable for c in contenders if c.name == name and c.call is None), None)
             skipped = declared is not None or not peer_is_target
             checks.append(CriterionCheck(
-                name=title, passed=skipped,
+                name=title, passed=skipped and not aim, target=aim,
                 detail=f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reasons[name]})"))
             continue
         c = against[name]
@@ -461,9 +465,9 @@ def _check_criteria(
         detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {c.noise_floor:.2%}: " + (
             f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
         if decision == "undecided":
-            ambiguous = True
+            ambiguous = ambiguous or not aim
             detail += " (the CI reaches below the floor at the round cap; never a pass)"
-        checks.append(CriterionCheck(name=title, passed=decision == "pass",
+        checks.append(CriterionCheck(name=title, passed=decision == "pass", target=aim,
                                      detail=detail, ambiguous=decision == "undecided"))
 
     least = criterion.speedup(preset.name, case.name, mode)
