@@ -52,7 +52,7 @@ COMBINE_CANDIDATES = tuple((t, bd, w) for t in (1, 2, 4, 8, 16, 32) for bd in (1
 KERNELS = (
     ("expert_up", (1, 2), 4),
     ("expert_down", (1, 1), 2),
-    ("swiglu_backward", (1, 1), 2),  # d_a's GEMM, the SwiGLU backward in its epilogue
+    ("swiglu_backward", (1, 1), 2),  # d_a's GEMM, then the elementwise pass
     ("dw_down", (1, 1), 2),
     ("dx_rows", (1, 1), 4),
     ("dw_gate_up", (1, 2), 4),
@@ -180,8 +180,9 @@ def build(preset_name: str, device):
         "expert_up": lambda: mk.expert_up(x, wg, wu, tor, offsets, out=a, gate_out=g, up_out=u),
         "expert_down": lambda: mk.expert_down(a, wd, offsets, out=y),
         "dw_down": lambda: mk._weight_grad(a, None, grad_rows, offsets, dw_down),
-        "swiglu_backward": lambda: mk._grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, dg,
-                                                    swiglu=(g, u, du)),
+        "swiglu_backward": lambda: (
+            mk._grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, du),
+            mk._swiglu_backward(du, g, u, offsets, dg, du)),
         "dx_rows": lambda: mk._grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
                                             w2_strides=(u_e, u_f, u_d)),
         "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),

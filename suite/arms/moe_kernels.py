@@ -156,22 +156,17 @@ def _accumulate(A, a_offs, b_ptrs, row_mask, col_mask, n_k, sb_k, acc, BLOCK_K: 
 
 @triton.jit
 def _rows_gemm_kernel(
-    A, A2, B, B2, OFFSETS, C, G, U, C2,
+    A, A2, B, B2, OFFSETS, C,
     n_experts, n_k, n_n, sb_e, sb_k, sb_n, sb2_e, sb2_k, sb2_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    TWO: tl.constexpr, SWIGLU: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+    TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """C[r] = A[r] @ B[e] (+ A2[r] @ B2[e] with TWO: one accumulator over the concatenated K,
     the first pair's K then the second's) for one [BLOCK_M, BLOCK_N] tile of expert e's rows.
     A, A2: [R_max, n_k], C: [R_max, n_n], all contiguous; B[e], B2[e] read through their
     strides (a transposed weight is its strides swapped). The pairs run one after the other,
     not interleaved in one loop: a step then buffers one pair's tiles, not both, so the tile can
-    be as wide as a one-pair GEMM's.
-
-    SWIGLU: the product is d_a, the SwiGLU's output gradient, and the epilogue takes its
-    backward with the saved pre-activations G and U [R_max, n_n]: dg = d_a * u * silu'(g) into
-    C, du = d_a * silu(g) into C2, d_a kept in fp32 and never stored. C and C2 may be G and U
-    (each element is read before it is written, by the program that owns it)."""
+    be as wide as a one-pair GEMM's."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -191,15 +186,23 @@ def _rows_gemm_kernel(
             b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
             acc = _accumulate(A2, a_offs, b2_ptrs, row_mask, col_mask, n_k, sb2_k, acc, BLOCK_K, UPCAST)
         out = wide_rows[:, None] * n_n + cols[None, :]
-        mask = row_mask[:, None] & col_mask[None, :]
-        if SWIGLU:
-            g = tl.load(G + out, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(U + out, mask=mask, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            tl.store(C + out, (acc * u * sig * (1.0 + g * (1.0 - sig))).to(C.dtype.element_ty), mask=mask)
-            tl.store(C2 + out, (acc * g * sig).to(C2.dtype.element_ty), mask=mask)
-        else:
-            tl.store(C + out, acc.to(C.dtype.element_ty), mask=mask)
+        tl.store(C + out, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, BLOCK: tl.constexpr):
+    """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
+    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself, and DG and DU may be G and
+    U (each element is read before the same program writes it)."""
+    n = tl.load(OFFSETS + n_experts).to(tl.int64) * f
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    d_a = tl.load(D_A + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    tl.store(DG + offs, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -367,9 +370,7 @@ def _interpreting() -> bool:
 GEMM_KINDS = {
     "up": ((1, 2), (128, 128, 64, 4, 8, 16)),
     "rows": ((1, 1), (128, 256, 64, 4, 8, 16)),  # expert_down: y = a @ w_down
-    # d_a = grad_rows @ w_down^T with the SwiGLU backward in its epilogue (not yet swept: the
-    # narrower of the unfused GEMM's sweep winners, its epilogue holding g and u beside acc)
-    "swiglu_grad": ((1, 1), (128, 128, 64, 4, 8, 8)),
+    "swiglu_grad": ((1, 1), (128, 256, 64, 4, 8, 8)),  # d_a = grad_rows @ w_down^T
     "dx": ((1, 1), (128, 256, 64, 4, 8, 16)),  # dg @ w_gate^T then du @ w_up^T, one accumulator
     "weight_grad": ((1, 1), (128, 128, 64, 3, 8, 0)),  # dW_down
     "weight_grad_two": ((1, 2), (128, 128, 64, 3, 8, 0)),  # dW_gate and dW_up
@@ -432,6 +433,10 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
                 if config.smem_bytes <= limit:
                     return config
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
+
+
+# The SwiGLU backward's elementwise pass: elements a program (bf16: 16 a thread at 4 warps).
+SWIGLU_BLOCK = 2048
 
 
 @dataclass(frozen=True)
@@ -534,21 +539,24 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
     )
 
 
-def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
-                 swiglu=False) -> PlannedLaunch:
+def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device) -> PlannedLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
-    through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets,
-    c, g, u, c2). swiglu: the product is d_a, and c, c2 get dg, du from g, u (_rows_gemm_kernel);
-    otherwise g, u and c2 are c again, unread."""
+    through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c)."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
     return PlannedLaunch(
         _rows_gemm_kernel, _row_tile_grid(tiles, cfg), (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
-        (dtype, dtype, dtype, dtype, torch.int32, dtype, dtype, dtype, dtype),
+        (dtype, dtype, dtype, dtype, torch.int32, dtype),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts), TWO=two,
-        SWIGLU=swiglu, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
+    """dg, du from d_a and the pre-activations; called with (d_a, gate, up, dg, du, offsets)."""
+    block = 64 if _interpreting() and device.type != "cuda" else SWIGLU_BLOCK
+    return PlannedLaunch(_swiglu_backward_kernel, (_cdiv(n_rows * f, block),), (n_experts, f),
+                         (dtype,) * 5 + (torch.int32,), BLOCK=block, num_warps=4)
 
 
 def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device) -> PlannedLaunch:
@@ -635,17 +643,21 @@ def _row_tile_grid(tiles: tuple[int, int], cfg: GemmConfig) -> tuple[int, ...]:
     return tiles if cfg.group_m == 0 else (tiles[0] * tiles[1],)
 
 
-def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None, swiglu=None):
-    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows (see _rows_launch); swiglu:
-    (gate, up, du), and the product is d_a: c gets dg and du gets du."""
+def _grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides=None):
+    """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e]) over the ragged rows (see _rows_launch)."""
     n_rows, n_k = a.shape
     n_n = c.shape[1]
     n_experts = offsets.shape[0] - 1
-    gate, up, c2 = (c, c, c) if swiglu is None else swiglu
     if n_rows and n_experts and n_n:
         _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, a2 is not None, a.dtype,
-                     a.device, swiglu is not None)(
-            a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c, gate, up, c2)
+                     a.device)(a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c)
+
+
+def _swiglu_backward(d_a, gate, up, offsets, dg, du):
+    """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place)."""
+    if d_a.numel():
+        _swiglu_launch(d_a.shape[0], d_a.shape[1], offsets.shape[0] - 1, d_a.dtype, d_a.device)(
+            d_a, gate, up, dg, du, offsets)
 
 
 def _weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
@@ -713,12 +725,12 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
 
 
 def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
-    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T, and in the
-    same launch's epilogue dg = d_a * u * silu'(g) and du = d_a * silu(g), in fp32 (d_a never
-    rounded or stored; gate, up: the forward's pre-activations); dW_down[e] = a_e^T @
-    grad_rows_e. -> (dg, du [R_max, f] in a's dtype, dw_down [E, f, d] in w_down's dtype; an
-    empty expert's is zero). dg_out / du_out / dw_down_out: caller-owned, reused; dg_out and
-    du_out may be gate and up themselves (each element is read before it is written)."""
+    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T (written in
+    du's buffer, in a's dtype as eager autograd keeps it), then one elementwise pass gives
+    dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32 (gate, up: the forward's
+    pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
+    dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
+    dw_down_out: caller-owned, reused."""
     fn = "expert_down_backward"
     _check_dtype(a, fn)
     _require_runnable(a, fn)
@@ -733,13 +745,13 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
-    # the GEMM's other programs still read grad_rows and the weight gradient reads a after it
-    written, read = {dg.data_ptr(), du.data_ptr()}, {a.data_ptr(), grad_rows.data_ptr()}
-    _check(len(written) == 2 and not written & read, fn,
-           "dg_out and du_out must be two buffers, neither of them a nor grad_rows; pass other tensors")
+    # d_a goes into du before gate and up are read, and dg is written before du in each element
+    _check(len({dg.data_ptr(), du.data_ptr(), gate.data_ptr(), up.data_ptr()}) == 4, fn,
+           "dg_out and du_out must be buffers of their own, not gate, up or each other; pass other tensors")
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
-    _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, dg, swiglu=(gate, up, du))
+    _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer
+    _swiglu_backward(du, gate, up, offsets, dg, du)
     _weight_grad(a, None, grad_rows, offsets, dw_down)
     return dg, du, dw_down
 
@@ -798,7 +810,8 @@ class LayerPlan:
         self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
         self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
         self.d_a = _rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
-                                device, swiglu=True)
+                                device)
+        self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
         self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device)
         self.dx = _rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
         self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
@@ -820,29 +833,30 @@ class LayerPlan:
             a, g, u = self._empty(rows, f), self._empty(rows, f), self._empty(rows, f)
         y_rows, out = self._empty(rows, self.d), self._empty(self.n_tokens, self.d)
         self.up(x, w_gate, w_up, token_of_row, offsets, a, g, u)
-        self.down(a, a, w_down, w_down, offsets, y_rows, y_rows, y_rows, y_rows)
+        self.down(a, a, w_down, w_down, offsets, y_rows)
         self.combine(y_rows, row_id_map, probs, out)
         return out, a, g, u, y_rows
 
     def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map,
                  reuse_saved=False):
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
-        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's g, u and
+        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's a, g, u and
         y_rows are dead after this backward (autograd keeps no graph), so its temporaries go
-        into them, each once the launches that read it are done (dg and du over g and u, the
-        rows of dx over y_rows): three allocations fewer."""
+        into them, each once the launches that read it are done: three allocations fewer."""
         rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
         dw_down = self._empty(n_experts, f, d)
         self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
-        if reuse_saved:  # dg and du over g and u (each element read before it is written)
-            dg, du, dx_rows = g, u, y_rows
+        if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
+            d_a, dg, du, dx_rows = a, g, u, y_rows
         else:
             dg, du, dx_rows = self._empty(rows, f), self._empty(rows, f), self._empty(rows, d)
-        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, dg, g, u, du)
+            d_a = du
+        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
+        self.swiglu(d_a, g, u, dg, du, offsets)
         dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
-        self.dx(dg, du, w_gate, w_up, offsets, dx_rows, dx_rows, dx_rows, dx_rows)
+        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
         self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
         dx = self._empty(self.n_tokens, d)
         # each token's k slots summed in slot order, so dx repeats its bits run to run
