@@ -24,7 +24,6 @@ from suite.harness.stats import (
     at_least_within_noise,
     compare,
     copy_size,
-    judge,
     noise_floor,
     round_order,
     steady,
