@@ -24,16 +24,11 @@ if [ -z "${SUITE_DEVICE_INSTALLED:-}" ]; then
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv,noheader
   export SUITE_DEVICE_INSTALLED=1
 fi
-# SonicMoE (scripts/sonicmoe_wheels.sh): its parts arrive over two calls and wait in /tmp;
-# installed once both are there, on the path of every later call while the machine stays warm
-for part in .sonic/a/* .sonic/b/*; do
-  [ -e "$part" ] && mkdir -p /tmp/sonic-parts && cp "$part" /tmp/sonic-parts/
-done
-if [ ! -d /tmp/sonic-site ] && [ -e /tmp/sonic-parts/part-aa ] && [ -e /tmp/sonic-parts/joined-name ]; then
-  mkdir -p /tmp/sonic-joined && joined=/tmp/sonic-joined/$(cat /tmp/sonic-parts/joined-name)
-  cat /tmp/sonic-parts/part-a? > "$joined"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/sonic-site "$joined" /tmp/sonic-parts/*.whl \
-    && echo "SonicMoE installed" || { echo "SonicMoE's wheels did not install"; rm -rf /tmp/sonic-site; }
+# SonicMoE (scripts/sonicmoe_wheels.sh): its wheels' files in one xz archive (carry .sonic/site),
+# unpacked once, on the path of every later call while the machine stays warm
+if [ ! -d /tmp/sonic-site ] && [ -s .sonic/site/sonic-site.tar.xz ]; then
+  mkdir -p /tmp/sonic-site && tar xJf .sonic/site/sonic-site.tar.xz -C /tmp/sonic-site --strip-components=1 \
+    && echo "SonicMoE installed" || { echo "SonicMoE's archive did not unpack"; rm -rf /tmp/sonic-site; }
 fi
 if [ -d /tmp/sonic-site ]; then
   export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
