@@ -35,11 +35,12 @@ if [ -d /tmp/sonic-site ]; then
   # QuACK autotunes each GEMM for each new shape, compiling every config first (the first
   # process on a machine took 7.5 min before its first timing); its autotune results and
   # compiled .o files go to one folder, which comes back in $OUT (quack-cache.tgz, split in
-  # 15 MB parts) and, carried as .sonic/jit, spares a later machine that work
+  # 15 MB parts) and, carried as .sonic/jit (in this call or an earlier one on the machine:
+  # with .sonic/site it may pass the 64 MiB), spares a later machine that work
   export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_COMPILE_WORKERS=16
-  if [ ! -d "$QUACK_CACHE_DIR" ] && ls .sonic/jit/quack-cache.tgz* >/dev/null 2>&1; then
-    cat .sonic/jit/quack-cache.tgz* | tar xz -C /tmp && echo "SonicMoE's QuACK cache restored"
-  fi
+fi
+if [ ! -d /tmp/quack-cache ] && ls .sonic/jit/quack-cache.tgz.* >/dev/null 2>&1; then
+  cat .sonic/jit/quack-cache.tgz.* | tar xz -C /tmp && echo "SonicMoE's QuACK cache restored"
 fi
 mode=${1:-tests}; shift || true
 case "$mode" in
