@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and, on a GPU,
-of the layers: the experts' forward+backward under autograd, the routing alone, and a whole
+of the layers: the experts' forward+backward under autograd (alone, and per layer of eight
+chained into one backward, as a model's layers share one), the routing alone, and a whole
 MoEExperts forward+backward from its input (router, routing, experts), and its two parts (the
 router's nn.Linear under cuBLAS and cuBLASLt; the routing and experts' one autograd node).
 
@@ -41,6 +42,10 @@ if not torch.cuda.is_available():  # the launch paths Triton's interpreter takes
 from suite.arms import moe, moe_kernels as mk  # noqa: E402
 from suite.arms.triton_support import KeptLaunches  # noqa: E402
 from suite.harness.timers import CudaTimer, host_us_per_call  # noqa: E402
+
+# layers chained into one forward and one backward: their row is per layer
+STACK = 8
+STACKED = f"experts fwd+bwd, per layer of {STACK} in one backward"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,6 +124,19 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
         result = moe.experts(leaves[0], layer_routing, *leaves[1:])
         return torch.autograd.grad(result, [*leaves, layer_probs], grad_out)
 
+    # a model's layers share one backward: the autograd engine's start (on a GPU its hand-off to
+    # the device's thread) is paid once a step, not once a layer as in experts_layer. Each layer
+    # has weights of its own (shared ones would add their gradients up); their values are never
+    # read on the CPU and do not change a GPU's time
+    stack_weights = [leaves[1:]] + [[torch.empty_like(w).requires_grad_() for w in leaves[1:]]
+                                    for _ in range(STACK - 1)]
+
+    def experts_stack():
+        h = leaves[0]
+        for weights in stack_weights:
+            h = moe.experts(h, layer_routing, *weights)
+        return torch.autograd.grad(h, [leaves[0], *(w for ws in stack_weights for w in ws), layer_probs], grad_out)
+
     logits = torch.randn(t, e, generator=gen).to(device)
     module = moe.MoEExperts(d, f, e, k, device=device, dtype=dtype)
     module_x = x.clone().requires_grad_()
@@ -144,6 +162,7 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
 
     layers = {
         "experts fwd+bwd (autograd)": experts_layer,
+        STACKED: experts_stack,
         "route (logits -> Routing)": lambda: moe.route(logits, k),
         "MoEExperts fwd+bwd (router, route, experts)": module_layer,
         "MoEExperts' router fwd+bwd, cuBLAS": lambda: router_layer("cublas"),
@@ -194,10 +213,11 @@ def measure(args: argparse.Namespace) -> dict:
         timer = CudaTimer(device) if cuda else None
         for name, fn in named:
             fn()  # compiles
-            row = {"call": name, "host_us": host_us_per_call(fn, sync, calls=args.calls)}
+            per = STACK if name == STACKED else 1
+            row = {"call": name, "host_us": host_us_per_call(fn, sync, calls=args.calls) / per}
             if timer is not None:
                 replay = timer.capture(fn)
-                row["device_us"] = 1e3 * min(timer.time_calls(replay, 20, flush_l2=False, window=10))
+                row["device_us"] = 1e3 * min(timer.time_calls(replay, 20, flush_l2=False, window=10)) / per
             rows.append(row)
             if blas is not None:
                 torch.backends.cuda.preferred_blas_library(blas)  # the router rows set their own

@@ -24,7 +24,8 @@ def test_the_probe_times_every_entry_point_and_restores_the_launch(tmp_path, cap
     assert calls[:7] == ["expert_up", "expert_down", "combine", "combine_backward", "expert_down_backward",
                          "expert_up_backward", "combine (dx)"]
     assert all(row["host_us"] > 0 for row in result["rows"])
-    assert calls[7:9] == ["experts fwd+bwd (autograd)", "route (logits -> Routing)"]
+    assert calls[7:10] == ["experts fwd+bwd (autograd)", "experts fwd+bwd, per layer of 8 in one backward",
+                           "route (logits -> Routing)"]
     if not torch.cuda.is_available():
-        assert result["what"].startswith("python only") and len(calls) == 9
+        assert result["what"].startswith("python only") and len(calls) == 10
     assert "sum of the entry points" in capsys.readouterr().out
