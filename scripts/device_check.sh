@@ -33,10 +33,10 @@ fi
 if [ -d /tmp/sonic-site ]; then
   export PYTHONPATH=/tmp/sonic-site/nvidia_cutlass_dsl/python_packages:/tmp/sonic-site:${PYTHONPATH:-}
   # QuACK autotunes each GEMM for each new shape, compiling every config first (minutes on a
-  # fresh machine, docs/arms/moe.md); its autotune results and
-  # compiled .o files go to one folder, which comes back in $OUT (quack-cache.tgz, split in
-  # 15 MB parts) and, carried as .sonic/jit (in this call or an earlier one on the machine:
-  # with .sonic/site it may pass the 64 MiB), spares a later machine that work
+  # fresh machine, docs/arms/moe.md); its autotune results and compiled .o files go to one
+  # folder, which comes back in $OUT (quack-cache.tgz, split in 15 MB parts) and, carried as
+  # .sonic/jit (in this call or an earlier one on the machine: with .sonic/site it may pass the
+  # 64 MiB), spares a later machine that work
   export QUACK_CACHE_DIR=/tmp/quack-cache QUACK_COMPILE_WORKERS=16
 fi
 if [ ! -d /tmp/quack-cache ] && ls .sonic/jit/quack-cache.tgz.* >/dev/null 2>&1; then
