@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gates.moe_bwd import GATE
 
-DEFAULT_CONTENDERS = ("arm", "grouped_mm gate|up compiled", "grouped_mm gate|up")
+DEFAULT_CONTENDERS = ("arm", "sonicmoe", "grouped_mm gate|up compiled")
 
 
 def kernel_times(call, calls: int) -> dict[str, float]:
@@ -59,6 +59,10 @@ def main() -> None:
         preset = GATE.preset(preset_name)
         buffers = GATE.make_buffers(preset, 0, device)
         for name in args.contender or DEFAULT_CONTENDERS:
+            missing = contenders[name].unavailable(device)
+            if missing:
+                print(f"\n{preset_name} / {name}: unavailable ({missing})")
+                continue
             times = kernel_times(contenders[name].build(bench, buffers, preset), args.calls)
             figures[f"{preset_name}/{name}"] = times
             rows = [(k[:90], f"{ms:.4f}", f"{100 * ms / sum(times.values()):.1f}%") for k, ms in list(times.items())[:args.top]]
