@@ -13,8 +13,10 @@ the bf16 GEMM or copy ceiling (measured here), the combine backward beside a pla
 bytes. With --sweep each GEMM kernel is also timed at a
 fixed list of alternative tiles, and the combine backward at alternative tile shapes, each
 checked against the default's outputs (a different reduction step changes fp32 rounding only).
-Two entries time the gate/up weight gradient other ways (EXPERIMENTS, outside the sums): as two
-one-output launches, and on x rows already in sorted order (what the gather in its loop costs).
+Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
+gradient as two one-output launches, and on x rows already in sorted order (what the gather in
+its loop costs); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it, gathering
+x by token first where the kernel gathers in its loop, each checked against the kernel's outputs.
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
 everything to $OUT/moe_tune.json (or --json) and prints one table per preset last.
 """
@@ -58,11 +60,22 @@ KERNELS = (
     ("dw_gate_up", (1, 2), 4),
     ("dw_gate_up_separate", (1, 1), 4),
     ("dw_gate_up_presorted", (1, 2), 4),
+    # torch._grouped_mm's take on each (no tile of ours: operands None)
+    ("expert_up_grouped_mm", None, 4),
+    ("expert_down_grouped_mm", None, 2),
+    ("swiglu_backward_grouped_mm", None, 2),
+    ("dw_down_grouped_mm", None, 2),
+    ("dx_rows_grouped_mm", None, 4),
+    ("dw_gate_up_grouped_mm", None, 4),
 )
 # experiments timed beside the arm's kernels, never in the layer's sums: the gate/up weight
 # gradient as two one-output launches, and on x rows sorted before the timed call (what the
 # gather in its loop costs; the sort itself is not timed)
-EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted")
+EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted") + tuple(
+    name for name, operands, _ in KERNELS if operands is None)
+# the kernel whose outputs an experiment's are checked against
+SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
+    name: name.removesuffix("_grouped_mm") for name in EXPERIMENTS if name.endswith("_grouped_mm")}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -155,7 +168,10 @@ def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
 
 def build(preset_name: str, device):
     """-> (params, routing, kernels, outputs): kernels maps a name to a call writing into
-    preallocated outputs (so a capture allocates nothing), the layer's tensors made once."""
+    preallocated outputs (so a capture allocates nothing; torch._grouped_mm's returns its own,
+    from the capture's pool), the layer's tensors made once."""
+    import torch
+
     import gates
     from suite.arms import moe_kernels as mk
     from suite.arms.moe import route
@@ -172,7 +188,31 @@ def build(preset_name: str, device):
     grad_rows, grad_probs = mk.combine_backward(grad_out, y, probs, row_map)
     dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, wd, offsets)
     dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, wg, wu, tor, offsets)
-    x_sorted = x[tor.long().clamp(min=0)]  # rows past R hold token 0's: never read
+    sources = tor.long().clamp(min=0)  # rows past R hold token 0's: never read
+    x_sorted = x[sources]
+    x_gathered = torch.empty_like(x_sorted)
+    ends = offsets[1:]
+    wd_t, wg_t, wu_t = wd.transpose(1, 2), wg.transpose(1, 2), wu.transpose(1, 2)
+    dg_other, du_other = torch.empty_like(dg), torch.empty_like(du)
+    made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
+
+    def grouped(name, *tensors):
+        made[name] = tensors
+
+    def up_grouped_mm():
+        torch.index_select(x, 0, sources, out=x_gathered)
+        g_, u_ = torch._grouped_mm(x_gathered, wg, offs=ends), torch._grouped_mm(x_gathered, wu, offs=ends)
+        grouped("expert_up_grouped_mm", torch.nn.functional.silu(g_.float()).mul_(u_.float()).to(g_.dtype), g_, u_)
+
+    def swiglu_backward_grouped_mm():
+        d_a = torch._grouped_mm(grad_rows, wd_t, offs=ends)
+        mk._swiglu_backward(d_a, g, u, offsets, dg_other, du_other)
+
+    def dw_gate_up_grouped_mm():
+        torch.index_select(x, 0, sources, out=x_gathered)
+        grouped("dw_gate_up_grouped_mm", torch._grouped_mm(x_gathered.t(), dg, offs=ends),
+                torch._grouped_mm(x_gathered.t(), du, offs=ends))
+
     s_e, s_f, s_d = wd.stride()
     g_e, g_d, g_f = wg.stride()
     u_e, u_d, u_f = wu.stride()
@@ -193,10 +233,25 @@ def build(preset_name: str, device):
         "dw_gate_up_presorted": lambda: mk._weight_grad(x_sorted, None, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
         "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_map, grad_rows_out=grad_rows,
                                                         grad_probs_out=grad_probs),
+        "expert_up_grouped_mm": up_grouped_mm,
+        "expert_down_grouped_mm": lambda: grouped("expert_down_grouped_mm", torch._grouped_mm(a, wd, offs=ends)),
+        "swiglu_backward_grouped_mm": swiglu_backward_grouped_mm,
+        "dw_down_grouped_mm": lambda: grouped("dw_down_grouped_mm", torch._grouped_mm(a.t(), grad_rows, offs=ends)),
+        "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg_t, offs=ends).add_(
+            torch._grouped_mm(du, wu_t, offs=ends))),
+        "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
-               "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs)}
+               "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),
+               "swiglu_backward_grouped_mm": (dg_other, du_other)}
+    for name in EXPERIMENTS:
+        outputs.setdefault(name, lambda name=name: made[name])
     return p, routing, kernels, outputs
+
+
+def _made(outputs) -> tuple:
+    """An entry's output tensors: kept ones, or (an experiment's) a call that returns them."""
+    return outputs() if callable(outputs) else outputs
 
 
 def rel_diff(got, want) -> float:
@@ -236,23 +291,29 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
             continue
         fn = kernels[kernel]
         flops = layer_flops(per_rdf, rows, d, f)
-        default = recorded_gemm_configs(fn)[0]
-        reference = [t.clone() for t in outputs[kernel]]
-        entry = {"kernel": kernel, "flops": flops, "default": default.__dict__, "timings": []}
-        candidates = [default]
-        if args.sweep:
+        reference = [t.clone() for t in _made(outputs[SAME_AS.get(kernel, kernel)])]
+        if operands is None:  # torch._grouped_mm: no tile of ours to pick or sweep
+            default = None
+            entry = {"kernel": kernel, "flops": flops, "default": None, "timings": []}
+            candidates = [None]
+        else:
+            default = recorded_gemm_configs(fn)[0]
+            entry = {"kernel": kernel, "flops": flops, "default": default.__dict__, "timings": []}
+            candidates = [default]
+        if args.sweep and default is not None:
             candidates += [dataclasses.replace(default, group_m=g) for g in (8, 16)]
             candidates += gemm_candidates(*operands, default.itemsize, limit)
             candidates = list(dict.fromkeys(candidates))  # a default that is already grouped, once
         for config in candidates:
+            described = config.__dict__ if config else None
             try:
-                with gemm_config(config):
+                with gemm_config(config) if config else contextlib.nullcontext():
                     ms = time_kernel(timer, fn, args.replays)  # the replays leave its outputs
-                diff = rel_diff(outputs[kernel], reference)
+                diff = rel_diff(_made(outputs[kernel]), reference)
             except Exception as exc:  # a config that fails to compile or launch is reported
-                entry["timings"].append({"config": config.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                entry["timings"].append({"config": described, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
-            entry["timings"].append({"config": config.__dict__, "ms": ms, "tflops": flops / ms / 1e9,
+            entry["timings"].append({"config": described, "ms": ms, "tflops": flops / ms / 1e9,
                                      "of_gemm": flops / ms / 1e9 / ceilings.gemm_bf16_tflops, "rel_diff": diff})
         fn()  # the default's outputs again: the next kernels read them
         figures["kernels"].append(entry)
@@ -288,7 +349,9 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
     return figures
 
 
-def _config_text(c: dict[str, Any]) -> str:
+def _config_text(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "torch._grouped_mm"
     if "block_t" in c:
         return f"{c['block_t']}x{c['block_d']} w{c['num_warps']}"
     return (f"{c['block_m']}x{c['block_n']}x{c['block_k']} s{c['num_stages']} w{c['num_warps']}"
@@ -297,12 +360,12 @@ def _config_text(c: dict[str, Any]) -> str:
 
 def print_table(figures: dict[str, Any]) -> None:
     print(f"\n{figures['preset']} {figures['params']} (smem limit {figures['smem_limit']} B)")
-    print(f"{'kernel':20s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
+    print(f"{'kernel':26s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
     defaults, bests = {}, {}
     for entry in figures["kernels"]:
         timed = [t for t in entry["timings"] if "ms" in t]
         if not timed:
-            print(f"{entry['kernel']:20s} every config failed: {entry['timings'][0].get('error')}")
+            print(f"{entry['kernel']:26s} every config failed: {entry['timings'][0].get('error')}")
             continue
         if entry["kernel"] not in EXPERIMENTS:
             defaults[entry["kernel"]] = timed[0]["ms"]
@@ -310,18 +373,18 @@ def print_table(figures: dict[str, Any]) -> None:
         for i, t in enumerate(sorted(timed, key=lambda t: t["ms"])[:4] if len(timed) > 1 else timed):
             rate = f"{t['tflops']:.0f} TFLOP/s" if "tflops" in t else f"{t['gbps']:.0f} GB/s"
             share = t.get("of_gemm", t.get("of_copy"))
-            mark = " (default)" if t["config"] == entry["default"] else ""
-            print(f"{entry['kernel'] if i == 0 else '':20s} {_config_text(t['config']) + mark:24s} {t['ms']:9.4f} "
+            mark = " (default)" if entry["default"] and t["config"] == entry["default"] else ""
+            print(f"{entry['kernel'] if i == 0 else '':26s} {_config_text(t['config']) + mark:24s} {t['ms']:9.4f} "
                   f"{rate:>14s} {100 * share:9.1f}% {t['rel_diff']:9.1e}")
         for t in entry["timings"]:
             if "error" in t:
-                print(f"{'':20s} {_config_text(t['config']):24s} failed: {t['error']}")
+                print(f"{'':26s} {_config_text(t['config']):24s} failed: {t['error']}")
     for entry in figures["kernels"]:
         if "same_bytes_copy" in entry:
             copy = entry["same_bytes_copy"]
-            print(f"{'  a copy of its bytes':44s} {copy['ms']:9.4f} {copy['gbps']:9.0f} GB/s {100 * copy['of_copy']:9.1f}%")
-    print(f"{'sum of kernels':20s} {'default':24s} {sum(defaults.values()):9.4f}\n"
-          f"{'':20s} {'best of each':24s} {sum(bests.values()):9.4f}")
+            print(f"{'  a copy of its bytes':50s} {copy['ms']:9.4f} {copy['gbps']:9.0f} GB/s {100 * copy['of_copy']:9.1f}%")
+    print(f"{'sum of kernels':26s} {'default':24s} {sum(defaults.values()):9.4f}\n"
+          f"{'':26s} {'best of each':24s} {sum(bests.values()):9.4f}")
 
 
 def main(argv=None) -> int:
