@@ -241,6 +241,35 @@ def test_forward_and_backward_never_sync_with_the_host():
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_grouped_mm_weight_gradients_on_the_gpu_hold_the_truth_repeat_and_never_sync(monkeypatch):
+    """The torch._grouped_mm path forced on at a small layer (its size rule would keep our
+    kernels there): an empty expert, dropped rows, bf16."""
+    mk = moe.moe_kernels
+    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: True)
+    monkeypatch.setattr(mk, "_layer_plans", {})
+    x, weights, logits, grad_out = gpu_inputs()
+    bf16 = [t.bfloat16() for t in (x, *weights)]
+    args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
+    routing, got = run(moe.experts, *args)
+    _, ref = run(moe.experts_reference, *args)
+    truth = truth_of(x, weights, logits, grad_out, 2, 1.0)
+    assert int(routing.offsets[2] - routing.offsets[1]) == 0 and int(routing.num_dropped) > 0
+    for name, g, r, t in zip(NAMES, got, ref, truth):
+        assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients
+    _, again = run(moe.experts, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    run(moe.experts, *args[:4], 2, None)  # compiled first (no capacity: another shape): compiling may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(moe.experts, *args[:4], 2, None)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.parametrize("case", ["top2", "capacity-drops"])
 def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
     """experts() launches through a LayerPlan kept per call shape, skipping the entry points'
@@ -252,6 +281,69 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
     for name, a, b in zip(NAMES, planned, checked):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case", ["top2", "empty-expert", "capacity-drops"])
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_grouped_mm_weight_gradients_give_the_kernels_values(case, keep_graph, monkeypatch):
+    """Where `_vendor_gemms` sends d_a and the weight gradients to torch._grouped_mm (CUTLASS on
+    an H200), the layer and the entry points give our kernels' values and each other's bits;
+    forced here on the CPU, where torch's own grouped_mm runs them (fp32: the sums' order
+    differs only)."""
+    mk = moe.moe_kernels
+    num_experts, k, capacity_factor, shift = CASES[case]
+    inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
+    kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
+    grouped_mm, calls = torch._grouped_mm, []
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
+    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: True)
+    monkeypatch.setattr(mk, "_layer_plans", {})
+    if keep_graph:  # the backward then may not write into the saved activations
+        monkeypatch.setattr(moe, "_graph_kept", lambda: True)
+    planned = run(moe.experts, *inputs, k, capacity_factor)[1]
+    assert len(calls) == 4  # dW_down, d_a, dW_gate, dW_up
+    monkeypatch.setattr(mk, "layer_plan", lambda *args: None)
+    checked = run(moe.experts, *inputs, k, capacity_factor)[1]
+    assert len(calls) == 8
+    for name, want, a, b in zip(NAMES, kernels, planned, checked):
+        torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.equal(a, b), name
+    if case == "empty-expert":  # expert 1 has no rows: its weight gradients are zeros
+        assert all(not w[1].any() for w in planned[2:5])
+
+
+def test_grouped_mm_is_taken_on_cutlass_cards_in_bf16_at_measured_sizes(monkeypatch):
+    mk = moe.moe_kernels
+    capability = [(9, 0)]
+    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setenv("SUITE_PROFILE", "none")
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    olmoe = (65536, 64, 2048, 1024)  # rows, experts, d, f
+    assert mk._vendor_gemms(*olmoe, bf16, cuda)
+    assert mk._vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
+    assert not mk._vendor_gemms(*olmoe, torch.float16, cuda)
+    assert not mk._vendor_gemms(*olmoe, bf16, torch.device("cpu"))
+    assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
+    assert not mk._vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
+    assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
+    capability[0] = (10, 0)
+    assert mk._vendor_gemms(*olmoe, bf16, cuda)
+    for other in ((12, 0), (8, 0)):  # torch's grouped_mm syncs and loops there
+        capability[0] = other
+        assert not mk._vendor_gemms(*olmoe, bf16, cuda)
+    capability[0] = (9, 0)
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    assert not mk._vendor_gemms(*olmoe, bf16, cuda)
+
+
+def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
+    mk = moe.moe_kernels
+    rows = torch.zeros(8, 16, dtype=torch.bfloat16)
+    assert mk._grouped_mm_ready(rows, rows.t(), torch.zeros(2, 16, 8, dtype=torch.bfloat16).transpose(1, 2))
+    assert not mk._grouped_mm_ready(rows.view(-1)[1:113].view(8, 14))  # a pointer 2 bytes in
+    assert not mk._grouped_mm_ready(torch.zeros(8, 12, dtype=torch.bfloat16))  # rows of 24 bytes
+    assert not mk._grouped_mm_ready(torch.zeros(8, 16, dtype=torch.bfloat16)[:, ::2])  # no unit stride
 
 
 def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole():

@@ -5,6 +5,13 @@ offsets[e]:offsets[e+1] (int32 [E+1], offsets[0] = 0); token_of_row (int32 [R_ma
 sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives the sorted row
 of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 
+On sm90/sm100 cards, in bf16 and at layers of this size or more (`_vendor_gemms`), the weight
+gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
+on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
+they took 0.71-0.94x our kernels' time and gave the same bits (scripts/moe_tune.py; figures in
+docs/tuning.md); the RTX card (whose grouped_mm copies the offsets to the host) and the rtx
+profile keep our kernels.
+
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
 bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one partial tile), and
 each program finds its expert and rows from `offsets` on the device (`_expert_tile`); programs
@@ -35,7 +42,7 @@ import triton
 import triton.language as tl
 
 from suite.arms.triton_support import PlannedLaunch, interpreting, next_pow2
-from suite.device_profile import smem_limit
+from suite.device_profile import active_profile, smem_limit
 from suite.errors import CouldNotRun
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -324,6 +331,21 @@ def _combine_bwd_kernel(
     tl.store(GRAD_PROBS + slot_offs, dots, mask=slot_mask)
 
 
+@triton.jit
+def _gather_rows_kernel(X, TOKEN_OF_ROW, OFFSETS, OUT, n_experts, d, stride_x,
+                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """OUT[r] = X[token_of_row[r]] for the kept rows r < offsets[E]; the rows past them are
+    left unwritten (token_of_row holds no token there)."""
+    n_rows = tl.load(OFFSETS + n_experts)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < n_rows
+    tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = row_mask[:, None] & (cols < d)[None, :]
+    x = tl.load(X + tokens[:, None] * stride_x + cols[None, :], mask=mask)
+    tl.store(OUT + rows.to(tl.int64)[:, None] * d + cols[None, :], x, mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Launch heuristics
 # --------------------------------------------------------------------------------------------
@@ -433,6 +455,38 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
                 if config.smem_bytes <= limit:
                     return config
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
+
+
+# torch._grouped_mm's weight gradients and d_a against our kernels, on the H200 (moe_tune's
+# grouped_mm entries; figures in docs/tuning.md): 0.71-0.94x the time at olmoe, qwen3-30b-a3b
+# and mixtral, the smallest of them 512 rows an expert and a 2048 x 768 weight; smaller layers,
+# where each op's host time counts more, keep our kernels until measured.
+_VENDOR_MIN_ROWS = 512  # average rows per expert
+_VENDOR_MIN_WEIGHT = 1 << 20  # d * f
+
+
+def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
+    """Whether a layer of this shape takes torch._grouped_mm for its weight gradients and d_a:
+    only where torch runs its CUTLASS grouped GEMMs (sm90 and sm100, bf16; elsewhere it copies
+    the offsets to the host, a sync, and loops over the experts), outside the rtx profile, with
+    16-byte rows (d and f multiples of 8), at the sizes measured to gain."""
+    if device.type != "cuda" or _interpreting() or dtype != torch.bfloat16 or d % 8 or f % 8:
+        return False
+    if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+        return False
+    return n_rows >= _VENDOR_MIN_ROWS * n_experts and d * f >= _VENDOR_MIN_WEIGHT
+
+
+def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
+    """torch._grouped_mm's CUTLASS path takes each operand with a unit stride in one of its last
+    two dims and 16-byte aligned pointers and other strides (it refuses the rest)."""
+    for t in operands:
+        step = 16 // t.element_size()
+        if t.data_ptr() % 16 or (t.stride(-1) != 1 and t.stride(-2) != 1):
+            return False
+        if any(s % step for s in t.stride() if s != 1):
+            return False
+    return True
 
 
 # The SwiGLU backward's elementwise pass: elements a program (bf16: 16 a thread at 4 warps).
@@ -579,6 +633,16 @@ def _combine_launch(n_tokens, d, top_k, weighted, dtype, device) -> PlannedLaunc
         _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)), (n_tokens, d),
         (dtype, torch.int32, torch.float32 if weighted else dtype, dtype),
         TOP_K=top_k, WEIGHTED=weighted, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
+    )
+
+
+def _gather_launch(n_rows, d, x_stride, n_experts, dtype, device) -> PlannedLaunch:
+    """x's rows in the sorted order; called with (x, token_of_row, offsets, out). A row stream,
+    at the combines' tiles."""
+    cfg = _combine_config(n_rows, d, device)
+    return PlannedLaunch(
+        _gather_rows_kernel, (_cdiv(n_rows, cfg.block_t), _cdiv(d, cfg.block_d)), (n_experts, d, x_stride),
+        (dtype, torch.int32, torch.int32, dtype), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
     )
 
 
@@ -748,6 +812,12 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     # d_a goes into du before gate and up are read, and dg is written before du in each element
     _check(len({dg.data_ptr(), du.data_ptr(), gate.data_ptr(), up.data_ptr()}) == 4, fn,
            "dg_out and du_out must be buffers of their own, not gate, up or each other; pass other tensors")
+    w_down_t = w_down.transpose(1, 2)
+    if (dw_down_out is None and n_rows and _vendor_gemms(n_rows, n_experts, d, f, a.dtype, a.device)
+            and _grouped_mm_ready(grad_rows, a.t(), w_down_t)):
+        ends = offsets[1:]  # torch._grouped_mm's groups end there; rows past offsets[E] are not read
+        _swiglu_backward(torch._grouped_mm(grad_rows, w_down_t, offs=ends), gate, up, offsets, dg, du)
+        return dg, du, torch._grouped_mm(a.t(), grad_rows, offs=ends)
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
     _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer
@@ -778,13 +848,24 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     for name, t in (("dg", dg), ("du", du)):
         _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
     dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
-    dw_gate = _buffer(dw_gate_out, fn, "dw_gate_out", (n_experts, d, f), w_gate.dtype, x.device)
-    dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
     g_e, g_d, g_f = w_gate.stride()
     u_e, u_d, u_f = w_up.stride()
     _grouped_rows("dx", dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
+    if (dw_gate_out is None and dw_up_out is None and n_rows
+            and _vendor_gemms(n_rows, n_experts, d, f, x.dtype, x.device) and _grouped_mm_ready(dg, du)):
+        x_rows = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
+        _gather_launch(n_rows, d, x.stride(0), n_experts, x.dtype, x.device)(x, token_of_row, offsets, x_rows)
+        return (dx_rows, *_vendor_dw_gate_up(x_rows, dg, du, offsets))
+    dw_gate = _buffer(dw_gate_out, fn, "dw_gate_out", (n_experts, d, f), w_gate.dtype, x.device)
+    dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
     _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
     return dx_rows, dw_gate, dw_up
+
+
+def _vendor_dw_gate_up(x_rows, dg, du, offsets):
+    """dW_gate and dW_up through torch._grouped_mm, x_rows: x's rows in the sorted order."""
+    ends = offsets[1:]
+    return torch._grouped_mm(x_rows.t(), dg, offs=ends), torch._grouped_mm(x_rows.t(), du, offs=ends)
 
 
 # --------------------------------------------------------------------------------------------
@@ -816,6 +897,9 @@ class LayerPlan:
         self.dx = _rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
         self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
         self.combine_dx = _combine_launch(n_tokens, d, top_k, False, dtype, device)
+        self.vendor = _vendor_gemms(n_rows, n_experts, d, f, dtype, device)
+        if self.vendor:
+            self.gather = _gather_launch(n_rows, d, x_stride, n_experts, dtype, device)
 
     def _empty(self, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
@@ -846,6 +930,10 @@ class LayerPlan:
         rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
+        w_down_t = w_down.transpose(1, 2)
+        if self.vendor and _grouped_mm_ready(a.t(), w_down_t, g, u):  # a weight view may be misaligned
+            return self._vendor_backward(grad_rows, grad_probs, x, w_gate, w_up, w_down_t, a, g, u, y_rows,
+                                         token_of_row, offsets, row_id_map, reuse_saved)
         dw_down = self._empty(n_experts, f, d)
         self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
         if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
@@ -861,6 +949,26 @@ class LayerPlan:
         dx = self._empty(self.n_tokens, d)
         # each token's k slots summed in slot order, so dx repeats its bits run to run
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
+        return dx, grad_probs, dw_gate, dw_up, dw_down
+
+    def _vendor_backward(self, grad_rows, grad_probs, x, w_gate, w_up, w_down_t, a, g, u, y_rows, token_of_row,
+                         offsets, row_id_map, reuse_saved):
+        """backward's rest with torch._grouped_mm for d_a and the weight gradients (`_vendor_gemms`),
+        the same sums as expert_down_backward and expert_up_backward take there."""
+        ends = offsets[1:]
+        dw_down = torch._grouped_mm(a.t(), grad_rows, offs=ends)
+        d_a = torch._grouped_mm(grad_rows, w_down_t, offs=ends)
+        if reuse_saved:  # dg and du over g and u (swiglu reads each first); x's rows in y_rows
+            dg, du, x_rows = g, u, y_rows
+        else:
+            dg, du, x_rows = self._empty(self.n_rows, self.f), self._empty(self.n_rows, self.f), self._empty(
+                self.n_rows, self.d)
+        self.swiglu(d_a, g, u, dg, du, offsets)
+        self.gather(x, token_of_row, offsets, x_rows)
+        dw_gate, dw_up = _vendor_dw_gate_up(x_rows, dg, du, offsets)
+        self.dx(dg, du, w_gate, w_up, offsets, x_rows)  # dx's rows over x's, read by now
+        dx = self._empty(self.n_tokens, self.d)
+        self.combine_dx(x_rows, row_id_map, x_rows, dx)
         return dx, grad_probs, dw_gate, dw_up, dw_down
 
 
