@@ -312,7 +312,7 @@ def test_grouped_mm_weight_gradients_give_the_kernels_values(case, keep_graph, m
         assert all(not w[1].any() for w in planned[2:5])
 
 
-def test_grouped_mm_is_taken_on_cutlass_cards_in_bf16_at_measured_sizes(monkeypatch):
+def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     mk = moe.moe_kernels
     capability = [(9, 0)]
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
@@ -327,9 +327,7 @@ def test_grouped_mm_is_taken_on_cutlass_cards_in_bf16_at_measured_sizes(monkeypa
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
     assert not mk._vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
     assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
-    capability[0] = (10, 0)
-    assert mk._vendor_gemms(*olmoe, bf16, cuda)
-    for other in ((12, 0), (8, 0)):  # torch's grouped_mm syncs and loops there
+    for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
         capability[0] = other
         assert not mk._vendor_gemms(*olmoe, bf16, cuda)
     capability[0] = (9, 0)

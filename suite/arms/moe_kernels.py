@@ -5,12 +5,11 @@ offsets[e]:offsets[e+1] (int32 [E+1], offsets[0] = 0); token_of_row (int32 [R_ma
 sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives the sorted row
 of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 
-On sm90/sm100 cards, in bf16 and at layers of this size or more (`_vendor_gemms`), the weight
+On sm90 cards, in bf16 and at layers of this size or more (`_vendor_gemms`), the weight
 gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
 on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
 they took 0.71-0.94x our kernels' time and gave the same bits (scripts/moe_tune.py; figures in
-docs/tuning.md); the RTX card (whose grouped_mm copies the offsets to the host) and the rtx
-profile keep our kernels.
+docs/tuning.md); other cards and the rtx profile keep our kernels.
 
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
 bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one partial tile), and
@@ -467,12 +466,14 @@ _VENDOR_MIN_WEIGHT = 1 << 20  # d * f
 
 def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
     """Whether a layer of this shape takes torch._grouped_mm for its weight gradients and d_a:
-    only where torch runs its CUTLASS grouped GEMMs (sm90 and sm100, bf16; elsewhere it copies
-    the offsets to the host, a sync, and loops over the experts), outside the rtx profile, with
-    16-byte rows (d and f multiples of 8), at the sizes measured to gain."""
+    only on sm90 in bf16, where torch runs its CUTLASS grouped GEMMs (on sm120 and older cards
+    it copies the offsets to the host, a sync, and loops over the experts; on sm100 an expert
+    with no rows has been reported to get a nonzero weight gradient, pytorch/pytorch#172439),
+    outside the rtx profile, with 16-byte rows (d and f multiples of 8), at the sizes measured
+    to gain."""
     if device.type != "cuda" or _interpreting() or dtype != torch.bfloat16 or d % 8 or f % 8:
         return False
-    if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] not in (9, 10):
+    if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     return n_rows >= _VENDOR_MIN_ROWS * n_experts and d * f >= _VENDOR_MIN_WEIGHT
 
