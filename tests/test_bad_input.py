@@ -40,7 +40,6 @@ from suite.arms import moe
 from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
-from suite.harness import atomic
 from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
 from suite.harness.runner import Runner
 from suite.harness.store import list_reports, write_report
