@@ -204,9 +204,19 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
     return x, weights, logits, grad_out
 
 
+def _grouped_mm_path(monkeypatch, forced: bool) -> None:
+    """forced: d_a and the weight gradients through torch._grouped_mm whatever the layer's size
+    (its rule keeps our kernels at these test sizes)."""
+    if forced:
+        monkeypatch.setattr(moe.moe_kernels, "_vendor_gemms", lambda *args: True)
+        monkeypatch.setattr(moe.moe_kernels, "_layer_plans", {})
+
+
 @pytest.mark.cuda
 @needs_cuda
-def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats():
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(grouped_mm, monkeypatch):
+    _grouped_mm_path(monkeypatch, grouped_mm)
     x, weights, logits, grad_out = gpu_inputs()
     bf16 = [t.bfloat16() for t in (x, *weights)]
     args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
@@ -216,13 +226,16 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats():
     assert int(routing.offsets[2] - routing.offsets[1]) == 0 and int(routing.num_dropped) > 0
     for name, g, r, t in zip(NAMES, got, ref, truth):
         assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
+    assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients are zeros
     _, again = run(moe.experts, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_forward_and_backward_never_sync_with_the_host():
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_forward_and_backward_never_sync_with_the_host(grouped_mm, monkeypatch):
+    _grouped_mm_path(monkeypatch, grouped_mm)
     x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
     bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
     logits.requires_grad_()
@@ -237,35 +250,6 @@ def test_forward_and_backward_never_sync_with_the_host():
     torch.cuda.set_sync_debug_mode("error")
     try:
         step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@pytest.mark.cuda
-@needs_cuda
-def test_grouped_mm_weight_gradients_on_the_gpu_hold_the_truth_repeat_and_never_sync(monkeypatch):
-    """The torch._grouped_mm path forced on at a small layer (its size rule would keep our
-    kernels there): an empty expert, dropped rows, bf16."""
-    mk = moe.moe_kernels
-    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: True)
-    monkeypatch.setattr(mk, "_layer_plans", {})
-    x, weights, logits, grad_out = gpu_inputs()
-    bf16 = [t.bfloat16() for t in (x, *weights)]
-    args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
-    routing, got = run(moe.experts, *args)
-    _, ref = run(moe.experts_reference, *args)
-    truth = truth_of(x, weights, logits, grad_out, 2, 1.0)
-    assert int(routing.offsets[2] - routing.offsets[1]) == 0 and int(routing.num_dropped) > 0
-    for name, g, r, t in zip(NAMES, got, ref, truth):
-        assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
-    assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients
-    _, again = run(moe.experts, *args)
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
-    run(moe.experts, *args[:4], 2, None)  # compiled first (no capacity: another shape): compiling may sync
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run(moe.experts, *args[:4], 2, None)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -296,8 +280,7 @@ def test_grouped_mm_weight_gradients_give_the_kernels_values(case, keep_graph, m
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
     grouped_mm, calls = torch._grouped_mm, []
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
-    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: True)
-    monkeypatch.setattr(mk, "_layer_plans", {})
+    _grouped_mm_path(monkeypatch, True)
     if keep_graph:  # the backward then may not write into the saved activations
         monkeypatch.setattr(moe, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
