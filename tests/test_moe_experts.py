@@ -204,19 +204,30 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
     return x, weights, logits, grad_out
 
 
-def _grouped_mm_path(monkeypatch, forced: bool) -> None:
+def _grouped_mm_path(monkeypatch, forced: bool) -> list:
     """forced: d_a and the weight gradients through torch._grouped_mm whatever the layer's size
-    (its rule keeps our kernels at these test sizes)."""
+    (its rule keeps our kernels at these test sizes). -> the calls torch._grouped_mm gets (their
+    first operand's shape), so a test can tell the path ran rather than fell back."""
+    calls = []
     if forced:
+        grouped_mm = torch._grouped_mm
+        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
         monkeypatch.setattr(moe.moe_kernels, "_vendor_gemms", lambda *args: True)
         monkeypatch.setattr(moe.moe_kernels, "_layer_plans", {})
+    return calls
+
+
+def _skip_grouped_mm_off_sm90(forced: bool) -> None:
+    if forced and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped_mm path runs on sm90 alone (elsewhere torch's grouped_mm syncs or has erred)")
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("grouped_mm", [False, True])
 def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(grouped_mm, monkeypatch):
-    _grouped_mm_path(monkeypatch, grouped_mm)
+    _skip_grouped_mm_off_sm90(grouped_mm)
+    calls = _grouped_mm_path(monkeypatch, grouped_mm)
     x, weights, logits, grad_out = gpu_inputs()
     bf16 = [t.bfloat16() for t in (x, *weights)]
     args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
@@ -227,6 +238,7 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(gro
     for name, g, r, t in zip(NAMES, got, ref, truth):
         assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
     assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients are zeros
+    assert len(calls) == (4 if grouped_mm else 0)  # dW_down, d_a, dW_gate, dW_up
     _, again = run(moe.experts, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
@@ -235,7 +247,8 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(gro
 @needs_cuda
 @pytest.mark.parametrize("grouped_mm", [False, True])
 def test_forward_and_backward_never_sync_with_the_host(grouped_mm, monkeypatch):
-    _grouped_mm_path(monkeypatch, grouped_mm)
+    _skip_grouped_mm_off_sm90(grouped_mm)
+    calls = _grouped_mm_path(monkeypatch, grouped_mm)
     x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
     bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
     logits.requires_grad_()
@@ -252,6 +265,7 @@ def test_forward_and_backward_never_sync_with_the_host(grouped_mm, monkeypatch):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert len(calls) == (8 if grouped_mm else 0)  # four a backward
 
 
 @pytest.mark.parametrize("case", ["top2", "capacity-drops"])
@@ -278,9 +292,7 @@ def test_grouped_mm_weight_gradients_give_the_kernels_values(case, keep_graph, m
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
-    grouped_mm, calls = torch._grouped_mm, []
-    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
-    _grouped_mm_path(monkeypatch, True)
+    calls = _grouped_mm_path(monkeypatch, True)
     if keep_graph:  # the backward then may not write into the saved activations
         monkeypatch.setattr(moe, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
@@ -310,6 +322,8 @@ def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
     assert not mk._vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
     assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
+    assert not mk._vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small: d under any measured
+    assert not mk._vendor_gemms(65536, 64, 8192, 128, bf16, cuda)  # f under any measured
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
         capability[0] = other
         assert not mk._vendor_gemms(*olmoe, bf16, cuda)
@@ -322,15 +336,19 @@ def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
     mk = moe.moe_kernels
     rows = torch.zeros(8, 16, dtype=torch.bfloat16)
     assert mk._grouped_mm_ready(rows, rows.t(), torch.zeros(2, 16, 8, dtype=torch.bfloat16).transpose(1, 2))
-    assert not mk._grouped_mm_ready(rows.view(-1)[1:113].view(8, 14))  # a pointer 2 bytes in
+    assert not mk._grouped_mm_ready(torch.zeros(8 * 16 + 1, dtype=torch.bfloat16)[1:].view(8, 16))  # 2 bytes in
+    assert not mk._grouped_mm_ready(rows.as_strided((4, 16), (8, 1)))  # rows that overlap
     assert not mk._grouped_mm_ready(torch.zeros(8, 12, dtype=torch.bfloat16))  # rows of 24 bytes
     assert not mk._grouped_mm_ready(torch.zeros(8, 16, dtype=torch.bfloat16)[:, ::2])  # no unit stride
 
 
-def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole():
+@pytest.mark.parametrize("grouped_mm", [False, True])
+def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(grouped_mm, monkeypatch):
     """The backward writes its temporaries into the forward's saved activations only when
     autograd frees them after it: with retain_graph a second backward reads them intact, and
-    both give the bits of a backward that did reuse them."""
+    both give the bits of a backward that did reuse them; on either path (torch._grouped_mm's
+    forced on the CPU)."""
+    calls = _grouped_mm_path(monkeypatch, grouped_mm)
     num_experts, k, capacity_factor, shift = CASES["capacity-drops"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=5, logit_shift=shift)
     leaves = [x.requires_grad_(), *(w.requires_grad_() for w in weights)]
@@ -343,6 +361,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole():
     reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
     for first, second, third in zip(*kept, reused):
         assert torch.equal(first, second) and torch.equal(first, third)
+    assert len(calls) == (12 if grouped_mm else 0)  # three backwards
 
 
 def test_the_forwards_shared_buffer_starts_each_activation_16_byte_aligned():

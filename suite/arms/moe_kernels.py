@@ -5,7 +5,7 @@ offsets[e]:offsets[e+1] (int32 [E+1], offsets[0] = 0); token_of_row (int32 [R_ma
 sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives the sorted row
 of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 
-On sm90 cards, in bf16 and at layers of this size or more (`_vendor_gemms`), the weight
+On sm90 cards, in bf16 and at layers as large as the model presets (`_vendor_gemms`), the weight
 gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
 on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
 they took 0.71-0.94x our kernels' time and gave the same bits (scripts/moe_tune.py; figures in
@@ -458,10 +458,11 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
 
 # torch._grouped_mm's weight gradients and d_a against our kernels, on the H200 (moe_tune's
 # grouped_mm entries; figures in docs/tuning.md): 0.71-0.94x the time at olmoe, qwen3-30b-a3b
-# and mixtral, the smallest of them 512 rows an expert and a 2048 x 768 weight; smaller layers,
-# where each op's host time counts more, keep our kernels until measured.
+# and mixtral, the smallest of them 512 rows an expert, d 2048 and f 768; a layer smaller in any
+# of them, where each op's host time counts more, keeps our kernels until measured.
 _VENDOR_MIN_ROWS = 512  # average rows per expert
-_VENDOR_MIN_WEIGHT = 1 << 20  # d * f
+_VENDOR_MIN_D = 2048
+_VENDOR_MIN_F = 768
 
 
 def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
@@ -475,17 +476,22 @@ def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtyp
         return False
     if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return n_rows >= _VENDOR_MIN_ROWS * n_experts and d * f >= _VENDOR_MIN_WEIGHT
+    return n_rows >= _VENDOR_MIN_ROWS * n_experts and d >= _VENDOR_MIN_D and f >= _VENDOR_MIN_F
 
 
 def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
-    """torch._grouped_mm's CUTLASS path takes each operand with a unit stride in one of its last
-    two dims and 16-byte aligned pointers and other strides (it refuses the rest)."""
+    """Whether torch._grouped_mm's CUTLASS path takes each operand (it raises on the rest): a
+    unit stride in one of the last two dims, the other of them at least the unit dim's size (no
+    overlapping rows), and 16-byte aligned pointers and strides."""
     for t in operands:
         step = 16 // t.element_size()
-        if t.data_ptr() % 16 or (t.stride(-1) != 1 and t.stride(-2) != 1):
+        if t.stride(-1) == 1:
+            lead, extent = t.stride(-2), t.shape[-1]
+        elif t.stride(-2) == 1:
+            lead, extent = t.stride(-1), t.shape[-2]
+        else:
             return False
-        if any(s % step for s in t.stride() if s != 1):
+        if t.data_ptr() % 16 or lead < max(1, extent) or any(s % step for s in t.stride() if s != 1):
             return False
     return True
 
