@@ -8,7 +8,7 @@ of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 On sm90 cards, in bf16 and at layers as large as the model presets (`_vendor_gemms`), the weight
 gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
 on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
-they took 0.71-0.94x our kernels' time and gave the same bits (scripts/moe_tune.py; figures in
+they took less time than our kernels and gave the same bits (scripts/moe_tune.py; figures in
 docs/tuning.md); other cards and the rtx profile keep our kernels.
 
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
@@ -456,10 +456,10 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
 
 
-# torch._grouped_mm's weight gradients and d_a against our kernels, on the H200 (moe_tune's
-# grouped_mm entries; figures in docs/tuning.md): 0.71-0.94x the time at olmoe, qwen3-30b-a3b
-# and mixtral, the smallest of them 512 rows an expert, d 2048 and f 768; a layer smaller in any
-# of them, where each op's host time counts more, keeps our kernels until measured.
+# torch._grouped_mm's weight gradients and d_a beat our kernels on the H200 at olmoe,
+# qwen3-30b-a3b and mixtral (moe_tune's grouped_mm entries; figures in docs/tuning.md), the
+# smallest of them 512 rows an expert, d 2048 and f 768; a layer smaller in any of them, where
+# each op's host time counts more, keeps our kernels until measured.
 _VENDOR_MIN_ROWS = 512  # average rows per expert
 _VENDOR_MIN_D = 2048
 _VENDOR_MIN_F = 768
