@@ -71,7 +71,7 @@ KERNELS = (
 )
 # experiments timed beside the arm's kernels, never in the layer's sums: the gate/up weight
 # gradient as two one-output launches, and on x rows sorted before the timed call (what the
-# gather in its loop costs; the sort itself is not timed)
+# gather in its loop costs; the sort itself is not timed); and the GEMMs as torch._grouped_mm
 EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted") + tuple(
     name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
