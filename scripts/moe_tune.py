@@ -66,7 +66,6 @@ KERNELS = (
     ("swiglu_backward_grouped_mm", None, 2),
     ("dw_down_grouped_mm", None, 2),
     ("dx_rows_grouped_mm", None, 4),
-    ("dx_rows_grouped_mm_fp32", None, 4),  # the two products kept in fp32, added, then rounded once
     ("dw_gate_up_grouped_mm", None, 4),
 )
 # experiments timed beside the arm's kernels, never in the layer's sums: the gate/up weight
@@ -75,8 +74,7 @@ KERNELS = (
 EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted") + tuple(
     name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
-SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up",
-           "dx_rows_grouped_mm_fp32": "dx_rows"} | {
+SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
     name: name.removesuffix("_grouped_mm") for name in EXPERIMENTS if name.endswith("_grouped_mm")}
 
 
@@ -242,9 +240,6 @@ def build(preset_name: str, device):
         "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg_t, offs=ends).add_(
             torch._grouped_mm(du, wu_t, offs=ends))),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
-        "dx_rows_grouped_mm_fp32": lambda: grouped("dx_rows_grouped_mm_fp32", torch._grouped_mm(
-            dg, wg_t, offs=ends, out_dtype=torch.float32).add_(
-            torch._grouped_mm(du, wu_t, offs=ends, out_dtype=torch.float32)).to(dg.dtype)),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),

@@ -204,30 +204,37 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
     return x, weights, logits, grad_out
 
 
-def _grouped_mm_path(monkeypatch, forced: bool) -> list:
-    """forced: d_a and the weight gradients through torch._grouped_mm whatever the layer's size
-    (its rule keeps our kernels at these test sizes). -> the calls torch._grouped_mm gets (their
-    first operand's shape), so a test can tell the path ran rather than fell back."""
+# the backward's paths: our kernels alone; d_a and the weight gradients through
+# torch._grouped_mm (`_vendor_gemms`); those and dx's two products (`_vendor_dx`) -> the
+# grouped_mm calls one backward makes on it
+PATHS = {"kernels": 0, "grads": 4, "grads+dx": 6}
+
+
+def _grouped_mm_path(monkeypatch, path: str) -> list:
+    """Forces the path whatever the layer's size (the rules keep our kernels at these test
+    sizes). -> the calls torch._grouped_mm gets (their first operand's shape), so a test can
+    tell the path ran rather than fell back."""
     calls = []
-    if forced:
+    if path != "kernels":
         grouped_mm = torch._grouped_mm
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
         monkeypatch.setattr(moe.moe_kernels, "_vendor_gemms", lambda *args: True)
+        monkeypatch.setattr(moe.moe_kernels, "_vendor_dx", lambda *args: path == "grads+dx")
         monkeypatch.setattr(moe.moe_kernels, "_layer_plans", {})
     return calls
 
 
-def _skip_grouped_mm_off_sm90(forced: bool) -> None:
-    if forced and torch.cuda.get_device_capability()[0] != 9:
+def _skip_grouped_mm_off_sm90(path: str) -> None:
+    if path != "kernels" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the grouped_mm path runs on sm90 alone (elsewhere torch's grouped_mm syncs or has erred)")
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("grouped_mm", [False, True])
-def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(grouped_mm, monkeypatch):
-    _skip_grouped_mm_off_sm90(grouped_mm)
-    calls = _grouped_mm_path(monkeypatch, grouped_mm)
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(path, monkeypatch):
+    _skip_grouped_mm_off_sm90(path)
+    calls = _grouped_mm_path(monkeypatch, path)
     x, weights, logits, grad_out = gpu_inputs()
     bf16 = [t.bfloat16() for t in (x, *weights)]
     args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
@@ -238,17 +245,17 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(gro
     for name, g, r, t in zip(NAMES, got, ref, truth):
         assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
     assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients are zeros
-    assert len(calls) == (4 if grouped_mm else 0)  # dW_down, d_a, dW_gate, dW_up
+    assert len(calls) == PATHS[path]
     _, again = run(moe.experts, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("grouped_mm", [False, True])
-def test_forward_and_backward_never_sync_with_the_host(grouped_mm, monkeypatch):
-    _skip_grouped_mm_off_sm90(grouped_mm)
-    calls = _grouped_mm_path(monkeypatch, grouped_mm)
+@pytest.mark.parametrize("path", PATHS)
+def test_forward_and_backward_never_sync_with_the_host(path, monkeypatch):
+    _skip_grouped_mm_off_sm90(path)
+    calls = _grouped_mm_path(monkeypatch, path)
     x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
     bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
     logits.requires_grad_()
@@ -265,7 +272,7 @@ def test_forward_and_backward_never_sync_with_the_host(grouped_mm, monkeypatch):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(calls) == (8 if grouped_mm else 0)  # four a backward
+    assert len(calls) == 2 * PATHS[path]
 
 
 @pytest.mark.parametrize("case", ["top2", "capacity-drops"])
@@ -283,23 +290,24 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
 
 @pytest.mark.parametrize("case", ["top2", "empty-expert", "capacity-drops"])
 @pytest.mark.parametrize("keep_graph", [False, True])
-def test_grouped_mm_weight_gradients_give_the_kernels_values(case, keep_graph, monkeypatch):
+@pytest.mark.parametrize("path", ["grads", "grads+dx"])
+def test_grouped_mm_gradients_give_the_kernels_values(path, case, keep_graph, monkeypatch):
     """Where `_vendor_gemms` sends d_a and the weight gradients to torch._grouped_mm (CUTLASS on
-    an H200), the layer and the entry points give our kernels' values and each other's bits;
-    forced here on the CPU, where torch's own grouped_mm runs them (fp32: the sums' order
-    differs only)."""
+    an H200), and `_vendor_dx` dx's rows too, the layer and the entry points give our kernels'
+    values and each other's bits; forced here on the CPU, where torch's own grouped_mm runs
+    them (fp32: the sums' order differs only)."""
     mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
-    calls = _grouped_mm_path(monkeypatch, True)
+    calls = _grouped_mm_path(monkeypatch, path)
     if keep_graph:  # the backward then may not write into the saved activations
         monkeypatch.setattr(moe, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
-    assert len(calls) == 4  # dW_down, d_a, dW_gate, dW_up
+    assert len(calls) == PATHS[path]
     monkeypatch.setattr(mk, "layer_plan", lambda *args: None)
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
-    assert len(calls) == 8
+    assert len(calls) == 2 * PATHS[path]
     for name, want, a, b in zip(NAMES, kernels, planned, checked):
         torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(a, b), name
@@ -317,6 +325,9 @@ def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     olmoe = (65536, 64, 2048, 1024)  # rows, experts, d, f
     assert mk._vendor_gemms(*olmoe, bf16, cuda)
     assert mk._vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
+    mixtral = (16384, 8, 4096, 14336)
+    assert mk._vendor_dx(*mixtral, bf16, cuda)  # dx's products too, at mixtral's width alone
+    assert not mk._vendor_dx(*olmoe, bf16, cuda) and not mk._vendor_dx(65536, 128, 2048, 768, bf16, cuda)
     assert not mk._vendor_gemms(*olmoe, torch.float16, cuda)
     assert not mk._vendor_gemms(*olmoe, bf16, torch.device("cpu"))
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
@@ -327,9 +338,10 @@ def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
         capability[0] = other
         assert not mk._vendor_gemms(*olmoe, bf16, cuda)
+        assert not mk._vendor_dx(*mixtral, bf16, cuda)
     capability[0] = (9, 0)
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    assert not mk._vendor_gemms(*olmoe, bf16, cuda)
+    assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._vendor_dx(*mixtral, bf16, cuda)
 
 
 def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
@@ -342,13 +354,13 @@ def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
     assert not mk._grouped_mm_ready(torch.zeros(8, 16, dtype=torch.bfloat16)[:, ::2])  # no unit stride
 
 
-@pytest.mark.parametrize("grouped_mm", [False, True])
-def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(grouped_mm, monkeypatch):
+@pytest.mark.parametrize("path", PATHS)
+def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path, monkeypatch):
     """The backward writes its temporaries into the forward's saved activations only when
     autograd frees them after it: with retain_graph a second backward reads them intact, and
     both give the bits of a backward that did reuse them; on either path (torch._grouped_mm's
     forced on the CPU)."""
-    calls = _grouped_mm_path(monkeypatch, grouped_mm)
+    calls = _grouped_mm_path(monkeypatch, path)
     num_experts, k, capacity_factor, shift = CASES["capacity-drops"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=5, logit_shift=shift)
     leaves = [x.requires_grad_(), *(w.requires_grad_() for w in weights)]
@@ -361,7 +373,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(grou
     reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
     for first, second, third in zip(*kept, reused):
         assert torch.equal(first, second) and torch.equal(first, third)
-    assert len(calls) == (12 if grouped_mm else 0)  # three backwards
+    assert len(calls) == 3 * PATHS[path]
 
 
 def test_the_forwards_shared_buffer_starts_each_activation_16_byte_aligned():
