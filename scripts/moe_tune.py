@@ -60,6 +60,10 @@ KERNELS = (
     ("dw_gate_up", (1, 2), 4),
     ("dw_gate_up_separate", (1, 1), 4),
     ("dw_gate_up_presorted", (1, 2), 4),
+    # the rows GEMMs' operands, and the up GEMM's weights, through TMA descriptors (scripts/moe_tma.py)
+    ("expert_up_tma", (1, 2), 4),
+    ("expert_down_tma", (1, 1), 2),
+    ("dx_rows_tma", (1, 1), 4),
     # torch._grouped_mm's take on each (no tile of ours: operands None)
     ("expert_up_grouped_mm", None, 4),
     ("expert_down_grouped_mm", None, 2),
@@ -70,12 +74,15 @@ KERNELS = (
 )
 # experiments timed beside the arm's kernels, never in the layer's sums: the gate/up weight
 # gradient as two one-output launches, and on x rows sorted before the timed call (what the
-# gather in its loop costs; the sort itself is not timed); and the GEMMs as torch._grouped_mm
-EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted") + tuple(
-    name for name, operands, _ in KERNELS if operands is None)
+# gather in its loop costs; the sort itself is not timed); the up, down and dx GEMMs with
+# their tiles through TMA descriptors, at the arm's tiles (swept with them); and the GEMMs as
+# torch._grouped_mm
+EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted", "expert_up_tma", "expert_down_tma",
+               "dx_rows_tma") + tuple(name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
 SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
-    name: name.removesuffix("_grouped_mm") for name in EXPERIMENTS if name.endswith("_grouped_mm")}
+    name: name.removesuffix("_grouped_mm").removesuffix("_tma") for name in EXPERIMENTS
+    if name.endswith(("_grouped_mm", "_tma"))}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -166,6 +173,16 @@ def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
     return seen
 
 
+def _load_tma():
+    """scripts/moe_tma.py, beside this file (its kernels need triton, loaded when built)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("moe_tma", os.path.join(os.path.dirname(__file__), "moe_tma.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def build(preset_name: str, device):
     """-> (params, routing, kernels, outputs): kernels maps a name to a call writing into
     preallocated outputs (so a capture allocates nothing; torch._grouped_mm's returns its own,
@@ -194,6 +211,12 @@ def build(preset_name: str, device):
     ends = offsets[1:]
     wd_t, wg_t, wu_t = wd.transpose(1, 2), wg.transpose(1, 2), wu.transpose(1, 2)
     dg_other, du_other = torch.empty_like(dg), torch.empty_like(du)
+    a_tma, g_tma, u_tma, y_tma, dx_tma = (torch.empty_like(t) for t in (a, g, u, y, dx_rows))
+    tma = _load_tma()
+    per_expert, dtype = tor.shape[0] // wg.shape[0], x.dtype
+
+    def tile(kind, n):  # the arm's tile for this GEMM (a sweep's, inside gemm_config)
+        return mk._gemm_config(kind, per_expert, n, dtype, device)
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
 
     def grouped(name, *tensors):
@@ -240,10 +263,15 @@ def build(preset_name: str, device):
         "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg_t, offs=ends).add_(
             torch._grouped_mm(du, wu_t, offs=ends))),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
+        "expert_up_tma": lambda: tma.up_tma(tile("up", wg.shape[2]), x, wg, wu, tor, offsets, a_tma, g_tma, u_tma),
+        "expert_down_tma": lambda: tma.rows_tma(tile("rows", wd.shape[2]), a, wd, offsets, y_tma),
+        "dx_rows_tma": lambda: tma.rows_tma(tile("dx", wg.shape[1]), dg, wg, offsets, dx_tma, a2=du, w2=wu,
+                                            transposed=True),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),
-               "swiglu_backward_grouped_mm": (dg_other, du_other)}
+               "swiglu_backward_grouped_mm": (dg_other, du_other), "expert_up_tma": (a_tma, g_tma, u_tma),
+               "expert_down_tma": (y_tma,), "dx_rows_tma": (dx_tma,)}
     for name in EXPERIMENTS:
         outputs.setdefault(name, lambda name=name: made[name])
     return p, routing, kernels, outputs
