@@ -15,8 +15,10 @@ fixed list of alternative tiles, and the combine backward at alternative tile sh
 checked against the default's outputs (a different reduction step changes fp32 rounding only).
 Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
 gradient as two one-output launches, and on x rows already in sorted order (what the gather in
-its loop costs); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it, gathering
-x by token first where the kernel gathers in its loop, each checked against the kernel's outputs.
+its loop costs); the up, down and dx GEMMs with their tiles fed through TMA descriptors
+(scripts/moe_tma.py); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
+gathering x by token first where the kernel gathers in its loop; each checked against the
+kernel's outputs.
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
 everything to $OUT/moe_tune.json (or --json) and prints one table per preset last.
 """
