@@ -205,8 +205,12 @@ def build(preset_name: str, device):
     a, g, u = mk.expert_up(x, wg, wu, tor, offsets)
     y = mk.expert_down(a, wd, offsets)
     grad_rows, grad_probs = mk.combine_backward(grad_out, y, probs, row_map)
-    dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, wd, offsets)
-    dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, wg, wu, tor, offsets)
+    # caller-owned outputs keep the entry points on our kernels (without them a layer the
+    # grouped_mm rules take would leave grouped_mm's outputs as the kernels' references)
+    dw_down, dw_gate, dw_up = torch.empty_like(wd), torch.empty_like(wg), torch.empty_like(wu)
+    dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, wd, offsets, dw_down_out=dw_down)
+    dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, wg, wu, tor, offsets, dx_rows_out=torch.empty_like(y),
+                                                    dw_gate_out=dw_gate, dw_up_out=dw_up)
     sources = tor.long().clamp(min=0)  # rows past R hold token 0's: never read
     x_sorted = x[sources]
     x_gathered = torch.empty_like(x_sorted)

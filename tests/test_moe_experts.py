@@ -186,7 +186,7 @@ def test_module_keeps_the_input_shape_and_refuses_an_unknown_impl():
         moe.MoEExperts(16, 8, num_experts=3, top_k=1, impl="triton")
 
 
-# ---- on the GPU: bf16 at a realistic size, and no host sync (not yet run on a GPU) ----
+# ---- on the GPU: bf16 at a realistic size, and no host sync ----
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -215,9 +215,10 @@ def _grouped_mm_path(monkeypatch, path: str) -> list:
     sizes). -> the calls torch._grouped_mm gets (their first operand's shape), so a test can
     tell the path ran rather than fell back."""
     calls = []
-    if path != "kernels":
-        grouped_mm = torch._grouped_mm
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is not None:  # counted on every path: our kernels' must make no call
         monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
+    if path != "kernels":
         monkeypatch.setattr(moe.moe_kernels, "_vendor_gemms", lambda *args: True)
         monkeypatch.setattr(moe.moe_kernels, "_vendor_dx", lambda *args: path == "grads+dx")
         monkeypatch.setattr(moe.moe_kernels, "_layer_plans", {})
@@ -326,8 +327,10 @@ def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     assert mk._vendor_gemms(*olmoe, bf16, cuda)
     assert mk._vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
     mixtral = (16384, 8, 4096, 14336)
-    assert mk._vendor_dx(*mixtral, bf16, cuda)  # dx's products too, at mixtral's width alone
+    assert mk._vendor_dx(*mixtral, bf16, cuda)  # dx's products too, at mixtral's size alone
     assert not mk._vendor_dx(*olmoe, bf16, cuda) and not mk._vendor_dx(65536, 128, 2048, 768, bf16, cuda)
+    assert not mk._vendor_dx(8192, 8, 4096, 14336, bf16, cuda)  # fewer rows an expert than measured
+    assert not mk._vendor_dx(16384, 8, 2048, 14336, bf16, cuda)  # narrower d
     assert not mk._vendor_gemms(*olmoe, torch.float16, cuda)
     assert not mk._vendor_gemms(*olmoe, bf16, torch.device("cpu"))
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes

@@ -9,7 +9,7 @@ On sm90 cards, in bf16 and at layers as large as the model presets (`_vendor_gem
 gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
 on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
 they took less time than our kernels and gave the same bits (scripts/moe_tune.py; figures in
-docs/tuning.md); at layers as wide as mixtral's, dx's two products too (`_vendor_dx`: rounded
+docs/tuning.md); at layers as large as mixtral's, dx's two products too (`_vendor_dx`: rounded
 each, then added, as the eager reference does); other cards and the rtx profile keep our kernels.
 
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
@@ -481,15 +481,23 @@ def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtyp
 
 
 # dx's two products through torch._grouped_mm, added in one more pass, beat our one-accumulator
-# kernel at mixtral alone of the model presets (docs/tuning.md); narrower layers keep it.
+# kernel at mixtral alone of the model presets (docs/tuning.md); a layer smaller than its in
+# rows per expert, d or f keeps our kernel until measured.
+_VENDOR_DX_MIN_ROWS = 2048  # average rows per expert
+_VENDOR_DX_MIN_D = 4096
 _VENDOR_DX_MIN_F = 14336
 
 
 def _vendor_dx(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
     """Whether a layer that takes `_vendor_gemms` also takes torch._grouped_mm for dx's rows:
     dg @ w_gate[e]^T and du @ w_up[e]^T each rounded to the dtype, then added (the eager
-    reference rounds its two products the same way), where f is as wide as measured to gain."""
-    return _vendor_gemms(n_rows, n_experts, d, f, dtype, device) and f >= _VENDOR_DX_MIN_F
+    reference rounds its two products the same way), at the sizes measured to gain."""
+    return (_vendor_gemms(n_rows, n_experts, d, f, dtype, device) and n_rows >= _VENDOR_DX_MIN_ROWS * n_experts
+            and d >= _VENDOR_DX_MIN_D and f >= _VENDOR_DX_MIN_F)
+
+
+def _vendor_dx_ready(dg, du, w_gate, w_up) -> bool:
+    return _grouped_mm_ready(dg, du, w_gate.transpose(1, 2), w_up.transpose(1, 2))
 
 
 def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
@@ -849,8 +857,9 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
 def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_rows_out=None, dw_gate_out=None,
                        dw_up_out=None):
     """Backward of expert_up's two GEMMs: dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one
-    accumulator; dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the
-    expert's token rows, gathered through token_of_row). -> (dx_rows [R_max, d] in x's dtype,
+    accumulator (where `_vendor_dx` takes the layer, two grouped_mm products, then added);
+    dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the expert's
+    token rows, gathered through token_of_row). -> (dx_rows [R_max, d] in x's dtype,
     dw_gate and dw_up [E, d, f] in the weights' dtype). dx = combine(dx_rows, row_id_map,
     top_k=k). dx_rows_out / dw_gate_out / dw_up_out: caller-owned, reused; without them a
     layer that `_vendor_gemms` / `_vendor_dx` take goes through torch._grouped_mm."""
@@ -869,7 +878,7 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     for name, t in (("dg", dg), ("du", du)):
         _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
     if (dx_rows_out is None and n_rows and _vendor_dx(n_rows, n_experts, d, f, x.dtype, x.device)
-            and _grouped_mm_ready(dg, du, w_gate.transpose(1, 2), w_up.transpose(1, 2))):
+            and _vendor_dx_ready(dg, du, w_gate, w_up)):
         dx_rows = _vendor_dx_rows(dg, du, w_gate, w_up, offsets)
     else:
         dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
@@ -979,7 +988,7 @@ class LayerPlan:
         self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
         self.swiglu(d_a, g, u, dg, du, offsets)
         dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
-        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
+        dx_rows = self._dx_rows(dg, du, w_gate, w_up, offsets, dx_rows)
         self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
         dx = self._empty(self.n_tokens, d)
         # each token's k slots summed in slot order, so dx repeats its bits run to run
@@ -1001,14 +1010,19 @@ class LayerPlan:
         self.swiglu(d_a, g, u, dg, du, offsets)
         self.gather(x, token_of_row, offsets, x_rows)
         dw_gate, dw_up = _vendor_dw_gate_up(x_rows, dg, du, offsets)
-        if self.vendor_dx and _grouped_mm_ready(w_gate.transpose(1, 2), w_up.transpose(1, 2)):
-            dx_rows = _vendor_dx_rows(dg, du, w_gate, w_up, offsets)
-        else:
-            dx_rows = x_rows  # dx's rows over x's, read by now
-            self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
+        dx_rows = self._dx_rows(dg, du, w_gate, w_up, offsets, x_rows)  # over x's rows, read by now
         dx = self._empty(self.n_tokens, self.d)
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
         return dx, grad_probs, dw_gate, dw_up, dw_down
+
+
+    def _dx_rows(self, dg, du, w_gate, w_up, offsets, buffer):
+        """dx's rows: through torch._grouped_mm where `_vendor_dx` takes the layer and the
+        operands are ready (as expert_up_backward decides), else our kernel into buffer."""
+        if self.vendor_dx and _vendor_dx_ready(dg, du, w_gate, w_up):
+            return _vendor_dx_rows(dg, du, w_gate, w_up, offsets)
+        self.dx(dg, du, w_gate, w_up, offsets, buffer)
+        return buffer
 
 
 _layer_plans: dict[tuple, LayerPlan] = {}
