@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from suite.arms.moe_kernels import GemmConfig, _cdiv, _dot, _expert_tile, _row_tile_grid, _tile_ids, _upcast
+from suite.arms.moe_kernels import (GemmConfig, _cdiv, _dot, _expert_tile, _row_tile_grid, _tile_ids, _tile_tokens,
+                                    _upcast)
 from suite.arms.triton_support import next_pow2
 
 
@@ -69,9 +70,7 @@ def _up_tma_kernel(
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
-        rows = row_start + tl.arange(0, BLOCK_M)
-        row_mask = rows < row_end
-        tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+        rows, row_mask, tokens = _tile_tokens(TOKEN_OF_ROW, row_start, row_end, BLOCK_M)
         col0 = tile_n * BLOCK_N
         ks = tl.arange(0, BLOCK_K)
         x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]

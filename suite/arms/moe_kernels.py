@@ -73,6 +73,15 @@ def _expert_tile(OFFSETS, n_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
+def _tile_tokens(TOKEN_OF_ROW, row_start, row_end, BLOCK_M: tl.constexpr):
+    """A row tile's rows, which of them are its expert's, and their tokens (int64, for x's
+    addresses; token 0 past the expert's rows) -> (rows, row_mask, tokens)."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    return rows, row_mask, tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+
+
+@triton.jit
 def _grouped(pid, n_tiles_m, n_tiles_n, GROUP_M: tl.constexpr):
     """Program pid of a 1-D grid walked in groups of GROUP_M row tiles, each group over every
     column tile -> (row tile, column tile): a group's A rows and a column tile's B stay in L2
@@ -115,9 +124,7 @@ def _up_kernel(
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
-        rows = row_start + tl.arange(0, BLOCK_M)
-        row_mask = rows < row_end
-        tokens = tl.load(TOKEN_OF_ROW + rows, mask=row_mask, other=0).to(tl.int64)
+        rows, row_mask, tokens = _tile_tokens(TOKEN_OF_ROW, row_start, row_end, BLOCK_M)
         cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < f
         wide_cols = cols.to(tl.int64)  # a transposed weight steps by a row per column
