@@ -215,7 +215,7 @@ def build(preset_name: str, device):
     x_sorted = x[sources]
     x_gathered = torch.empty_like(x_sorted)
     ends = offsets[1:]
-    wd_t, wg_t, wu_t = wd.transpose(1, 2), wg.transpose(1, 2), wu.transpose(1, 2)
+    wd_t = wd.transpose(1, 2)
     dg_other, du_other = torch.empty_like(dg), torch.empty_like(du)
     a_tma, g_tma, u_tma, y_tma, dx_tma = (torch.empty_like(t) for t in (a, g, u, y, dx_rows))
     tma = _load_tma()
@@ -223,6 +223,7 @@ def build(preset_name: str, device):
 
     def tile(kind, n):  # the arm's tile for this GEMM (a sweep's, inside gemm_config)
         return mk._gemm_config(kind, per_expert, n, dtype, device)
+
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
 
     def grouped(name, *tensors):
@@ -239,8 +240,7 @@ def build(preset_name: str, device):
 
     def dw_gate_up_grouped_mm():
         torch.index_select(x, 0, sources, out=x_gathered)
-        grouped("dw_gate_up_grouped_mm", torch._grouped_mm(x_gathered.t(), dg, offs=ends),
-                torch._grouped_mm(x_gathered.t(), du, offs=ends))
+        grouped("dw_gate_up_grouped_mm", *mk._vendor_dw_gate_up(x_gathered, dg, du, offsets))
 
     s_e, s_f, s_d = wd.stride()
     g_e, g_d, g_f = wg.stride()
@@ -266,8 +266,7 @@ def build(preset_name: str, device):
         "expert_down_grouped_mm": lambda: grouped("expert_down_grouped_mm", torch._grouped_mm(a, wd, offs=ends)),
         "swiglu_backward_grouped_mm": swiglu_backward_grouped_mm,
         "dw_down_grouped_mm": lambda: grouped("dw_down_grouped_mm", torch._grouped_mm(a.t(), grad_rows, offs=ends)),
-        "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg_t, offs=ends).add_(
-            torch._grouped_mm(du, wu_t, offs=ends))),
+        "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", mk._vendor_dx_rows(dg, du, wg, wu, offsets)),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
         "expert_up_tma": lambda: tma.up_tma(tile("up", wg.shape[2]), x, wg, wu, tor, offsets, a_tma, g_tma, u_tma),
         "expert_down_tma": lambda: tma.rows_tma(tile("rows", wd.shape[2]), a, wd, offsets, y_tma),

@@ -1022,7 +1022,6 @@ class LayerPlan:
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
         return dx, grad_probs, dw_gate, dw_up, dw_down
 
-
     def _dx_rows(self, dg, du, w_gate, w_up, offsets, buffer):
         """dx's rows: through torch._grouped_mm where `_vendor_dx` takes the layer and the
         operands are ready (as expert_up_backward decides), else our kernel into buffer."""
