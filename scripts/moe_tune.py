@@ -15,8 +15,8 @@ fixed list of alternative tiles, and the combine backward at alternative tile sh
 checked against the default's outputs (a different reduction step changes fp32 rounding only).
 Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
 gradient as two one-output launches, and on x rows already in sorted order (what the gather in
-its loop costs); the up, down and dx GEMMs with their tiles fed through TMA descriptors
-(scripts/moe_tma.py); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
+its loop costs); the row GEMMs (up, d_a, down, dx) on the pointer-fed kernels, where the arm
+feeds them through TMA descriptors (`_tma_gemms`); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
 gathering x by token first where the kernel gathers in its loop; each checked against the
 kernel's outputs.
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
@@ -62,10 +62,11 @@ KERNELS = (
     ("dw_gate_up", (1, 2), 4),
     ("dw_gate_up_separate", (1, 1), 4),
     ("dw_gate_up_presorted", (1, 2), 4),
-    # the rows GEMMs' operands, and the up GEMM's weights, through TMA descriptors (scripts/moe_tma.py)
-    ("expert_up_tma", (1, 2), 4),
-    ("expert_down_tma", (1, 1), 2),
-    ("dx_rows_tma", (1, 1), 4),
+    # the row GEMMs with every operand through pointers (the arm's TMA-fed ones where `_tma_gemms` holds)
+    ("expert_up_pointers", (1, 2), 4),
+    ("expert_down_pointers", (1, 1), 2),
+    ("swiglu_backward_pointers", (1, 1), 2),
+    ("dx_rows_pointers", (1, 1), 4),
     # torch._grouped_mm's take on each (no tile of ours: operands None)
     ("expert_up_grouped_mm", None, 4),
     ("expert_down_grouped_mm", None, 2),
@@ -76,15 +77,15 @@ KERNELS = (
 )
 # experiments timed beside the arm's kernels, never in the layer's sums: the gate/up weight
 # gradient as two one-output launches, and on x rows sorted before the timed call (what the
-# gather in its loop costs; the sort itself is not timed); the up, down and dx GEMMs with
-# their tiles through TMA descriptors, at the arm's tiles (swept with them); and the GEMMs as
-# torch._grouped_mm
-EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted", "expert_up_tma", "expert_down_tma",
-               "dx_rows_tma") + tuple(name for name, operands, _ in KERNELS if operands is None)
+# gather in its loop costs; the sort itself is not timed); the row GEMMs on the pointer
+# kernels, at the arm's tiles (swept with them); and the GEMMs as torch._grouped_mm
+EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted", "expert_up_pointers", "expert_down_pointers",
+               "swiglu_backward_pointers", "dx_rows_pointers") + tuple(
+                   name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
 SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
-    name: name.removesuffix("_grouped_mm").removesuffix("_tma") for name in EXPERIMENTS
-    if name.endswith(("_grouped_mm", "_tma"))}
+    name: name.removesuffix("_grouped_mm").removesuffix("_pointers") for name in EXPERIMENTS
+    if name.endswith(("_grouped_mm", "_pointers"))}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -175,16 +176,6 @@ def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
     return seen
 
 
-def _load_tma():
-    """scripts/moe_tma.py, beside this file (its kernels need triton, loaded when built)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("moe_tma", os.path.join(os.path.dirname(__file__), "moe_tma.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def build(preset_name: str, device):
     """-> (params, routing, kernels, outputs): kernels maps a name to a call writing into
     preallocated outputs (so a capture allocates nothing; torch._grouped_mm's returns its own,
@@ -217,12 +208,13 @@ def build(preset_name: str, device):
     ends = offsets[1:]
     wd_t = wd.transpose(1, 2)
     dg_other, du_other = torch.empty_like(dg), torch.empty_like(du)
-    a_tma, g_tma, u_tma, y_tma, dx_tma = (torch.empty_like(t) for t in (a, g, u, y, dx_rows))
-    tma = _load_tma()
-    per_expert, dtype = tor.shape[0] // wg.shape[0], x.dtype
+    a_ptr, g_ptr, u_ptr, y_ptr, dg_ptr, du_ptr, dx_ptr = (torch.empty_like(t) for t in (a, g, u, y, dg, du, dx_rows))
+    n_rows, n_experts, d, f, dtype = tor.shape[0], wg.shape[0], x.shape[1], wg.shape[2], x.dtype
 
-    def tile(kind, n):  # the arm's tile for this GEMM (a sweep's, inside gemm_config)
-        return mk._gemm_config(kind, per_expert, n, dtype, device)
+    def pointers(kind, two, w_strides, w2_strides=None):  # a rows GEMM's launch on the pointer kernel
+        n_k, n_n = (d, f) if kind == "swiglu_grad" else (f, d)
+        return mk._rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, two, dtype,
+                               device, tma=False)
 
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
 
@@ -268,15 +260,21 @@ def build(preset_name: str, device):
         "dw_down_grouped_mm": lambda: grouped("dw_down_grouped_mm", torch._grouped_mm(a.t(), grad_rows, offs=ends)),
         "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", mk._vendor_dx_rows(dg, du, wg, wu, offsets)),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
-        "expert_up_tma": lambda: tma.up_tma(tile("up", wg.shape[2]), x, wg, wu, tor, offsets, a_tma, g_tma, u_tma),
-        "expert_down_tma": lambda: tma.rows_tma(tile("rows", wd.shape[2]), a, wd, offsets, y_tma),
-        "dx_rows_tma": lambda: tma.rows_tma(tile("dx", wg.shape[1]), dg, wg, offsets, dx_tma, a2=du, w2=wu,
-                                            transposed=True),
+        "expert_up_pointers": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(),
+                                                    dtype, device, tma=False)(x, wg, wu, tor, offsets, a_ptr, g_ptr,
+                                                                              u_ptr),
+        "expert_down_pointers": lambda: pointers("rows", False, wd.stride())(a, a, wd, wd, offsets, y_ptr),
+        "swiglu_backward_pointers": lambda: (
+            pointers("swiglu_grad", False, (s_e, s_d, s_f))(grad_rows, grad_rows, wd, wd, offsets, du_ptr),
+            mk._swiglu_backward(du_ptr, g, u, offsets, dg_ptr, du_ptr)),
+        "dx_rows_pointers": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d))(dg, du, wg, wu, offsets,
+                                                                                            dx_ptr),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),
-               "swiglu_backward_grouped_mm": (dg_other, du_other), "expert_up_tma": (a_tma, g_tma, u_tma),
-               "expert_down_tma": (y_tma,), "dx_rows_tma": (dx_tma,)}
+               "swiglu_backward_grouped_mm": (dg_other, du_other), "expert_up_pointers": (a_ptr, g_ptr, u_ptr),
+               "expert_down_pointers": (y_ptr,), "swiglu_backward_pointers": (dg_ptr, du_ptr),
+               "dx_rows_pointers": (dx_ptr,)}
     for name in EXPERIMENTS:
         outputs.setdefault(name, lambda name=name: made[name])
     return p, routing, kernels, outputs

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from suite.arms import moe
+from suite.arms import moe, triton_support
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
 T, D, F = 19, 40, 24
@@ -204,38 +204,64 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
     return x, weights, logits, grad_out
 
 
-# the backward's paths: our kernels alone; d_a and the weight gradients through
-# torch._grouped_mm (`_vendor_gemms`); those and dx's two products (`_vendor_dx`) -> the
-# grouped_mm calls one backward makes on it
-PATHS = {"kernels": 0, "grads": 4, "grads+dx": 6}
+# the layer's paths: our pointer-fed kernels alone; the row GEMMs (up, down, d_a, dx) through
+# TMA descriptors (`_tma_gemms`); those with d_a and the weight gradients through
+# torch._grouped_mm (`_vendor_gemms`: the H200 at the model presets); and dx's two products too
+# (`_vendor_dx`: mixtral) -> (TMA launches of a forward, of a backward; grouped_mm calls of a backward)
+PATHS = {"kernels": (0, 0, 0), "tma": (2, 2, 0), "tma+grads": (2, 1, 4), "tma+grads+dx": (2, 0, 6)}
 
 
-def _grouped_mm_path(monkeypatch, path: str) -> list:
-    """Forces the path whatever the layer's size (the rules keep our kernels at these test
-    sizes). -> the calls torch._grouped_mm gets (their first operand's shape), so a test can
-    tell the path ran rather than fell back."""
-    calls = []
+class PathCounts:
+    """What a forced path launched: the TMA kernels and torch._grouped_mm's calls, counted so a
+    test can tell the path ran rather than fell back."""
+
+    def __init__(self):
+        self.tma, self.grouped_mm = [], []
+
+    def times(self, path: str, forwards: int = 1, backwards: int | None = None) -> bool:
+        """Whether the counts are the path's for that many forwards and backwards (as many)."""
+        backwards = forwards if backwards is None else backwards
+        tma_forward, tma_backward, grouped_mm = PATHS[path]
+        return (len(self.tma), len(self.grouped_mm)) == (
+            forwards * tma_forward + backwards * tma_backward, backwards * grouped_mm)
+
+
+def _force_path(monkeypatch, path: str) -> PathCounts:
+    """Forces the path whatever the layer's size (the rules keep our pointer kernels at these
+    test sizes)."""
+    mk = moe.moe_kernels
+    counts = PathCounts()
     grouped_mm = getattr(torch, "_grouped_mm", None)
-    if grouped_mm is not None:  # counted on every path: our kernels' must make no call
-        monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(a[0].shape) or grouped_mm(*a, **kw))
-    if path != "kernels":
-        monkeypatch.setattr(moe.moe_kernels, "_vendor_gemms", lambda *args: True)
-        monkeypatch.setattr(moe.moe_kernels, "_vendor_dx", lambda *args: path == "grads+dx")
-        monkeypatch.setattr(moe.moe_kernels, "_layer_plans", {})
-    return calls
+    if grouped_mm is not None:  # counted on every path: the kernels' must make no call
+        monkeypatch.setattr(torch, "_grouped_mm",
+                            lambda *a, **kw: counts.grouped_mm.append(a[0].shape) or grouped_mm(*a, **kw))
+    launch = triton_support.Launcher.__call__
+
+    def counted(self, grid, *args):
+        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+            counts.tma.append(self.kernel)
+        return launch(self, grid, *args)
+
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
+    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: path != "kernels")
+    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: "grads" in path)
+    monkeypatch.setattr(mk, "_vendor_dx", lambda *args: path.endswith("+dx"))
+    monkeypatch.setattr(mk, "_layer_plans", {})
+    return counts
 
 
-def _skip_grouped_mm_off_sm90(path: str) -> None:
+def _skip_off_sm90(path: str) -> None:
     if path != "kernels" and torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the grouped_mm path runs on sm90 alone (elsewhere torch's grouped_mm syncs or has erred)")
+        pytest.skip("measured on sm90 alone: TMA needs sm90 or later, and elsewhere torch's grouped_mm syncs or has "
+                    "erred")
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
 def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(path, monkeypatch):
-    _skip_grouped_mm_off_sm90(path)
-    calls = _grouped_mm_path(monkeypatch, path)
+    _skip_off_sm90(path)
+    counts = _force_path(monkeypatch, path)
     x, weights, logits, grad_out = gpu_inputs()
     bf16 = [t.bfloat16() for t in (x, *weights)]
     args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
@@ -246,7 +272,7 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(pat
     for name, g, r, t in zip(NAMES, got, ref, truth):
         assert rel_l2(g, t) <= 2 * rel_l2(r, t) + 1e-6, (name, rel_l2(g, t), rel_l2(r, t))
     assert all(not w[1].any() for w in got[2:5])  # the empty expert's weight gradients are zeros
-    assert len(calls) == PATHS[path]
+    assert counts.times(path)
     _, again = run(moe.experts, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
@@ -255,8 +281,8 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(pat
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
 def test_forward_and_backward_never_sync_with_the_host(path, monkeypatch):
-    _skip_grouped_mm_off_sm90(path)
-    calls = _grouped_mm_path(monkeypatch, path)
+    _skip_off_sm90(path)
+    counts = _force_path(monkeypatch, path)
     x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
     bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
     logits.requires_grad_()
@@ -273,7 +299,7 @@ def test_forward_and_backward_never_sync_with_the_host(path, monkeypatch):
         step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(calls) == 2 * PATHS[path]
+    assert counts.times(path, 2)
 
 
 @pytest.mark.parametrize("case", ["top2", "capacity-drops"])
@@ -289,34 +315,58 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("case", ["top2", "empty-expert", "capacity-drops"])
+@pytest.mark.parametrize("case", ["top2", "top8", "empty-expert", "capacity-drops"])
 @pytest.mark.parametrize("keep_graph", [False, True])
-@pytest.mark.parametrize("path", ["grads", "grads+dx"])
-def test_grouped_mm_gradients_give_the_kernels_values(path, case, keep_graph, monkeypatch):
-    """Where `_vendor_gemms` sends d_a and the weight gradients to torch._grouped_mm (CUTLASS on
-    an H200), and `_vendor_dx` dx's rows too, the layer and the entry points give our kernels'
-    values and each other's bits; forced here on the CPU, where torch's own grouped_mm runs
-    them (fp32: the sums' order differs only)."""
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "kernels"])
+def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch):
+    """Where `_tma_gemms` feeds the row GEMMs through TMA descriptors, the pointer kernels' bits
+    (the same tiles and sums); where `_vendor_gemms` sends d_a and the weight gradients to
+    torch._grouped_mm (CUTLASS on an H200), and `_vendor_dx` dx's rows too, their values (fp32
+    on the CPU, where torch's own grouped_mm runs them: the sums' order differs only). The
+    layer and the entry points give each other's bits on every path."""
     mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
-    calls = _grouped_mm_path(monkeypatch, path)
+    counts = _force_path(monkeypatch, path)
     if keep_graph:  # the backward then may not write into the saved activations
         monkeypatch.setattr(moe, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
-    assert len(calls) == PATHS[path]
+    assert counts.times(path)
     monkeypatch.setattr(mk, "layer_plan", lambda *args: None)
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
-    assert len(calls) == 2 * PATHS[path]
+    assert counts.times(path, 2)
     for name, want, a, b in zip(NAMES, kernels, planned, checked):
+        if path == "tma":
+            assert torch.equal(a, want), name
         torch.testing.assert_close(a, want, rtol=1e-5, atol=1e-5, msg=name)
         assert torch.equal(a, b), name
     if case == "empty-expert":  # expert 1 has no rows: its weight gradients are zeros
         assert all(not w[1].any() for w in planned[2:5])
 
 
-def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
+def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
+    """A weight view whose rows are not 16-byte multiples is planned on the pointer kernels;
+    one whose pointer is misaligned (known per call) falls back to them: the same bits."""
+    mk = moe.moe_kernels
+    num_experts, k, capacity_factor, shift = CASES["top2"]
+    x, weights, logits, grad_out = make_inputs(num_experts, seed=4)
+    want = run(moe.experts, x, weights, logits, grad_out, k)[1]
+    counts = _force_path(monkeypatch, "tma")
+    storage = torch.zeros(weights[2].numel() + 1)
+    misaligned = storage[1:].view_as(weights[2]).copy_(weights[2])  # 4 bytes into its storage
+    got = run(moe.experts, x, (*weights[:2], misaligned), logits, grad_out, k)[1]
+    assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    w_up = torch.zeros(*weights[1].shape[:2], weights[1].shape[2] + 1)[..., :-1].copy_(weights[1])  # rows of 100 B
+    assert isinstance(mk._up_launch(64, num_experts, D, F, D, weights[0].stride(), w_up.stride(), torch.float32,
+                                    torch.device("cpu")), triton_support.PlannedLaunch)
+    got = run(moe.experts, x, (weights[0], w_up, weights[2]), logits, grad_out, k)[1]
+    assert len(counts.tma) == 4  # down and d_a; up and dx on the pointer kernels
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     mk = moe.moe_kernels
     capability = [(9, 0)]
     monkeypatch.setattr(mk, "_interpreting", lambda: False)
@@ -338,13 +388,17 @@ def test_grouped_mm_is_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
     assert not mk._vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small: d under any measured
     assert not mk._vendor_gemms(65536, 64, 8192, 128, bf16, cuda)  # f under any measured
+    assert all(mk._tma_gemms(*layer, bf16, cuda) for layer in (olmoe, mixtral, (65536, 128, 2048, 768)))
+    assert not mk._tma_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer: host time counts more
+    assert not mk._tma_gemms(32768, 64, 1024, 512, bf16, cuda)
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
-        capability[0] = other
-        assert not mk._vendor_gemms(*olmoe, bf16, cuda)
+        capability[0] = other  # and TMA, where there is one, is not measured
+        assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._tma_gemms(*olmoe, bf16, cuda)
         assert not mk._vendor_dx(*mixtral, bf16, cuda)
     capability[0] = (9, 0)
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+    monkeypatch.setenv("SUITE_PROFILE", "rtx")  # the RTX card's tiles, and what it takes
     assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._vendor_dx(*mixtral, bf16, cuda)
+    assert not mk._tma_gemms(*olmoe, bf16, cuda)
 
 
 def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
@@ -363,7 +417,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path
     autograd frees them after it: with retain_graph a second backward reads them intact, and
     both give the bits of a backward that did reuse them; on either path (torch._grouped_mm's
     forced on the CPU)."""
-    calls = _grouped_mm_path(monkeypatch, path)
+    counts = _force_path(monkeypatch, path)
     num_experts, k, capacity_factor, shift = CASES["capacity-drops"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=5, logit_shift=shift)
     leaves = [x.requires_grad_(), *(w.requires_grad_() for w in weights)]
@@ -376,7 +430,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path
     reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
     for first, second, third in zip(*kept, reused):
         assert torch.equal(first, second) and torch.equal(first, third)
-    assert len(calls) == 3 * PATHS[path]
+    assert counts.times(path, 2, 3)
 
 
 def test_the_forwards_shared_buffer_starts_each_activation_16_byte_aligned():

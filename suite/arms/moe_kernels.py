@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import PlannedLaunch, interpreting, next_pow2
+from suite.arms.triton_support import DescriptorLaunch, PlannedLaunch, interpreting, next_pow2
 from suite.device_profile import active_profile, smem_limit
 from suite.errors import CouldNotRun
 
@@ -144,13 +144,20 @@ def _up_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * sw_k
             wu_ptrs += BLOCK_K * su_k
-        a = acc_g * tl.sigmoid(acc_g) * acc_u
-        out = rows.to(tl.int64)[:, None] * f + cols[None, :]
-        mask = row_mask[:, None] & col_mask[None, :]
-        tl.store(A + out, a.to(A.dtype.element_ty), mask=mask)
-        if SAVE:
-            tl.store(G + out, acc_g.to(G.dtype.element_ty), mask=mask)
-            tl.store(U + out, acc_u.to(U.dtype.element_ty), mask=mask)
+        _store_up(A, G, U, rows, row_mask, cols, f, acc_g, acc_u, SAVE)
+
+
+@triton.jit
+def _store_up(A, G, U, rows, row_mask, cols, f, acc_g, acc_u, SAVE: tl.constexpr):
+    """The up GEMMs' epilogue: a = silu(g) * u in fp32, stored with g and u (SAVE) at the
+    tile's rows of the expert and columns below f."""
+    a = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = rows.to(tl.int64)[:, None] * f + cols[None, :]
+    mask = row_mask[:, None] & (cols < f)[None, :]
+    tl.store(A + out, a.to(A.dtype.element_ty), mask=mask)
+    if SAVE:
+        tl.store(G + out, acc_g.to(G.dtype.element_ty), mask=mask)
+        tl.store(U + out, acc_u.to(U.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -199,8 +206,76 @@ def _rows_gemm_kernel(
         if TWO:
             b2_ptrs = B2 + wide_expert * sb2_e + ks[:, None].to(tl.int64) * sb2_k + wide_cols[None, :] * sb2_n
             acc = _accumulate(A2, a_offs, b2_ptrs, row_mask, col_mask, n_k, sb2_k, acc, BLOCK_K, UPCAST)
-        out = wide_rows[:, None] * n_n + cols[None, :]
-        tl.store(C + out, acc.to(C.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        _store_rows(C, rows, row_end, cols, n_n, acc)
+
+
+@triton.jit
+def _store_rows(C, rows, row_end, cols, n_n, acc):
+    """A rows GEMM's epilogue: acc at the tile's rows of the expert (below row_end) and
+    columns below n_n of C [R_max, n_n]."""
+    mask = (rows < row_end)[:, None] & (cols < n_n)[None, :]
+    tl.store(C + rows.to(tl.int64)[:, None] * n_n + cols[None, :], acc.to(C.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, W_NK: tl.constexpr):
+    """W[expert][k0:k0+BLOCK_K, col0:col0+BLOCK_N] through W's descriptor as a [BLOCK_K,
+    BLOCK_N] tile; W_NK: the weight is stored [E, N, K] (read transposed, as d_a and dx read
+    w_down, w_gate and w_up) and its tile comes [BLOCK_N, BLOCK_K]."""
+    if W_NK:
+        tile = tl.trans(tl.reshape(W.load([expert, col0, k0]), [BLOCK_N, BLOCK_K]))
+    else:
+        tile = tl.reshape(W.load([expert, k0, col0]), [BLOCK_K, BLOCK_N])
+    return tile
+
+
+@triton.jit
+def _up_tma_kernel(
+    X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, n_tiles_m, n_tiles_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """`_up_kernel`'s tile, sums and bits, the weights' tiles through TMA descriptors (x's
+    rows, gathered by token, still through pointers)."""
+    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
+    if expert < n_experts:
+        rows, row_mask, tokens = _tile_tokens(TOKEN_OF_ROW, row_start, row_end, BLOCK_M)
+        col0 = tile_n * BLOCK_N
+        ks = tl.arange(0, BLOCK_K)
+        x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, d, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < d - k0)[None, :], other=0.0)
+            acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_g, UPCAST)
+            acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_u, UPCAST)
+            x_ptrs += BLOCK_K
+        _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, acc_g, acc_u, SAVE)
+
+
+@triton.jit
+def _rows_tma_kernel(
+    A, A2, W, W2, OFFSETS, C, n_experts, n_k, n_n, n_tiles_m, n_tiles_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
+):
+    """`_rows_gemm_kernel`'s tile, sums and bits, A, A2, W and W2 through TMA descriptors. A
+    tile's A rows may run past its expert's into the next one's (their products are never
+    stored; each output row is its own A row's alone) or past the tensor (read as zeros, as
+    K and N past the weight are)."""
+    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
+    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
+    if expert < n_experts:
+        col0 = tile_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, n_k, BLOCK_K):
+            acc = _dot(A.load([row_start, k0]), _weight_tile(W, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc, UPCAST)
+        if TWO:
+            for k0 in range(0, n_k, BLOCK_K):
+                acc = _dot(A2.load([row_start, k0]), _weight_tile(W2, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc,
+                           UPCAST)
+        _store_rows(C, row_start + tl.arange(0, BLOCK_M), row_end, col0 + tl.arange(0, BLOCK_N), n_n, acc)
 
 
 @triton.jit
@@ -473,18 +548,39 @@ _VENDOR_MIN_D = 2048
 _VENDOR_MIN_F = 768
 
 
-def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
-    """Whether a layer of this shape takes torch._grouped_mm for its weight gradients and d_a:
-    only on sm90 in bf16, where torch runs its CUTLASS grouped GEMMs (on sm120 and older cards
-    it copies the offsets to the host, a sync, and loops over the experts; on sm100 an expert
-    with no rows has been reported to get a nonzero weight gradient, pytorch/pytorch#172439),
-    outside the rtx profile, with 16-byte rows (d and f multiples of 8), at the sizes measured
-    to gain."""
+def _measured_on_sm90(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
+    """A bf16 layer on an sm90 card, outside the rtx profile, with 16-byte rows (d and f
+    multiples of 8), no smaller than the smallest model preset measured there."""
     if device.type != "cuda" or _interpreting() or dtype != torch.bfloat16 or d % 8 or f % 8:
         return False
     if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     return n_rows >= _VENDOR_MIN_ROWS * n_experts and d >= _VENDOR_MIN_D and f >= _VENDOR_MIN_F
+
+
+def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
+    """Whether a layer of this shape takes torch._grouped_mm for its weight gradients and d_a:
+    only on sm90 (`_measured_on_sm90`), where torch runs its CUTLASS grouped GEMMs (on sm120
+    and older cards it copies the offsets to the host, a sync, and loops over the experts; on
+    sm100 an expert with no rows has been reported to get a nonzero weight gradient,
+    pytorch/pytorch#172439)."""
+    return _measured_on_sm90(n_rows, n_experts, d, f, dtype, device)
+
+
+def _tma_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
+    """Whether a layer of this shape feeds its row GEMMs (up, down, d_a, dx) through TMA
+    descriptors (`_up_tma_kernel`, `_rows_tma_kernel`): they took less time than the pointer
+    kernels at every model preset on the H200, with the same bits (scripts/moe_tune.py;
+    docs/tuning.md). Not measured on sm100 or the RTX card (sm120, whose tiles the rtx
+    profile holds), nor at smaller layers, where a descriptor launch's host time weighs more:
+    those keep the pointer kernels (`_measured_on_sm90`)."""
+    return _measured_on_sm90(n_rows, n_experts, d, f, dtype, device)
+
+
+def _descriptor_strides(strides: tuple, itemsize: int) -> bool:
+    """Whether a tensor of these strides takes a TMA descriptor: a unit last stride and the
+    others 16-byte multiples."""
+    return strides[-1] == 1 and all(s * itemsize % 16 == 0 for s in strides[:-1])
 
 
 # dx's two products through torch._grouped_mm, added in one more pass, beat our one-accumulator
@@ -617,28 +713,52 @@ def _upcast(dtype: torch.dtype) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True) -> PlannedLaunch:
+def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
+               tma=True) -> PlannedLaunch | DescriptorLaunch:
+    """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
+    descriptors where `_tma_gemms` takes the layer (unless tma is False) and their strides allow."""
     cfg = _gemm_config("up", n_rows // n_experts, f, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
-    return PlannedLaunch(
-        _up_kernel, _row_tile_grid(tiles, cfg), (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
-        (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts), SAVE=save,
-        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid = _row_tile_grid(tiles, cfg)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
+                SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    pointers = PlannedLaunch(_up_kernel, grid, (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
+                             (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype), **meta)
+    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device)
+            and _descriptor_strides(wg_strides, dtype.itemsize) and _descriptor_strides(wu_strides, dtype.itemsize)):
+        return pointers
+    w_block = [1, cfg.block_k, cfg.block_n]
+    return DescriptorLaunch(_up_tma_kernel, grid, (n_experts, d, f, x_stride, *tiles),
+                            (None, w_block, w_block, None, None, None, None, None), pointers, **meta)
 
 
-def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device) -> PlannedLaunch:
+def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
+                 tma=True) -> PlannedLaunch | DescriptorLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
-    through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c)."""
+    through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
+    a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
+    False) and the strides allow: a weight then either [E, K, N] or, read transposed, [E, N, K]
+    with its own last stride 1."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
-    return PlannedLaunch(
-        _rows_gemm_kernel, _row_tile_grid(tiles, cfg), (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
-        (dtype, dtype, dtype, dtype, torch.int32, dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts), TWO=two,
-        UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    grid = _row_tile_grid(tiles, cfg)
+    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
+                TWO=two, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    pointers = PlannedLaunch(_rows_gemm_kernel, grid, (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
+                             (dtype, dtype, dtype, dtype, torch.int32, dtype), **meta)
+    d, f = (n_k, n_n) if kind == "swiglu_grad" else (n_n, n_k)  # d_a's K is d; down's and dx's N
+    w_nk = w_strides[2] != 1  # stored [E, N, K]: its K dim the unit-stride one, if any
+    stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (w_strides, w2_strides)]
+    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (w2_strides[2] != 1)
+            and _descriptor_strides((n_k, 1), dtype.itemsize)
+            and all(_descriptor_strides(s, dtype.itemsize) for s in stored)):
+        return pointers
+    a_block = [cfg.block_m, cfg.block_k]
+    w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
+    return DescriptorLaunch(_rows_tma_kernel, grid, (n_experts, n_k, n_n, *tiles),
+                            (a_block, a_block, w_block, w_block, None, None), pointers, **meta, W_NK=w_nk)
 
 
 def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
