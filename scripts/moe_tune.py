@@ -258,7 +258,9 @@ def build(preset_name: str, device):
         "expert_down_grouped_mm": lambda: grouped("expert_down_grouped_mm", torch._grouped_mm(a, wd, offs=ends)),
         "swiglu_backward_grouped_mm": swiglu_backward_grouped_mm,
         "dw_down_grouped_mm": lambda: grouped("dw_down_grouped_mm", torch._grouped_mm(a.t(), grad_rows, offs=ends)),
-        "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", mk._vendor_dx_rows(dg, du, wg, wu, offsets)),
+        # two products, each rounded, the second added into the first (as the eager reference rounds)
+        "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg.transpose(1, 2), offs=ends)
+                                              .add_(torch._grouped_mm(du, wu.transpose(1, 2), offs=ends))),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
         "expert_up_pointers": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(),
                                                     dtype, device, tma=False)(x, wg, wu, tor, offsets, a_ptr, g_ptr,

@@ -205,10 +205,10 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
 
 
 # the layer's paths: our pointer-fed kernels alone; the row GEMMs (up, down, d_a, dx) through
-# TMA descriptors (`_tma_gemms`); those with d_a and the weight gradients through
-# torch._grouped_mm (`_vendor_gemms`: the H200 at the model presets); and dx's two products too
-# (`_vendor_dx`: mixtral) -> (TMA launches of a forward, of a backward; grouped_mm calls of a backward)
-PATHS = {"kernels": (0, 0, 0), "tma": (2, 2, 0), "tma+grads": (2, 1, 4), "tma+grads+dx": (2, 0, 6)}
+# TMA descriptors (`_tma_gemms`); and those with d_a and the weight gradients through
+# torch._grouped_mm (`_vendor_gemms`: the H200 at the model presets) -> (TMA launches of a
+# forward, of a backward; grouped_mm calls of a backward)
+PATHS = {"kernels": (0, 0, 0), "tma": (2, 2, 0), "tma+grads": (2, 1, 4)}
 
 
 class PathCounts:
@@ -245,7 +245,6 @@ def _force_path(monkeypatch, path: str) -> PathCounts:
     monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
     monkeypatch.setattr(mk, "_tma_gemms", lambda *args: path != "kernels")
     monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: "grads" in path)
-    monkeypatch.setattr(mk, "_vendor_dx", lambda *args: path.endswith("+dx"))
     monkeypatch.setattr(mk, "_layer_plans", {})
     return counts
 
@@ -321,9 +320,9 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
 def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch):
     """Where `_tma_gemms` feeds the row GEMMs through TMA descriptors, the pointer kernels' bits
     (the same tiles and sums); where `_vendor_gemms` sends d_a and the weight gradients to
-    torch._grouped_mm (CUTLASS on an H200), and `_vendor_dx` dx's rows too, their values (fp32
-    on the CPU, where torch's own grouped_mm runs them: the sums' order differs only). The
-    layer and the entry points give each other's bits on every path."""
+    torch._grouped_mm (CUTLASS on an H200), their values (fp32 on the CPU, where torch's own
+    grouped_mm runs them: the sums' order differs only). The layer and the entry points give
+    each other's bits on every path."""
     mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
@@ -377,10 +376,7 @@ def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypa
     assert mk._vendor_gemms(*olmoe, bf16, cuda)
     assert mk._vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
     mixtral = (16384, 8, 4096, 14336)
-    assert mk._vendor_dx(*mixtral, bf16, cuda)  # dx's products too, at mixtral's size alone
-    assert not mk._vendor_dx(*olmoe, bf16, cuda) and not mk._vendor_dx(65536, 128, 2048, 768, bf16, cuda)
-    assert not mk._vendor_dx(8192, 8, 4096, 14336, bf16, cuda)  # fewer rows an expert than measured
-    assert not mk._vendor_dx(16384, 8, 2048, 14336, bf16, cuda)  # narrower d
+    assert mk._vendor_gemms(*mixtral, bf16, cuda)
     assert not mk._vendor_gemms(*olmoe, torch.float16, cuda)
     assert not mk._vendor_gemms(*olmoe, bf16, torch.device("cpu"))
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
@@ -394,11 +390,9 @@ def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypa
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
         capability[0] = other  # and TMA, where there is one, is not measured
         assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._tma_gemms(*olmoe, bf16, cuda)
-        assert not mk._vendor_dx(*mixtral, bf16, cuda)
     capability[0] = (9, 0)
     monkeypatch.setenv("SUITE_PROFILE", "rtx")  # the RTX card's tiles, and what it takes
-    assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._vendor_dx(*mixtral, bf16, cuda)
-    assert not mk._tma_gemms(*olmoe, bf16, cuda)
+    assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._tma_gemms(*olmoe, bf16, cuda)
 
 
 def test_grouped_mm_operands_need_16_byte_rows_and_pointers():

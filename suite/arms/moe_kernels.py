@@ -5,12 +5,13 @@ offsets[e]:offsets[e+1] (int32 [E+1], offsets[0] = 0); token_of_row (int32 [R_ma
 sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives the sorted row
 of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 
-On sm90 cards, in bf16 and at layers as large as the model presets (`_vendor_gemms`), the weight
-gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs) instead,
-on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at the model presets
-they took less time than our kernels and gave the same bits (scripts/moe_tune.py; figures in
-docs/tuning.md); at layers as large as mixtral's, dx's two products too (`_vendor_dx`: rounded
-each, then added, as the eager reference does); other cards and the rtx profile keep our kernels.
+On sm90 cards, in bf16 and at layers as large as the model presets, the row GEMMs (up, down,
+dx) read their dense operand tiles through TMA descriptors (`_tma_gemms`: the same tiles, sums
+and bits as the pointer kernels), and the weight gradients and d_a's GEMM go through
+torch._grouped_mm (torch's CUTLASS grouped GEMMs; `_vendor_gemms`), on x's rows gathered into
+the sorted order first (`_gather_rows_kernel`): at the model presets each took less time than
+our pointer kernels (scripts/moe_tune.py; figures in docs/tuning.md). Other cards and the rtx
+profile keep the pointer kernels.
 
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
 bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one partial tile), and
@@ -583,26 +584,6 @@ def _descriptor_strides(strides: tuple, itemsize: int) -> bool:
     return strides[-1] == 1 and all(s * itemsize % 16 == 0 for s in strides[:-1])
 
 
-# dx's two products through torch._grouped_mm, added in one more pass, beat our one-accumulator
-# kernel at mixtral alone of the model presets (docs/tuning.md); a layer smaller than its in
-# rows per expert, d or f keeps our kernel until measured.
-_VENDOR_DX_MIN_ROWS = 2048  # average rows per expert
-_VENDOR_DX_MIN_D = 4096
-_VENDOR_DX_MIN_F = 14336
-
-
-def _vendor_dx(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
-    """Whether a layer that takes `_vendor_gemms` also takes torch._grouped_mm for dx's rows:
-    dg @ w_gate[e]^T and du @ w_up[e]^T each rounded to the dtype, then added (the eager
-    reference rounds its two products the same way), at the sizes measured to gain."""
-    return (_vendor_gemms(n_rows, n_experts, d, f, dtype, device) and n_rows >= _VENDOR_DX_MIN_ROWS * n_experts
-            and d >= _VENDOR_DX_MIN_D and f >= _VENDOR_DX_MIN_F)
-
-
-def _vendor_dx_ready(dg, du, w_gate, w_up) -> bool:
-    return _grouped_mm_ready(dg, du, w_gate.transpose(1, 2), w_up.transpose(1, 2))
-
-
 def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
     """Whether torch._grouped_mm's CUTLASS path takes each operand (it raises on the rest): a
     unit stride in one of the last two dims, the other of them at least the unit dim's size (no
@@ -984,12 +965,11 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
 def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_rows_out=None, dw_gate_out=None,
                        dw_up_out=None):
     """Backward of expert_up's two GEMMs: dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one
-    accumulator (where `_vendor_dx` takes the layer, two grouped_mm products, then added);
-    dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the expert's
+    accumulator; dW_gate[e] = x_e^T @ dg_e and dW_up[e] = x_e^T @ du_e in one kernel (x_e: the expert's
     token rows, gathered through token_of_row). -> (dx_rows [R_max, d] in x's dtype,
     dw_gate and dw_up [E, d, f] in the weights' dtype). dx = combine(dx_rows, row_id_map,
-    top_k=k). dx_rows_out / dw_gate_out / dw_up_out: caller-owned, reused; without them a
-    layer that `_vendor_gemms` / `_vendor_dx` take goes through torch._grouped_mm."""
+    top_k=k). dx_rows_out / dw_gate_out / dw_up_out: caller-owned, reused; without the last two
+    a layer that `_vendor_gemms` takes gets its weight gradients from torch._grouped_mm."""
     fn = "expert_up_backward"
     _check_dtype(x, fn)
     _require_runnable(x, fn)
@@ -1004,15 +984,10 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     n_rows = token_of_row.shape[0]
     for name, t in (("dg", dg), ("du", du)):
         _check_rows(t, fn, name, n_rows, f, x.dtype, x.device)
-    if (dx_rows_out is None and n_rows and _vendor_dx(n_rows, n_experts, d, f, x.dtype, x.device)
-            and _vendor_dx_ready(dg, du, w_gate, w_up)):
-        dx_rows = _vendor_dx_rows(dg, du, w_gate, w_up, offsets)
-    else:
-        dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
-        g_e, g_d, g_f = w_gate.stride()
-        u_e, u_d, u_f = w_up.stride()
-        _grouped_rows("dx", dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up,
-                      w2_strides=(u_e, u_f, u_d))
+    dx_rows = _buffer(dx_rows_out, fn, "dx_rows_out", (n_rows, d), x.dtype, x.device)
+    g_e, g_d, g_f = w_gate.stride()
+    u_e, u_d, u_f = w_up.stride()
+    _grouped_rows("dx", dg, w_gate, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=w_up, w2_strides=(u_e, u_f, u_d))
     if (dw_gate_out is None and dw_up_out is None and n_rows
             and _vendor_gemms(n_rows, n_experts, d, f, x.dtype, x.device) and _grouped_mm_ready(dg, du)):
         x_rows = torch.empty((n_rows, d), dtype=x.dtype, device=x.device)
@@ -1022,14 +997,6 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     dw_up = _buffer(dw_up_out, fn, "dw_up_out", (n_experts, d, f), w_up.dtype, x.device)
     _weight_grad(x, token_of_row, dg, offsets, dw_gate, grad2=du, dw2=dw_up)
     return dx_rows, dw_gate, dw_up
-
-
-def _vendor_dx_rows(dg, du, w_gate, w_up, offsets):
-    """dx's rows through torch._grouped_mm (`_vendor_dx`): two products, the second added into
-    the first; rows past offsets[E] hold no row's value."""
-    ends = offsets[1:]
-    return torch._grouped_mm(dg, w_gate.transpose(1, 2), offs=ends).add_(
-        torch._grouped_mm(du, w_up.transpose(1, 2), offs=ends))
 
 
 def _vendor_dw_gate_up(x_rows, dg, du, offsets):
@@ -1068,7 +1035,6 @@ class LayerPlan:
         self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
         self.combine_dx = _combine_launch(n_tokens, d, top_k, False, dtype, device)
         self.vendor = _vendor_gemms(n_rows, n_experts, d, f, dtype, device)
-        self.vendor_dx = _vendor_dx(n_rows, n_experts, d, f, dtype, device)
         if self.vendor:
             self.gather = _gather_launch(n_rows, d, x_stride, n_experts, dtype, device)
 
@@ -1115,7 +1081,7 @@ class LayerPlan:
         self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
         self.swiglu(d_a, g, u, dg, du, offsets)
         dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
-        dx_rows = self._dx_rows(dg, du, w_gate, w_up, offsets, dx_rows)
+        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
         self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
         dx = self._empty(self.n_tokens, d)
         # each token's k slots summed in slot order, so dx repeats its bits run to run
@@ -1137,18 +1103,11 @@ class LayerPlan:
         self.swiglu(d_a, g, u, dg, du, offsets)
         self.gather(x, token_of_row, offsets, x_rows)
         dw_gate, dw_up = _vendor_dw_gate_up(x_rows, dg, du, offsets)
-        dx_rows = self._dx_rows(dg, du, w_gate, w_up, offsets, x_rows)  # over x's rows, read by now
+        dx_rows = x_rows  # x's rows are read by now
+        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
         dx = self._empty(self.n_tokens, self.d)
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
         return dx, grad_probs, dw_gate, dw_up, dw_down
-
-    def _dx_rows(self, dg, du, w_gate, w_up, offsets, buffer):
-        """dx's rows: through torch._grouped_mm where `_vendor_dx` takes the layer and the
-        operands are ready (as expert_up_backward decides), else our kernel into buffer."""
-        if self.vendor_dx and _vendor_dx_ready(dg, du, w_gate, w_up):
-            return _vendor_dx_rows(dg, du, w_gate, w_up, offsets)
-        self.dx(dg, du, w_gate, w_up, offsets, buffer)
-        return buffer
 
 
 _layer_plans: dict[tuple, LayerPlan] = {}
