@@ -278,6 +278,24 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(pat
 
 @pytest.mark.cuda
 @needs_cuda
+def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(monkeypatch):
+    """bf16 on tensor cores, d and f no multiple of the tiles, an empty expert and dropped rows:
+    the layer through TMA descriptors gives every output bit for bit as through pointers."""
+    _skip_off_sm90("tma")
+    x, weights, logits, grad_out = gpu_inputs()
+    args = (x.bfloat16(), [w.bfloat16() for w in weights], logits, grad_out.bfloat16(), 2, 1.0)
+    results = {}
+    for path in ("kernels", "tma"):
+        with monkeypatch.context() as patch:
+            counts = _force_path(patch, path)
+            results[path] = run(moe.experts, *args)[1]
+            assert counts.times(path)
+    for name, a, b in zip(NAMES, results["kernels"], results["tma"]):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.parametrize("path", PATHS)
 def test_forward_and_backward_never_sync_with_the_host(path, monkeypatch):
     _skip_off_sm90(path)
@@ -346,7 +364,8 @@ def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch)
 
 def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     """A weight view whose rows are not 16-byte multiples is planned on the pointer kernels;
-    one whose pointer is misaligned (known per call) falls back to them: the same bits."""
+    one whose pointer is misaligned, or that is a transposed view ([E, out, in] storage), falls
+    back to them as it launches: the same bits."""
     mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES["top2"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=4)
@@ -354,14 +373,18 @@ def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     counts = _force_path(monkeypatch, "tma")
     storage = torch.zeros(weights[2].numel() + 1)
     misaligned = storage[1:].view_as(weights[2]).copy_(weights[2])  # 4 bytes into its storage
-    got = run(moe.experts, x, (*weights[:2], misaligned), logits, grad_out, k)[1]
-    assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    transposed = weights[2].transpose(1, 2).contiguous().transpose(1, 2)
+    for w_down in (misaligned, transposed):
+        counts.tma.clear()
+        got = run(moe.experts, x, (*weights[:2], w_down), logits, grad_out, k)[1]
+        assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    counts.tma.clear()
     w_up = torch.zeros(*weights[1].shape[:2], weights[1].shape[2] + 1)[..., :-1].copy_(weights[1])  # rows of 100 B
     assert isinstance(mk._up_launch(64, num_experts, D, F, D, weights[0].stride(), w_up.stride(), torch.float32,
                                     torch.device("cpu")), triton_support.PlannedLaunch)
     got = run(moe.experts, x, (weights[0], w_up, weights[2]), logits, grad_out, k)[1]
-    assert len(counts.tma) == 4  # down and d_a; up and dx on the pointer kernels
+    assert len(counts.tma) == 2  # down and d_a; up and dx on the pointer kernels
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

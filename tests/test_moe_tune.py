@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from scriptload import load_script
+from suite.arms import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 
 
@@ -78,6 +79,15 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
     # the row GEMMs through TMA descriptors, as on an H200 at the model presets: the pointer
     # kernels' experiments then check the TMA kernels' bits
     monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
+    tma_launches = []
+    launch = triton_support.Launcher.__call__
+
+    def counted(self, grid, *args):
+        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+            tma_launches.append(self.kernel)
+        return launch(self, grid, *args)
+
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
 
     monkeypatch.setattr(tune, "gemm_candidates",
                         lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item, 2)])
@@ -99,5 +109,6 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
     combine = figures["kernels"][-1]["timings"]
     assert len(combine) == 2 and combine[1]["config"] == CombineConfig(4, 16, 4).__dict__
     assert combine[1]["rel_diff"] < 1e-6  # fp32, other column chunks for the dot
+    assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
     tune.print_table(figures)
     assert "sum of kernels" in capsys.readouterr().out

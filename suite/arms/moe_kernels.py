@@ -6,12 +6,13 @@ sorted row's token, rows past offsets[E] unused; row_id_map (int32 [T*k]) gives 
 of (token t, slot s) at t*k + s, -1 for a dropped slot; probs fp32 [T, k].
 
 On sm90 cards, in bf16 and at layers as large as the model presets, the row GEMMs (up, down,
-dx) read their dense operand tiles through TMA descriptors (`_tma_gemms`: the same tiles, sums
-and bits as the pointer kernels), and the weight gradients and d_a's GEMM go through
-torch._grouped_mm (torch's CUTLASS grouped GEMMs; `_vendor_gemms`), on x's rows gathered into
-the sorted order first (`_gather_rows_kernel`): at the model presets each took less time than
-our pointer kernels (scripts/moe_tune.py; figures in docs/tuning.md). Other cards and the rtx
-profile keep the pointer kernels.
+dx; d_a where grouped_mm does not take it) read their dense operand tiles through TMA
+descriptors (`_tma_gemms`: the same tiles, sums and bits as the pointer kernels), and the
+weight gradients and d_a's GEMM go through torch._grouped_mm (torch's CUTLASS grouped GEMMs;
+`_vendor_gemms`), on x's rows gathered into the sorted order first (`_gather_rows_kernel`): at
+the model presets these took less time than our pointer kernels (the one exception, down at
+mixtral on one of two machines; scripts/moe_tune.py, figures in docs/tuning.md). Other cards
+and the rtx profile keep the pointer kernels.
 
 Nothing here reads R or a per-expert count on the host: a GEMM over rows launches over an upper
 bound of row tiles, cdiv(R_max, BLOCK_M) + E (each expert adds at most one partial tile), and
@@ -540,7 +541,7 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
     raise AssertionError(f"no tile fits {limit} bytes of shared memory: {config}")
 
 
-# torch._grouped_mm's weight gradients and d_a beat our kernels on the H200 at olmoe,
+# torch._grouped_mm's weight gradients and d_a beat our pointer kernels on the H200 at olmoe,
 # qwen3-30b-a3b and mixtral (moe_tune's grouped_mm entries; figures in docs/tuning.md), the
 # smallest of them 512 rows an expert, d 2048 and f 768; a layer smaller in any of them, where
 # each op's host time counts more, keeps our kernels until measured.
@@ -570,9 +571,10 @@ def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtyp
 
 def _tma_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
     """Whether a layer of this shape feeds its row GEMMs (up, down, d_a, dx) through TMA
-    descriptors (`_up_tma_kernel`, `_rows_tma_kernel`): they took less time than the pointer
-    kernels at every model preset on the H200, with the same bits (scripts/moe_tune.py;
-    docs/tuning.md). Not measured on sm100 or the RTX card (sm120, whose tiles the rtx
+    descriptors (`_up_tma_kernel`, `_rows_tma_kernel`): with the same bits, up and dx took
+    less time than the pointer kernels at every model preset on the H200, down at each on one
+    of two machines, d_a at all but mixtral's, where d_a runs on grouped_mm (`_vendor_gemms`;
+    scripts/moe_tune.py, docs/tuning.md). Not measured on sm100 or the RTX card (sm120, whose tiles the rtx
     profile holds), nor at smaller layers, where a descriptor launch's host time weighs more:
     those keep the pointer kernels (`_measured_on_sm90`)."""
     return _measured_on_sm90(n_rows, n_experts, d, f, dtype, device)
@@ -580,8 +582,8 @@ def _tma_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, 
 
 def _descriptor_strides(strides: tuple, itemsize: int) -> bool:
     """Whether a tensor of these strides takes a TMA descriptor: a unit last stride and the
-    others 16-byte multiples."""
-    return strides[-1] == 1 and all(s * itemsize % 16 == 0 for s in strides[:-1])
+    others positive 16-byte multiples (a call's pointers and sizes are checked as it launches)."""
+    return strides[-1] == 1 and all(s > 0 and s * itemsize % 16 == 0 for s in strides[:-1])
 
 
 def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
@@ -720,7 +722,8 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
     False) and the strides allow: a weight then either [E, K, N] or, read transposed, [E, N, K]
-    with its own last stride 1."""
+    with its own last stride 1. A weight passed as a transposed view of the other layout (a
+    model's [E, out, in] storage) takes the pointer kernel."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
@@ -738,8 +741,9 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
         return pointers
     a_block = [cfg.block_m, cfg.block_k]
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
+    second = (a_block, w_block) if two else (None, None)  # one pair: the second never read
     return DescriptorLaunch(_rows_tma_kernel, grid, (n_experts, n_k, n_n, *tiles),
-                            (a_block, a_block, w_block, w_block, None, None), pointers, **meta, W_NK=w_nk)
+                            (a_block, second[0], w_block, second[1], None, None), pointers, **meta, W_NK=w_nk)
 
 
 def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
@@ -1049,7 +1053,7 @@ class LayerPlan:
             n = rows * f
             slab = -(-n * self.dtype.itemsize // 16) * 16 // self.dtype.itemsize
             flat = torch.empty(3 * slab, dtype=self.dtype, device=self.device)
-            a, g, u = (flat[i * slab:i * slab + n].view(rows, f) for i in range(3))
+            a, g, u = flat.as_strided((3, rows, f), (slab, f, 1)).unbind(0)  # two calls, not six
         else:
             a, g, u = self._empty(rows, f), self._empty(rows, f), self._empty(rows, f)
         y_rows, out = self._empty(rows, self.d), self._empty(self.n_tokens, self.d)

@@ -446,14 +446,22 @@ class PlannedLaunch:
                 self.direct = (device, direct)
 
 
+def descriptor_ready(t: torch.Tensor) -> bool:
+    """Whether a TMA descriptor takes t as it is: a 16-byte aligned base, a unit last stride,
+    the other strides positive 16-byte multiples, and no empty dimension."""
+    size = t.element_size()
+    return (not t.data_ptr() & 15 and t.stride(-1) == 1 and all(t.shape)
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
 class DescriptorLaunch:
     """A PlannedLaunch whose kernel takes some of its tensors as TMA descriptors (Triton's host
     TensorDescriptor: the copy engine fills shared memory, out-of-bounds elements read as zero),
     made on every call from the tensors given, one block shape each (None: passed as a pointer).
-    A descriptor needs a 16-byte aligned base and a unit last stride; its other strides are the
-    planner's to check, once. A call whose tensors lack either takes `fallback`, the launch of
-    the same sums through pointers. Triton launches it (the kept launches do not model
-    descriptors): some 10-20 us more host time than a kept launch, which the planner weighs."""
+    A call whose tensors a descriptor cannot take as they are (`descriptor_ready`) launches
+    `fallback` instead, the same sums through pointers. Triton launches it (the kept launches
+    do not model descriptors): some 10-20 us more host time than a kept launch, which is why
+    the planner takes it for large layers alone."""
 
     __slots__ = ("bound", "grid", "scalars", "blocks", "fallback")
 
@@ -466,11 +474,11 @@ class DescriptorLaunch:
         for t, block in zip(tensors, self.blocks):
             if block is None:
                 args.append(t)
-            elif t.data_ptr() & 15 or t.stride(-1) != 1:
+            elif descriptor_ready(t):
+                args.append(TensorDescriptor(t, t.shape, t.stride(), block))
+            else:
                 self.fallback(*tensors)
                 return
-            else:
-                args.append(TensorDescriptor(t, t.shape, t.stride(), block))
         self.bound(self.grid, *args, *self.scalars)
 
 
