@@ -460,8 +460,8 @@ class DescriptorLaunch:
     made on every call from the tensors given, one block shape each (None: passed as a pointer).
     A call whose tensors a descriptor cannot take as they are (`descriptor_ready`) launches
     `fallback` instead, the same sums through pointers. Triton launches it (the kept launches
-    do not model descriptors): some 10-20 us more host time than a kept launch, which is why
-    the planner takes it for large layers alone."""
+    do not model descriptors), with its per-call Python and a tensor map encoded per descriptor:
+    more host time than a kept launch, which is why the planner takes it for large layers alone."""
 
     __slots__ = ("bound", "grid", "scalars", "blocks", "fallback")
 
