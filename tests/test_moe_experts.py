@@ -249,6 +249,12 @@ def _force_path(monkeypatch, path: str) -> PathCounts:
     return counts
 
 
+def gpu_bf16_args():
+    """`run`'s arguments in bf16 on gpu_inputs (top-2, capacity factor 1.0), and those inputs."""
+    x, weights, logits, grad_out = inputs = gpu_inputs()
+    return (x.bfloat16(), [w.bfloat16() for w in weights], logits, grad_out.bfloat16(), 2, 1.0), inputs
+
+
 def _skip_off_sm90(path: str) -> None:
     if path != "kernels" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("measured on sm90 alone: TMA needs sm90 or later, and elsewhere torch's grouped_mm syncs or has "
@@ -261,9 +267,7 @@ def _skip_off_sm90(path: str) -> None:
 def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(path, monkeypatch):
     _skip_off_sm90(path)
     counts = _force_path(monkeypatch, path)
-    x, weights, logits, grad_out = gpu_inputs()
-    bf16 = [t.bfloat16() for t in (x, *weights)]
-    args = (bf16[0], bf16[1:], logits, grad_out.bfloat16(), 2, 1.0)
+    args, (x, weights, logits, grad_out) = gpu_bf16_args()
     routing, got = run(moe.experts, *args)
     _, ref = run(moe.experts_reference, *args)
     truth = truth_of(x, weights, logits, grad_out, 2, 1.0)
@@ -282,8 +286,7 @@ def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(monkeypatch):
     """bf16 on tensor cores, d and f no multiple of the tiles, an empty expert and dropped rows:
     the layer through TMA descriptors gives every output bit for bit as through pointers."""
     _skip_off_sm90("tma")
-    x, weights, logits, grad_out = gpu_inputs()
-    args = (x.bfloat16(), [w.bfloat16() for w in weights], logits, grad_out.bfloat16(), 2, 1.0)
+    args, _ = gpu_bf16_args()
     results = {}
     for path in ("kernels", "tma"):
         with monkeypatch.context() as patch:
