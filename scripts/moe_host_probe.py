@@ -8,7 +8,6 @@ router's nn.Linear under cuBLAS and cuBLASLt; the routing and experts' one autog
     python scripts/moe_host_probe.py [--tokens 8] [--hidden 1024 --ffn 2816 --experts 16 --top-k 2]
                                      [--profile CALLS]   (cProfile of each layer: where the time goes)
                                      [--trace CALLS]     (torch.profiler of each layer: the ops')
-                                     [--states]          (the experts layer as a bench run's state builds up)
 
 On a CUDA GPU the kernels launch: at a few tokens the GPU's work is smaller than the host's, so
 back-to-back calls measure dispatch (the checks, the tile choice, the launch path, autograd).
@@ -63,11 +62,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trace", type=int, default=0, metavar="CALLS",
                         help="also trace this many calls of each layer with torch.profiler and print the ops with "
                              "the most host time of their own (allocations, launches, the autograd engine's)")
-    parser.add_argument("--states", action="store_true",
-                        help="only the experts layer's host time, first in a fresh process, then after each thing a "
-                             "bench run does before its host probe (a CUDA torch.profiler session, a CUDA graph "
-                             "capture, a torch.compile) and inside a live rich progress bar, as the CLI runs it")
-    parser.add_argument("--teardown-cupti", action="store_true", help="with --states: TEARDOWN_CUPTI=1 first")
     return parser.parse_args(argv)
 
 
@@ -206,46 +200,6 @@ def print_trace(fn: Callable[[], Any], calls: int, sync: Callable[[], None], top
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
-def states(args: argparse.Namespace, device: torch.device) -> dict:
-    """The experts layer's host time per call (three batches' best each) in the process states a
-    `suite bench` run passes through, each adding to the last: a figure that moves with one of
-    them is the harness's, not the arm's. With args.teardown_cupti, TEARDOWN_CUPTI=1 first
-    (Kineto then detaches CUPTI when a profiler session ends)."""
-    from rich.console import Console
-    from rich.progress import Progress
-    from torch.profiler import ProfilerActivity, profile
-
-    if args.teardown_cupti:
-        os.environ["TEARDOWN_CUPTI"] = "1"
-    sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
-    _, layers = entry_points(args, device)
-    layer = layers["experts fwd+bwd (autograd)"]
-    layer()  # compiles
-    rows = []
-
-    def measure(state: str) -> None:
-        rows.append({"state": state, "host_us": [host_us_per_call(layer, sync, calls=args.calls) for _ in range(3)]})
-
-    measure("fresh process")
-    measure("fresh process, again")
-    for session in (1, 2):
-        with profile(activities=[ProfilerActivity.CUDA]):
-            layer()
-            sync()
-        measure(f"after torch.profiler session {session} (CUDA activity)")
-    CudaTimer(device).capture(layer)()
-    measure("after a CUDA graph capture and replay")
-    torch.compile(lambda t: torch.nn.functional.silu(t) * 2)(torch.ones(64, device=device))
-    measure("after a torch.compile'd call")
-    measure("after a torch.compile'd call, again")
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        bar.add_task("probe", total=1)
-        measure("inside a live rich progress bar")
-    return {"what": "the experts layer's host time by process state", "device": torch.cuda.get_device_name(device),
-            "torch": torch.__version__, "teardown_cupti": args.teardown_cupti,
-            "shape": {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "top_k")}, "rows": rows}
-
-
 def measure(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -286,19 +240,11 @@ def measure(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.states and not torch.cuda.is_available():
-        raise SystemExit("--states times launches: it needs a CUDA GPU")
-    result = states(args, torch.device("cuda")) if args.states else measure(args)
-    name = f"moe_host_states{'_teardown' * args.teardown_cupti}.json" if args.states else "moe_host_probe.json"
-    path = args.json or (os.path.join(os.environ["OUT"], name) if os.environ.get("OUT") else None)
+    result = measure(args)
+    path = args.json or (os.path.join(os.environ["OUT"], "moe_host_probe.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as fh:
             json.dump(result, fh, indent=2)
-    if args.states:
-        print(f"the experts layer's host time ({result['device']}, torch {result['torch']}), shape {result['shape']}")
-        print(tabulate([[r["state"], *r["host_us"]] for r in result["rows"]],
-                       headers=["state", "host us", "again", "again"], floatfmt=".1f"))
-        return 0
     print(f"{result['what']} ({result['device']}, torch {result['torch']}), shape {result['shape']}")
     rows = [[row["call"], row["host_us"], row.get("device_us")] for row in result["rows"]]
     rows.append(["sum of the entry points", result["sum_of_entry_points_host_us"], None])

@@ -56,7 +56,7 @@ COMBINE_CANDIDATES = tuple((t, bd, w) for t in (1, 2, 4, 8, 16, 32) for bd in (1
 KERNELS = (
     ("expert_up", (1, 2), 4),
     ("expert_down", (1, 1), 2),
-    ("swiglu_backward", (1, 1), 2),  # d_a's GEMM with the SwiGLU backward in its epilogue
+    ("swiglu_backward", (1, 1), 2),  # d_a's GEMM, then the elementwise pass
     ("dw_down", (1, 1), 2),
     ("dx_rows", (1, 1), 4),
     ("dw_gate_up", (1, 2), 4),
@@ -211,9 +211,10 @@ def build(preset_name: str, device):
     a_ptr, g_ptr, u_ptr, y_ptr, dg_ptr, du_ptr, dx_ptr = (torch.empty_like(t) for t in (a, g, u, y, dg, du, dx_rows))
     n_rows, n_experts, d, f, dtype = tor.shape[0], wg.shape[0], x.shape[1], wg.shape[2], x.dtype
 
-    def pointers(kind, two, w_strides, w2_strides=None):  # down's or dx's launch on the pointer kernel
-        return mk._rows_launch(kind, n_rows, f, d, n_experts, w_strides, w2_strides or w_strides, two, dtype, device,
-                               tma=False)
+    def pointers(kind, two, w_strides, w2_strides=None):  # a rows GEMM's launch on the pointer kernel
+        n_k, n_n = (d, f) if kind == "swiglu_grad" else (f, d)
+        return mk._rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, two, dtype,
+                               device, tma=False)
 
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
 
@@ -233,14 +234,16 @@ def build(preset_name: str, device):
         torch.index_select(x, 0, sources, out=x_gathered)
         grouped("dw_gate_up_grouped_mm", *mk._vendor_dw_gate_up(x_gathered, dg, du, offsets))
 
+    s_e, s_f, s_d = wd.stride()
     g_e, g_d, g_f = wg.stride()
     u_e, u_d, u_f = wu.stride()
     kernels = {
         "expert_up": lambda: mk.expert_up(x, wg, wu, tor, offsets, out=a, gate_out=g, up_out=u),
         "expert_down": lambda: mk.expert_down(a, wd, offsets, out=y),
         "dw_down": lambda: mk._weight_grad(a, None, grad_rows, offsets, dw_down),
-        "swiglu_backward": lambda: mk._d_a_launch(n_rows, n_experts, d, f, wd.stride(), dtype, device)(
-            grad_rows, wd, offsets, g, u, dg, du),
+        "swiglu_backward": lambda: (
+            mk._grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, du),
+            mk._swiglu_backward(du, g, u, offsets, dg, du)),
         "dx_rows": lambda: mk._grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
                                             w2_strides=(u_e, u_f, u_d)),
         "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
@@ -263,8 +266,9 @@ def build(preset_name: str, device):
                                                     dtype, device, tma=False)(x, wg, wu, tor, offsets, a_ptr, g_ptr,
                                                                               u_ptr),
         "expert_down_pointers": lambda: pointers("rows", False, wd.stride())(a, a, wd, wd, offsets, y_ptr),
-        "swiglu_backward_pointers": lambda: mk._d_a_launch(n_rows, n_experts, d, f, wd.stride(), dtype, device,
-                                                            tma=False)(grad_rows, wd, offsets, g, u, dg_ptr, du_ptr),
+        "swiglu_backward_pointers": lambda: (
+            pointers("swiglu_grad", False, (s_e, s_d, s_f))(grad_rows, grad_rows, wd, wd, offsets, du_ptr),
+            mk._swiglu_backward(du_ptr, g, u, offsets, dg_ptr, du_ptr)),
         "dx_rows_pointers": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d))(dg, du, wg, wu, offsets,
                                                                                             dx_ptr),
     }

@@ -238,7 +238,7 @@ def _force_path(monkeypatch, path: str) -> PathCounts:
     launch = triton_support.Launcher.__call__
 
     def counted(self, grid, *args):
-        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel, mk._d_a_swiglu_tma_kernel):
+        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
             counts.tma.append(self.kernel)
         return launch(self, grid, *args)
 

@@ -324,9 +324,8 @@ def test_expert_up_backward_and_the_gather_back_match_torch(dtype):
 
 
 def test_the_swiglu_backward_refuses_outputs_that_alias_its_inputs():
-    """Outputs that share memory with gate, up or each other are refused with the fix (one buffer
-    for dg and du would keep one of them; the layer writes over its saved pre-activations only
-    through its plan, which knows they die with the backward)."""
+    """d_a is written into du's buffer before gate and up are read: du_out=up would read its own
+    d_a as u. Such buffers are refused with the fix."""
     layout = make_layout()
     _, _, _, w_down = make_weights(torch.float32)
     a, gate, up, grad_rows = (randn_rows(F, torch.float32, 4), randn_rows(F, torch.float32, 5),
@@ -438,7 +437,7 @@ def test_the_h200_takes_the_measured_tiles_unshrunk(monkeypatch):
 
 
 GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like
-ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_d_a_swiglu_kernel", "_combine_kernel", "_combine_bwd_kernel",
+ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_swiglu_backward_kernel", "_combine_kernel", "_combine_bwd_kernel",
                "_weight_grad_kernel"}
 
 

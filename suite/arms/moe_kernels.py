@@ -283,75 +283,17 @@ def _rows_tma_kernel(
 @triton.jit
 def _swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, BLOCK: tl.constexpr):
     """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
-    (the first offsets[E] rows of [R_max, f]), for a d_a that torch._grouped_mm made; DG and DU
-    may be G and U (each element is read before the same program writes it)."""
+    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself, and DG and DU may be G and
+    U (each element is read before the same program writes it)."""
     n = tl.load(OFFSETS + n_experts).to(tl.int64) * f
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     d_a = tl.load(D_A + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_swiglu_grad(G, U, DG, DU, offs, mask, d_a)
-
-
-@triton.jit
-def _store_swiglu_grad(G, U, DG, DU, offs, mask, d_a):
-    """The SwiGLU backward at offs from d_a (fp32): dg = d_a * u * silu'(g), du = d_a * silu(g),
-    in fp32 from the saved pre-activations. DG and DU may be G and U: each element's g and u
-    are loaded before its dg and du are stored, both stores depending on the g loaded there."""
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     tl.store(DG + offs, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _d_a_swiglu_kernel(
-    GRAD_ROWS, W_DOWN, OFFSETS, G, U, DG, DU,
-    n_experts, d, f, sw_e, sw_k, sw_n, n_tiles_m, n_tiles_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """The down projection's and the SwiGLU's backward in one: d_a = grad_rows[r] @ w_down[e]^T
-    for one [BLOCK_M, BLOCK_N] tile of expert e's rows (w_down read through its strides as
-    [d, f]), and its epilogue turns the fp32 tile into dg and du (`_store_swiglu_grad`): d_a is
-    never stored, nor rounded. GRAD_ROWS: [R_max, d]; G, U, DG, DU: [R_max, f]."""
-    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
-    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
-    if expert < n_experts:
-        rows = row_start + tl.arange(0, BLOCK_M)
-        row_mask = rows < row_end
-        cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < f
-        ks = tl.arange(0, BLOCK_K)
-        a_offs = rows.to(tl.int64)[:, None] * d + ks[None, :]
-        b_ptrs = (W_DOWN + expert.to(tl.int64) * sw_e + ks[:, None].to(tl.int64) * sw_k
-                  + cols.to(tl.int64)[None, :] * sw_n)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc = _accumulate(GRAD_ROWS, a_offs, b_ptrs, row_mask, col_mask, d, sw_k, acc, BLOCK_K, UPCAST)
-        offs = rows.to(tl.int64)[:, None] * f + cols[None, :]
-        _store_swiglu_grad(G, U, DG, DU, offs, row_mask[:, None] & col_mask[None, :], acc)
-
-
-@triton.jit
-def _d_a_swiglu_tma_kernel(
-    GRAD_ROWS, W_DOWN, OFFSETS, G, U, DG, DU, n_experts, d, f, n_tiles_m, n_tiles_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """`_d_a_swiglu_kernel`'s tile, sums and bits, grad_rows and w_down (stored [E, f, d], read
-    as [d, f] tiles) through TMA descriptors; the epilogue's pre-activations through pointers."""
-    tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
-    expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
-    if expert < n_experts:
-        col0 = tile_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, d, BLOCK_K):
-            acc = _dot(GRAD_ROWS.load([row_start, k0]), _weight_tile(W_DOWN, expert, k0, col0, BLOCK_K, BLOCK_N, True),
-                       acc, UPCAST)
-        rows = row_start + tl.arange(0, BLOCK_M)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        offs = rows.to(tl.int64)[:, None] * f + cols[None, :]
-        _store_swiglu_grad(G, U, DG, DU, offs, (rows < row_end)[:, None] & (cols < f)[None, :], acc)
 
 
 @triton.jit
@@ -794,10 +736,10 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
                 num_stages=cfg.num_stages)
     pointers = PlannedLaunch(_rows_gemm_kernel, grid, (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
                              (dtype, dtype, dtype, dtype, torch.int32, dtype), **meta)
+    d, f = (n_k, n_n) if kind == "swiglu_grad" else (n_n, n_k)  # d_a's K is d; down's and dx's N
     w_nk = w_strides[2] != 1  # stored [E, N, K]: its K dim the unit-stride one, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (w_strides, w2_strides)]
-    # down's and dx's N is d
-    if not (tma and _tma_gemms(n_rows, n_experts, n_n, n_k, dtype, device) and w_nk == (w2_strides[2] != 1)
+    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (w2_strides[2] != 1)
             and _descriptor_strides((n_k, 1), dtype.itemsize)
             and all(_descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
@@ -808,30 +750,8 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
                             (a_block, second[0], w_block, second[1], None, None), pointers, **meta, W_NK=w_nk)
 
 
-def _d_a_launch(n_rows, n_experts, d, f, wd_strides, dtype, device, tma=True) -> PlannedLaunch | DescriptorLaunch:
-    """d_a = grad_rows @ w_down[e]^T and the SwiGLU backward in one kernel; called with
-    (grad_rows, w_down, offsets, g, u, dg, du). grad_rows and w_down through descriptors where
-    `_tma_gemms` takes the layer (unless tma is False) and w_down is stored [E, f, d] with
-    16-byte rows; a transposed view of [E, d, f] storage takes the pointer kernel."""
-    s_e, s_f, s_d = wd_strides
-    cfg = _gemm_config("swiglu_grad", n_rows // n_experts, f, dtype, device)
-    tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
-    grid = _row_tile_grid(tiles, cfg)
-    meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
-                UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    # w_down read as [d, f]: strides (e, k, n)
-    pointers = PlannedLaunch(_d_a_swiglu_kernel, grid, (n_experts, d, f, s_e, s_d, s_f, *tiles),
-                             (dtype, dtype, torch.int32, dtype, dtype, dtype, dtype), **meta)
-    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and _descriptor_strides((d, 1), dtype.itemsize)
-            and _descriptor_strides(wd_strides, dtype.itemsize)):
-        return pointers
-    return DescriptorLaunch(_d_a_swiglu_tma_kernel, grid, (n_experts, d, f, *tiles),
-                            ([cfg.block_m, cfg.block_k], [1, cfg.block_n, cfg.block_k], None, None, None, None, None),
-                            pointers, **meta)
-
-
 def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
-    """dg, du from a d_a grouped_mm made; called with (d_a, gate, up, dg, du, offsets)."""
+    """dg, du from d_a and the pre-activations; called with (d_a, gate, up, dg, du, offsets)."""
     block = 64 if _interpreting() and device.type != "cuda" else SWIGLU_BLOCK
     return PlannedLaunch(_swiglu_backward_kernel, (_cdiv(n_rows * f, block),), (n_experts, f),
                          (dtype,) * 5 + (torch.int32,), BLOCK=block, num_warps=4)
@@ -1015,13 +935,12 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
 
 
 def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
-    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T, and from its
-    fp32 tile, in the same kernel, dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32
-    (gate, up: the forward's pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du
-    [R_max, f] in a's dtype, dw_down [E, f, d] in w_down's dtype; an empty expert's is zero).
-    dg_out / du_out / dw_down_out: caller-owned, reused. Where `_vendor_gemms` takes the layer
-    (and dw_down_out is not given), d_a and dW_down come from torch._grouped_mm, d_a rounded to
-    a's dtype before an elementwise pass takes the SwiGLU backward."""
+    """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T (written in
+    du's buffer, in a's dtype as eager autograd keeps it), then one elementwise pass gives
+    dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32 (gate, up: the forward's
+    pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
+    dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
+    dw_down_out: caller-owned, reused."""
     fn = "expert_down_backward"
     _check_dtype(a, fn)
     _require_runnable(a, fn)
@@ -1036,6 +955,7 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     _check(offsets.shape[0] == n_experts + 1, fn, lambda: f"offsets must have E + 1 = {n_experts + 1} entries, got {offsets.shape[0]}")
     dg = _buffer(dg_out, fn, "dg_out", (n_rows, f), a.dtype, a.device)
     du = _buffer(du_out, fn, "du_out", (n_rows, f), a.dtype, a.device)
+    # d_a goes into du before gate and up are read, and dg is written before du in each element
     _check(len({dg.data_ptr(), du.data_ptr(), gate.data_ptr(), up.data_ptr()}) == 4, fn,
            "dg_out and du_out must be buffers of their own, not gate, up or each other; pass other tensors")
     w_down_t = w_down.transpose(1, 2)
@@ -1045,9 +965,9 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
         _swiglu_backward(torch._grouped_mm(grad_rows, w_down_t, offs=ends), gate, up, offsets, dg, du)
         return dg, du, torch._grouped_mm(a.t(), grad_rows, offs=ends)
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
-    if n_rows and n_experts and f:
-        _d_a_launch(n_rows, n_experts, d, f, w_down.stride(), a.dtype, a.device)(grad_rows, w_down, offsets, gate, up,
-                                                                                 dg, du)
+    s_e, s_f, s_d = w_down.stride()
+    _grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer
+    _swiglu_backward(du, gate, up, offsets, dg, du)
     _weight_grad(a, None, grad_rows, offsets, dw_down)
     return dg, du, dw_down
 
@@ -1101,7 +1021,7 @@ def _vendor_dw_gate_up(x_rows, dg, du, offsets):
 
 
 class LayerPlan:
-    """One MoE layer's nine launches (forward and backward) at one call shape, made once: the
+    """One MoE layer's ten launches (forward and backward) at one call shape, made once: the
     entry points' checks and tile choices are paid when the plan is made, so a call pays its
     buffers and its launches alone (see PlannedLaunch). For `suite.arms.moe.experts`, which
     checked its arguments; `layer_plan` makes and keeps the plans."""
@@ -1112,12 +1032,15 @@ class LayerPlan:
         self.dtype, self.device = dtype, device
         g_e, g_d, g_f = wg_strides
         u_e, u_d, u_f = wu_strides
+        s_e, s_f, s_d = wd_strides
         self.up = _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device)
         self.down = _rows_launch("rows", n_rows, f, d, n_experts, wd_strides, wd_strides, False, dtype, device)
         self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
         self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
         self.combine_bwd_in_place = _combine_bwd_launch(n_tokens, d, top_k, dtype, device, in_place=True)
-        self.d_a = _d_a_launch(n_rows, n_experts, d, f, wd_strides, dtype, device)
+        self.d_a = _rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
+                                device)
+        self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
         self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device)
         self.dx = _rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
         self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
@@ -1125,7 +1048,6 @@ class LayerPlan:
         self.vendor = _vendor_gemms(n_rows, n_experts, d, f, dtype, device)
         if self.vendor:
             self.gather = _gather_launch(n_rows, d, x_stride, n_experts, dtype, device)
-            self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
 
     def _empty(self, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
@@ -1150,10 +1072,10 @@ class LayerPlan:
     def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map,
                  reuse_saved=False):
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
-        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's g, u and y_rows
-        are dead after this backward (autograd keeps no graph), so its temporaries go into them,
-        each once the launches that read it are done: grad_rows over y_rows, then x's rows or
-        dx's there, dg and du over g and u: four allocations fewer."""
+        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's a, g, u and
+        y_rows are dead after this backward (autograd keeps no graph), so its temporaries go
+        into them, each once the launches that read it are done (grad_rows over y_rows, then
+        x's rows or dx's there; d_a over a, dg and du over g and u): four allocations fewer."""
         rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
         grad_probs = self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         if reuse_saved:
@@ -1168,11 +1090,13 @@ class LayerPlan:
                                          token_of_row, offsets, row_id_map, reuse_saved)
         dw_down = self._empty(n_experts, f, d)
         self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
-        if reuse_saved:  # dg and du over g and u (each element read before it is written)
-            dg, du, dx_rows = g, u, y_rows
+        if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
+            d_a, dg, du, dx_rows = a, g, u, y_rows
         else:
             dg, du, dx_rows = self._empty(rows, f), self._empty(rows, f), self._empty(rows, d)
-        self.d_a(grad_rows, w_down, offsets, g, u, dg, du)
+            d_a = du
+        self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
+        self.swiglu(d_a, g, u, dg, du, offsets)
         dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
         self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
         self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
