@@ -67,6 +67,10 @@ KERNELS = (
     ("expert_down_pointers", (1, 1), 2),
     ("swiglu_backward_pointers", (1, 1), 2),
     ("dx_rows_pointers", (1, 1), 4),
+    # the TMA row GEMMs with Triton's warp-specialized loop
+    ("expert_up_ws", (1, 2), 4),
+    ("expert_down_ws", (1, 1), 2),
+    ("dx_rows_ws", (1, 1), 4),
     # torch._grouped_mm's take on each (no tile of ours: operands None)
     ("expert_up_grouped_mm", None, 4),
     ("expert_down_grouped_mm", None, 2),
@@ -80,12 +84,13 @@ KERNELS = (
 # gather in its loop costs; the sort itself is not timed); the row GEMMs on the pointer
 # kernels, at the arm's tiles (swept with them); and the GEMMs as torch._grouped_mm
 EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted", "expert_up_pointers", "expert_down_pointers",
-               "swiglu_backward_pointers", "dx_rows_pointers") + tuple(
+               "swiglu_backward_pointers", "dx_rows_pointers", "expert_up_ws", "expert_down_ws", "dx_rows_ws") + tuple(
                    name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
 SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
     name: name.removesuffix("_grouped_mm").removesuffix("_pointers") for name in EXPERIMENTS
-    if name.endswith(("_grouped_mm", "_pointers"))}
+    if name.endswith(("_grouped_mm", "_pointers"))} | {
+    name: name.removesuffix("_ws") for name in EXPERIMENTS if name.endswith("_ws")}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -209,12 +214,13 @@ def build(preset_name: str, device):
     wd_t = wd.transpose(1, 2)
     dg_other, du_other = torch.empty_like(dg), torch.empty_like(du)
     a_ptr, g_ptr, u_ptr, y_ptr, dg_ptr, du_ptr, dx_ptr = (torch.empty_like(t) for t in (a, g, u, y, dg, du, dx_rows))
+    a_ws, g_ws, u_ws, y_ws, dx_ws = (torch.empty_like(t) for t in (a, g, u, y, dx_rows))
     n_rows, n_experts, d, f, dtype = tor.shape[0], wg.shape[0], x.shape[1], wg.shape[2], x.dtype
 
-    def pointers(kind, two, w_strides, w2_strides=None):  # a rows GEMM's launch on the pointer kernel
+    def pointers(kind, two, w_strides, w2_strides=None, **through):  # a rows GEMM's launch on the pointer kernel
         n_k, n_n = (d, f) if kind == "swiglu_grad" else (f, d)
         return mk._rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, two, dtype,
-                               device, tma=False)
+                               device, **(through or {"tma": False}))
 
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
 
@@ -271,12 +277,19 @@ def build(preset_name: str, device):
             mk._swiglu_backward(du_ptr, g, u, offsets, dg_ptr, du_ptr)),
         "dx_rows_pointers": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d))(dg, du, wg, wu, offsets,
                                                                                             dx_ptr),
+        "expert_up_ws": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(), dtype,
+                                              device, warp_specialize=True)(x, wg, wu, tor, offsets, a_ws, g_ws, u_ws),
+        "expert_down_ws": lambda: pointers("rows", False, wd.stride(), warp_specialize=True)(a, a, wd, wd, offsets,
+                                                                                              y_ws),
+        "dx_rows_ws": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d), warp_specialize=True)(
+            dg, du, wg, wu, offsets, dx_ws),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),
                "swiglu_backward_grouped_mm": (dg_other, du_other), "expert_up_pointers": (a_ptr, g_ptr, u_ptr),
                "expert_down_pointers": (y_ptr,), "swiglu_backward_pointers": (dg_ptr, du_ptr),
-               "dx_rows_pointers": (dx_ptr,)}
+               "dx_rows_pointers": (dx_ptr,), "expert_up_ws": (a_ws, g_ws, u_ws), "expert_down_ws": (y_ws,),
+               "dx_rows_ws": (dx_ws,)}
     for name in EXPERIMENTS:
         outputs.setdefault(name, lambda name=name: made[name])
     return p, routing, kernels, outputs

@@ -235,10 +235,11 @@ def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 def _up_tma_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`_up_kernel`'s tile, sums and bits, the weights' tiles through TMA descriptors (x's
-    rows, gathered by token, still through pointers)."""
+    rows, gathered by token, still through pointers); WARP_SPECIALIZE: Triton's warp-specialized
+    loop (loads in a producer warp, the MMAs in the others)."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -248,7 +249,7 @@ def _up_tma_kernel(
         x_ptrs = X + tokens[:, None] * stride_x + ks[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, d, BLOCK_K):
+        for k0 in tl.range(0, d, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
             x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < d - k0)[None, :], other=0.0)
             acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_g, UPCAST)
             acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_u, UPCAST)
@@ -261,6 +262,7 @@ def _rows_tma_kernel(
     A, A2, W, W2, OFFSETS, C, n_experts, n_k, n_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`_rows_gemm_kernel`'s tile, sums and bits, A, A2, W and W2 through TMA descriptors. A
     tile's A rows may run past its expert's into the next one's (their products are never
@@ -271,10 +273,10 @@ def _rows_tma_kernel(
     if expert < n_experts:
         col0 = tile_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, n_k, BLOCK_K):
+        for k0 in tl.range(0, n_k, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
             acc = _dot(A.load([row_start, k0]), _weight_tile(W, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc, UPCAST)
         if TWO:
-            for k0 in range(0, n_k, BLOCK_K):
+            for k0 in tl.range(0, n_k, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
                 acc = _dot(A2.load([row_start, k0]), _weight_tile(W2, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc,
                            UPCAST)
         _store_rows(C, row_start + tl.arange(0, BLOCK_M), row_end, col0 + tl.arange(0, BLOCK_N), n_n, acc)
@@ -701,7 +703,7 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
-               tma=True) -> PlannedLaunch | DescriptorLaunch:
+               tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
     """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
     descriptors where `_tma_gemms` takes the layer (unless tma is False) and their strides allow."""
     cfg = _gemm_config("up", n_rows // n_experts, f, dtype, device)
@@ -717,11 +719,12 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
         return pointers
     w_block = [1, cfg.block_k, cfg.block_n]
     return DescriptorLaunch(_up_tma_kernel, grid, (n_experts, d, f, x_stride, *tiles),
-                            (None, w_block, w_block, None, None, None, None, None), pointers, **meta)
+                            (None, w_block, w_block, None, None, None, None, None), pointers, **meta,
+                            WARP_SPECIALIZE=warp_specialize)
 
 
 def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
-                 tma=True) -> PlannedLaunch | DescriptorLaunch:
+                 tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
@@ -747,7 +750,8 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
     second = (a_block, w_block) if two else (None, None)  # one pair: the second never read
     return DescriptorLaunch(_rows_tma_kernel, grid, (n_experts, n_k, n_n, *tiles),
-                            (a_block, second[0], w_block, second[1], None, None), pointers, **meta, W_NK=w_nk)
+                            (a_block, second[0], w_block, second[1], None, None), pointers, **meta, W_NK=w_nk,
+                            WARP_SPECIALIZE=warp_specialize)
 
 
 def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
