@@ -264,7 +264,8 @@ def _rows_tma_kernel(
     TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    """`_rows_gemm_kernel`'s tile, sums and bits, A, A2, W and W2 through TMA descriptors. A
+    """`_rows_gemm_kernel`'s tile, sums and bits, A, A2, W and W2 through TMA descriptors
+    (WARP_SPECIALIZE: Triton's warp-specialized loop, a producer warp feeding the MMA warps). A
     tile's A rows may run past its expert's into the next one's (their products are never
     stored; each output row is its own A row's alone) or past the tensor (read as zeros, as
     K and N past the weight are)."""
@@ -379,13 +380,11 @@ def _combine_kernel(
 def _combine_bwd_kernel(
     GRAD_OUT, Y_ROWS, ROW_ID_MAP, PROBS, GRAD_ROWS, GRAD_PROBS, n_tokens, d,
     TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    IN_PLACE: tl.constexpr,
 ):
     """The combine's backward in one pass over grad_out: for each kept slot (t, s) at sorted
     row r, grad_rows[r] = grad_out[t] * probs[t, s] and grad_probs[t, s] = <grad_out[t], y_rows[r]>
     (fp32). A program owns whole tokens, so each dot is its own sum over the column chunks, in
-    order; dropped slots get grad_probs 0 and write no row. IN_PLACE: GRAD_ROWS is Y_ROWS, and
-    each column chunk's rows are read by the whole program before any of it writes them."""
+    order; dropped slots get grad_probs 0 and write no row."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = tokens < n_tokens
     wide_tokens = tokens.to(tl.int64)
@@ -409,8 +408,6 @@ def _combine_bwd_kernel(
             offs = row.to(tl.int64)[:, None] * d + cols[None, :]
             y = tl.load(Y_ROWS + offs, mask=(row >= 0)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
             dots += tl.where(this, tl.sum(grad * y, axis=1)[:, None], 0.0)
-        if IN_PLACE:  # a thread may store an element another loaded: all loads land first
-            tl.debug_barrier()
         for s in tl.static_range(TOP_K):
             this = slots[None, :] == s
             row = tl.sum(tl.where(this, rows, 0), axis=1)
@@ -724,13 +721,15 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
 
 
 def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
-                 tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
+                 tma=True, warp_specialize=True) -> PlannedLaunch | DescriptorLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
     False) and the strides allow: a weight then either [E, K, N] or, read transposed, [E, N, K]
     with its own last stride 1. A weight passed as a transposed view of the other layout (a
-    model's [E, out, in] storage) takes the pointer kernel."""
+    model's [E, out, in] storage) takes the pointer kernel. The TMA kernel's loop is
+    warp-specialized unless warp_specialize is False: the same bits, less time for down and dx
+    at mixtral's size and as much at the smaller presets (scripts/moe_tune.py, docs/tuning.md)."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
@@ -794,15 +793,13 @@ def _gather_launch(n_rows, d, x_stride, n_experts, dtype, device) -> PlannedLaun
     )
 
 
-def _combine_bwd_launch(n_tokens, d, top_k, dtype, device, in_place=False) -> PlannedLaunch:
-    """Called with (grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs); in_place:
-    grad_rows is y_rows."""
+def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
+    """Called with (grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)."""
     cfg = _combine_config(n_tokens, d, device)
     return PlannedLaunch(
         _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),), (n_tokens, d),
         (dtype, dtype, torch.int32, torch.float32, dtype, torch.float32),
-        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=next_pow2(top_k), IN_PLACE=in_place,
-        num_warps=cfg.num_warps,
+        TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=next_pow2(top_k), num_warps=cfg.num_warps,
     )
 
 
@@ -1041,7 +1038,6 @@ class LayerPlan:
         self.down = _rows_launch("rows", n_rows, f, d, n_experts, wd_strides, wd_strides, False, dtype, device)
         self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
         self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
-        self.combine_bwd_in_place = _combine_bwd_launch(n_tokens, d, top_k, dtype, device, in_place=True)
         self.d_a = _rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
                                 device)
         self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
@@ -1078,16 +1074,10 @@ class LayerPlan:
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
         -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's a, g, u and
         y_rows are dead after this backward (autograd keeps no graph), so its temporaries go
-        into them, each once the launches that read it are done (grad_rows over y_rows, then
-        x's rows or dx's there; d_a over a, dg and du over g and u): four allocations fewer."""
+        into them, each once the launches that read it are done: three allocations fewer."""
         rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
-        grad_probs = self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
-        if reuse_saved:
-            grad_rows = y_rows
-            self.combine_bwd_in_place(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
-        else:
-            grad_rows = self._empty(rows, d)
-            self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
+        grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
+        self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
         w_down_t = w_down.transpose(1, 2)
         if self.vendor and _grouped_mm_ready(a.t(), w_down_t, g, u):  # a weight view may be misaligned
             return self._vendor_backward(grad_rows, grad_probs, x, w_gate, w_up, w_down_t, a, g, u, y_rows,
