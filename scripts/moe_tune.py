@@ -16,8 +16,7 @@ checked against the default's outputs (a different reduction step changes fp32 r
 Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
 gradient as two one-output launches, and on x rows already in sorted order (what the gather in
 its loop costs); the row GEMMs (up, d_a, down, dx) on the pointer-fed kernels, where the arm
-feeds them through TMA descriptors (`_tma_gemms`); the TMA ones with the other choice of
-warp specialization; and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
+feeds them through TMA descriptors (`_tma_gemms`); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
 gathering x by token first where the kernel gathers in its loop; each checked against the
 kernel's outputs.
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
@@ -68,11 +67,10 @@ KERNELS = (
     ("expert_down_pointers", (1, 1), 2),
     ("swiglu_backward_pointers", (1, 1), 2),
     ("dx_rows_pointers", (1, 1), 4),
-    # the TMA row GEMMs with the other choice of Triton's warp-specialized loop (the arm's: off for
-    # up, on for down and dx)
+    # the TMA row GEMMs with Triton's warp-specialized loop
     ("expert_up_ws", (1, 2), 4),
-    ("expert_down_no_ws", (1, 1), 2),
-    ("dx_rows_no_ws", (1, 1), 4),
+    ("expert_down_ws", (1, 1), 2),
+    ("dx_rows_ws", (1, 1), 4),
     # torch._grouped_mm's take on each (no tile of ours: operands None)
     ("expert_up_grouped_mm", None, 4),
     ("expert_down_grouped_mm", None, 2),
@@ -86,13 +84,13 @@ KERNELS = (
 # gather in its loop costs; the sort itself is not timed); the row GEMMs on the pointer
 # kernels, at the arm's tiles (swept with them); and the GEMMs as torch._grouped_mm
 EXPERIMENTS = ("dw_gate_up_separate", "dw_gate_up_presorted", "expert_up_pointers", "expert_down_pointers",
-               "swiglu_backward_pointers", "dx_rows_pointers", "expert_up_ws", "expert_down_no_ws", "dx_rows_no_ws") + tuple(
+               "swiglu_backward_pointers", "dx_rows_pointers", "expert_up_ws", "expert_down_ws", "dx_rows_ws") + tuple(
                    name for name, operands, _ in KERNELS if operands is None)
 # the kernel whose outputs an experiment's are checked against
 SAME_AS = {"dw_gate_up_separate": "dw_gate_up", "dw_gate_up_presorted": "dw_gate_up"} | {
     name: name.removesuffix("_grouped_mm").removesuffix("_pointers") for name in EXPERIMENTS
     if name.endswith(("_grouped_mm", "_pointers"))} | {
-    name: name.removesuffix("_no_ws").removesuffix("_ws") for name in EXPERIMENTS if name.endswith("_ws")}
+    name: name.removesuffix("_ws") for name in EXPERIMENTS if name.endswith("_ws")}
 
 
 KERNEL_NAMES = [name for name, _, _ in KERNELS] + ["combine_backward"]
@@ -281,17 +279,17 @@ def build(preset_name: str, device):
                                                                                             dx_ptr),
         "expert_up_ws": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(), dtype,
                                               device, warp_specialize=True)(x, wg, wu, tor, offsets, a_ws, g_ws, u_ws),
-        "expert_down_no_ws": lambda: pointers("rows", False, wd.stride(), warp_specialize=False)(
-            a, a, wd, wd, offsets, y_ws),
-        "dx_rows_no_ws": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d), warp_specialize=False)(
+        "expert_down_ws": lambda: pointers("rows", False, wd.stride(), warp_specialize=True)(a, a, wd, wd, offsets,
+                                                                                              y_ws),
+        "dx_rows_ws": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d), warp_specialize=True)(
             dg, du, wg, wu, offsets, dx_ws),
     }
     outputs = {"expert_up": (a, g, u), "expert_down": (y,), "swiglu_backward": (dg, du), "dw_down": (dw_down,),
                "dx_rows": (dx_rows,), "dw_gate_up": (dw_gate, dw_up), "dw_gate_up_separate": (dw_gate, dw_up), "dw_gate_up_presorted": (dw_gate, dw_up), "combine_backward": (grad_rows, grad_probs),
                "swiglu_backward_grouped_mm": (dg_other, du_other), "expert_up_pointers": (a_ptr, g_ptr, u_ptr),
                "expert_down_pointers": (y_ptr,), "swiglu_backward_pointers": (dg_ptr, du_ptr),
-               "dx_rows_pointers": (dx_ptr,), "expert_up_ws": (a_ws, g_ws, u_ws), "expert_down_no_ws": (y_ws,),
-               "dx_rows_no_ws": (dx_ws,)}
+               "dx_rows_pointers": (dx_ptr,), "expert_up_ws": (a_ws, g_ws, u_ws), "expert_down_ws": (y_ws,),
+               "dx_rows_ws": (dx_ws,)}
     for name in EXPERIMENTS:
         outputs.setdefault(name, lambda name=name: made[name])
     return p, routing, kernels, outputs

@@ -721,15 +721,15 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
 
 
 def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
-                 tma=True, warp_specialize=True) -> PlannedLaunch | DescriptorLaunch:
+                 tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
     False) and the strides allow: a weight then either [E, K, N] or, read transposed, [E, N, K]
     with its own last stride 1. A weight passed as a transposed view of the other layout (a
-    model's [E, out, in] storage) takes the pointer kernel. The TMA kernel's loop is
-    warp-specialized unless warp_specialize is False: the same bits, less time for down and dx
-    at mixtral's size and as much at the smaller presets (scripts/moe_tune.py, docs/tuning.md)."""
+    model's [E, out, in] storage) takes the pointer kernel. warp_specialize: the TMA kernel's
+    loop warp-specialized (an experiment, scripts/moe_tune.py: Triton 3.6's Hopper pass fails on
+    a 4-warp tile, and at the model presets' tile it gained at mixtral alone)."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
