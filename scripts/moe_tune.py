@@ -16,7 +16,8 @@ checked against the default's outputs (a different reduction step changes fp32 r
 Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
 gradient as two one-output launches, and on x rows already in sorted order (what the gather in
 its loop costs); the row GEMMs (up, d_a, down, dx) on the pointer-fed kernels, where the arm
-feeds them through TMA descriptors (`_tma_gemms`); and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
+feeds them through TMA descriptors (`_tma_gemms`); the TMA ones in Triton's warp-specialized
+loop; and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
 gathering x by token first where the kernel gathers in its loop; each checked against the
 kernel's outputs.
 Configs are held to the profile's shared memory (--profile rtx: the RTX card's 99 KB). Writes
