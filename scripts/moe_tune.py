@@ -111,6 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="only these kernels (repeatable; default all)")
     parser.add_argument("--profile", default=None, choices=("auto", "rtx", "none"),
                         help="default: SUITE_PROFILE, else auto")
+    parser.add_argument("--layout", default="stored", choices=("stored", "out_in"),
+                        help="the weights as MoEExperts stores them, or as transposed views of [E, out, in] storage "
+                             "(a transformers model's experts)")
     parser.add_argument("--replays", type=_positive, default=20, help="graph replays per figure; the median is kept")
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json; a relative path goes under $OUT when set)")
     return parser.parse_args(argv)
@@ -182,10 +185,11 @@ def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
     return seen
 
 
-def build(preset_name: str, device):
+def build(preset_name: str, device, layout: str = "stored"):
     """-> (params, routing, kernels, outputs): kernels maps a name to a call writing into
     preallocated outputs (so a capture allocates nothing; torch._grouped_mm's returns its own,
-    from the capture's pool), the layer's tensors made once."""
+    from the capture's pool), the layer's tensors made once. layout "out_in": the weights as
+    transposed views of [E, out, in] storage, as a transformers model's experts hand them over."""
     import torch
 
     import gates
@@ -198,13 +202,15 @@ def build(preset_name: str, device):
     buffers = gate.make_buffers(preset, 0, device)
     routing = route(buffers["logits"], p["top_k"], capacity_factor=p["capacity_factor"])
     x, wg, wu, wd, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
+    if layout == "out_in":
+        wg, wu, wd = (w.transpose(1, 2).contiguous().transpose(1, 2) for w in (wg, wu, wd))
     tor, offsets, row_map, probs = routing.token_of_row, routing.offsets, routing.row_id_map, routing.probs.detach()
     a, g, u = mk.expert_up(x, wg, wu, tor, offsets)
     y = mk.expert_down(a, wd, offsets)
     grad_rows, grad_probs = mk.combine_backward(grad_out, y, probs, row_map)
     # caller-owned outputs keep the entry points on our kernels (without them a layer the
     # grouped_mm rules take would leave grouped_mm's outputs as the kernels' references)
-    dw_down, dw_gate, dw_up = torch.empty_like(wd), torch.empty_like(wg), torch.empty_like(wu)
+    dw_down, dw_gate, dw_up = (torch.empty(w.shape, dtype=w.dtype, device=device) for w in (wd, wg, wu))
     dg, du, dw_down = mk.expert_down_backward(grad_rows, a, g, u, wd, offsets, dw_down_out=dw_down)
     dx_rows, dw_gate, dw_up = mk.expert_up_backward(dg, du, x, wg, wu, tor, offsets, dx_rows_out=torch.empty_like(y),
                                                     dw_gate_out=dw_gate, dw_up_out=dw_up)
@@ -327,11 +333,12 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
     from suite.arms import moe_kernels as mk
     from suite.device_profile import smem_limit
 
-    p, routing, kernels, outputs = build(name, device)
+    p, routing, kernels, outputs = build(name, device, args.layout)
     rows = routing.max_rows
     d, f, tokens, k = p["hidden"], p["ffn"], p["tokens"], p["top_k"]
     limit = smem_limit(device)
-    figures: dict[str, Any] = {"preset": name, "params": dict(p), "smem_limit": limit, "kernels": []}
+    figures: dict[str, Any] = {"preset": name, "params": dict(p), "layout": args.layout, "smem_limit": limit,
+                               "kernels": []}
     chosen = set(args.kernel or KERNEL_NAMES)
     # a row output is compared over the kept rows alone: those past them are nobody's (a
     # grouped_mm output leaves them as its pool had them)
@@ -417,7 +424,7 @@ def _config_text(c: dict[str, Any] | None) -> str:
 
 
 def print_table(figures: dict[str, Any]) -> None:
-    print(f"\n{figures['preset']} {figures['params']} (smem limit {figures['smem_limit']} B)")
+    print(f"\n{figures['preset']} {figures['params']}, weights {figures['layout']} (smem limit {figures['smem_limit']} B)")
     print(f"{'kernel':26s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
     defaults, bests = {}, {}
     for entry in figures["kernels"]:

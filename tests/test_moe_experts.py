@@ -282,11 +282,16 @@ def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(pat
 
 @pytest.mark.cuda
 @needs_cuda
-def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(monkeypatch):
-    """bf16 on tensor cores, d and f no multiple of the tiles, an empty expert and dropped rows:
-    the layer through TMA descriptors gives every output bit for bit as through pointers."""
+@pytest.mark.parametrize("layout", ["stored", "out_in"])
+def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(layout, monkeypatch):
+    """bf16 on tensor cores, d and f no multiple of the tiles, an empty expert and dropped rows,
+    the weights as MoEExperts stores them or as transposed views of [E, out, in] storage (a
+    model's): the layer through TMA descriptors gives every output bit for bit as through
+    pointers."""
     _skip_off_sm90("tma")
     args, _ = gpu_bf16_args()
+    if layout == "out_in":
+        args = (args[0], [w.transpose(1, 2).contiguous().transpose(1, 2) for w in args[1]], *args[2:])
     results = {}
     for path in ("kernels", "tma"):
         with monkeypatch.context() as patch:
@@ -366,9 +371,9 @@ def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch)
 
 
 def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
-    """A weight view whose rows are not 16-byte multiples is planned on the pointer kernels;
-    one whose pointer is misaligned, or that is a transposed view ([E, out, in] storage), falls
-    back to them as it launches: the same bits."""
+    """A weight view whose rows are not 16-byte multiples, or a gate and up stored the two ways,
+    is planned on the pointer kernels; one whose pointer is misaligned falls back to them as it
+    launches: the same bits."""
     mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES["top2"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=4)
@@ -376,19 +381,36 @@ def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     counts = _force_path(monkeypatch, "tma")
     storage = torch.zeros(weights[2].numel() + 1)
     misaligned = storage[1:].view_as(weights[2]).copy_(weights[2])  # 4 bytes into its storage
-    transposed = weights[2].transpose(1, 2).contiguous().transpose(1, 2)
-    for w_down in (misaligned, transposed):
-        counts.tma.clear()
-        got = run(moe.experts, x, (*weights[:2], w_down), logits, grad_out, k)[1]
-        assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
-    counts.tma.clear()
+    got = run(moe.experts, x, (*weights[:2], misaligned), logits, grad_out, k)[1]
+    assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
     w_up = torch.zeros(*weights[1].shape[:2], weights[1].shape[2] + 1)[..., :-1].copy_(weights[1])  # rows of 100 B
     assert isinstance(mk._up_launch(64, num_experts, D, F, D, weights[0].stride(), w_up.stride(), torch.float32,
                                     torch.device("cpu")), triton_support.PlannedLaunch)
-    got = run(moe.experts, x, (weights[0], w_up, weights[2]), logits, grad_out, k)[1]
-    assert len(counts.tma) == 2  # down and d_a; up and dx on the pointer kernels
+    w_up_stored_out_in = weights[1].transpose(1, 2).contiguous().transpose(1, 2)
+    for w_up in (w_up, w_up_stored_out_in):
+        counts.tma.clear()
+        got = run(moe.experts, x, (weights[0], w_up, weights[2]), logits, grad_out, k)[1]
+        assert len(counts.tma) == 2  # down and d_a; up and dx on the pointer kernels
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_weights_stored_out_in_go_through_descriptors_as_stored():
+    """A model's [E, out, in] weights, passed as their transposed views (transformers' experts
+    through suite.integrations), reach every TMA kernel in their stored order: four TMA launches
+    a forward and backward, and the pointer kernels' bits."""
+    num_experts, k, _, _ = CASES["top2"]
+    x, weights, logits, grad_out = make_inputs(num_experts, seed=5)
+    out_in = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in weights]
+    with pytest.MonkeyPatch.context() as patch:
+        _force_path(patch, "kernels")
+        want = run(moe.experts, x, out_in, logits, grad_out, k)[1]
+    with pytest.MonkeyPatch.context() as patch:
+        counts = _force_path(patch, "tma")
+        got = run(moe.experts, x, out_in, logits, grad_out, k)[1]
+        assert counts.times("tma")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.testing.assert_close(got[0], run(moe.experts, x, weights, logits, grad_out, k)[1][0])
 
 
 def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):

@@ -112,3 +112,28 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
     assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
     tune.print_table(figures)
     assert "sum of kernels" in capsys.readouterr().out
+
+
+def test_out_in_weights_run_the_tma_kernels_with_the_pointer_kernels_bits(tune, monkeypatch):
+    """--layout out_in: the weights as transposed views of [E, out, in] storage, which the TMA
+    kernels read in their stored order, checked against the pointer kernels on the same views."""
+    from suite.arms import moe_kernels as mk
+
+    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
+    tma_launches = []
+    launch = triton_support.Launcher.__call__
+
+    def counted(self, grid, *args):
+        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+            tma_launches.append(self.kernel)
+        return launch(self, grid, *args)
+
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
+    ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
+    kernels = ["expert_up", "expert_down", "dx_rows", "expert_up_pointers", "expert_down_pointers", "dx_rows_pointers"]
+    args = tune.parse_args(["--layout", "out_in", "--replays", "2", *(f"--kernel={k}" for k in kernels)])
+    figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
+    assert figures["layout"] == "out_in" and [e["kernel"] for e in figures["kernels"]] == kernels
+    for entry in figures["kernels"][3:]:
+        assert [t["rel_diff"] for t in entry["timings"]] == [0.0], entry
+    assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)

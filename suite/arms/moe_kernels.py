@@ -222,8 +222,8 @@ def _store_rows(C, rows, row_end, cols, n_n, acc):
 @triton.jit
 def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, W_NK: tl.constexpr):
     """W[expert][k0:k0+BLOCK_K, col0:col0+BLOCK_N] through W's descriptor as a [BLOCK_K,
-    BLOCK_N] tile; W_NK: the weight is stored [E, N, K] (read transposed, as d_a and dx read
-    w_down, w_gate and w_up) and its tile comes [BLOCK_N, BLOCK_K]."""
+    BLOCK_N] tile; W_NK: the weight is stored [E, N, K] (as d_a and dx read MoEExperts' weights,
+    and up and down read a model's [E, out, in] ones) and its tile comes [BLOCK_N, BLOCK_K]."""
     if W_NK:
         tile = tl.trans(tl.reshape(W.load([expert, col0, k0]), [BLOCK_N, BLOCK_K]))
     else:
@@ -235,11 +235,13 @@ def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 def _up_tma_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`_up_kernel`'s tile, sums and bits, the weights' tiles through TMA descriptors (x's
-    rows, gathered by token, still through pointers); WARP_SPECIALIZE: Triton's warp-specialized
-    loop (loads in a producer warp, the MMAs in the others)."""
+    rows, gathered by token, still through pointers); W_NK: the weights stored [E, f, d] (a
+    model's [E, out, in]); WARP_SPECIALIZE: Triton's warp-specialized loop (loads in a producer
+    warp, the MMAs in the others)."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -251,8 +253,8 @@ def _up_tma_kernel(
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(0, d, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
             x = tl.load(x_ptrs, mask=row_mask[:, None] & (ks < d - k0)[None, :], other=0.0)
-            acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_g, UPCAST)
-            acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, False), acc_u, UPCAST)
+            acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_g, UPCAST)
+            acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_u, UPCAST)
             x_ptrs += BLOCK_K
         _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, acc_g, acc_u, SAVE)
 
@@ -702,7 +704,8 @@ def _upcast(dtype: torch.dtype) -> bool:
 def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
                tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
     """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
-    descriptors where `_tma_gemms` takes the layer (unless tma is False) and their strides allow."""
+    descriptors where `_tma_gemms` takes the layer (unless tma is False) and their strides allow,
+    each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike."""
     cfg = _gemm_config("up", n_rows // n_experts, f, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
@@ -711,12 +714,14 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
                 num_stages=cfg.num_stages)
     pointers = PlannedLaunch(_up_kernel, grid, (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
                              (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype), **meta)
-    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device)
-            and _descriptor_strides(wg_strides, dtype.itemsize) and _descriptor_strides(wu_strides, dtype.itemsize)):
+    w_nk = wg_strides[2] != 1  # stored [E, f, d]: d the unit-stride dim, if any
+    stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (wg_strides, wu_strides)]
+    if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (wu_strides[2] != 1)
+            and all(_descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
-    w_block = [1, cfg.block_k, cfg.block_n]
+    w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
     return DescriptorLaunch(_up_tma_kernel, grid, (n_experts, d, f, x_stride, *tiles),
-                            (None, w_block, w_block, None, None, None, None, None), pointers, **meta,
+                            (None, w_block, w_block, None, None, None, None, None), pointers, **meta, W_NK=w_nk,
                             WARP_SPECIALIZE=warp_specialize)
 
 
@@ -725,11 +730,11 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `_tma_gemms` takes the layer (unless tma is
-    False) and the strides allow: a weight then either [E, K, N] or, read transposed, [E, N, K]
-    with its own last stride 1. A weight passed as a transposed view of the other layout (a
-    model's [E, out, in] storage) takes the pointer kernel. warp_specialize: the TMA kernel's
-    loop warp-specialized (an experiment, scripts/moe_tune.py: Triton 3.6's Hopper pass fails on
-    a 4-warp tile, and at the model presets' tile it gained at mixtral alone)."""
+    False) and the strides allow: a weight then stored either [E, K, N] or [E, N, K], whether
+    passed as stored or as a transposed view (a model's [E, out, in] storage). warp_specialize:
+    the TMA kernel's loop warp-specialized (an experiment, scripts/moe_tune.py: Triton 3.6's
+    Hopper pass fails on a 4-warp tile, and at the model presets' tile it gained at mixtral
+    alone)."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)

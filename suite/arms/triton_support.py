@@ -454,12 +454,22 @@ def descriptor_ready(t: torch.Tensor) -> bool:
             and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
 
 
+def storage_order(t: torch.Tensor) -> torch.Tensor:
+    """t, or where its last stride is not 1 and the one before is, its last two dims swapped:
+    the view whose dims run in the order its memory does, which a TMA descriptor takes (a
+    weight stored [E, out, in] and passed as its [E, in, out] transpose goes in stored)."""
+    if t.dim() >= 2 and t.stride(-1) != 1 and t.stride(-2) == 1:
+        return t.transpose(-1, -2)
+    return t
+
+
 class DescriptorLaunch:
     """A PlannedLaunch whose kernel takes some of its tensors as TMA descriptors (Triton's host
     TensorDescriptor: the copy engine fills shared memory, out-of-bounds elements read as zero),
-    made on every call from the tensors given, one block shape each (None: passed as a pointer).
-    A call whose tensors a descriptor cannot take as they are (`descriptor_ready`) launches
-    `fallback` instead, the same sums through pointers. Triton launches it (the kept launches
+    made on every call from the tensors given, in their storage order (`storage_order`), one
+    block shape each, in that order (None: passed as a pointer). A call whose tensors a
+    descriptor cannot take as they are stored (`descriptor_ready`) launches `fallback` instead,
+    the same sums through pointers. Triton launches it (the kept launches
     do not model descriptors), with its per-call Python and a tensor map encoded per descriptor:
     more host time than a kept launch, which is why the planner takes it for large layers alone."""
 
@@ -474,8 +484,8 @@ class DescriptorLaunch:
         for t, block in zip(tensors, self.blocks):
             if block is None:
                 args.append(t)
-            elif descriptor_ready(t):
-                args.append(TensorDescriptor(t, t.shape, t.stride(), block))
+            elif descriptor_ready(stored := storage_order(t)):
+                args.append(TensorDescriptor(stored, stored.shape, stored.stride(), block))
             else:
                 self.fallback(*tensors)
                 return
