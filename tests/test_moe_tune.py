@@ -60,6 +60,24 @@ def test_a_config_that_writes_nan_is_not_a_match(tune):
     assert tune.rel_diff([torch.full((4, 3), float("nan"))], [want]) == float("inf")
 
 
+def _forced_tma(monkeypatch) -> list:
+    """The row GEMMs through TMA descriptors whatever the layer's size; -> the TMA kernels
+    launched, as they launch."""
+    from suite.arms import moe_kernels as mk
+
+    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
+    tma_launches = []
+    launch = triton_support.Launcher.__call__
+
+    def counted(self, grid, *args):
+        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+            tma_launches.append(self.kernel)
+        return launch(self, grid, *args)
+
+    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
+    return tma_launches
+
+
 class _InlineTimer:
     """Runs the call instead of capturing it; every timing is 1 ms."""
 
@@ -78,17 +96,7 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
 
     # the row GEMMs through TMA descriptors, as on an H200 at the model presets: the pointer
     # kernels' experiments then check the TMA kernels' bits
-    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
-    tma_launches = []
-    launch = triton_support.Launcher.__call__
-
-    def counted(self, grid, *args):
-        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
-            tma_launches.append(self.kernel)
-        return launch(self, grid, *args)
-
-    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
-
+    tma_launches = _forced_tma(monkeypatch)
     monkeypatch.setattr(tune, "gemm_candidates",
                         lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item, 2)])
     monkeypatch.setattr(tune, "COMBINE_CANDIDATES", ((4, 16, 4),))
@@ -119,16 +127,7 @@ def test_out_in_weights_run_the_tma_kernels_with_the_pointer_kernels_bits(tune, 
     kernels read in their stored order, checked against the pointer kernels on the same views."""
     from suite.arms import moe_kernels as mk
 
-    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
-    tma_launches = []
-    launch = triton_support.Launcher.__call__
-
-    def counted(self, grid, *args):
-        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
-            tma_launches.append(self.kernel)
-        return launch(self, grid, *args)
-
-    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
+    tma_launches = _forced_tma(monkeypatch)
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
     kernels = ["expert_up", "expert_down", "dx_rows", "expert_up_pointers", "expert_down_pointers", "dx_rows_pointers"]
     args = tune.parse_args(["--layout", "out_in", "--replays", "2", *(f"--kernel={k}" for k in kernels)])
