@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import DescriptorLaunch, PlannedLaunch, interpreting, next_pow2
+from suite.arms.triton_support import DescriptorLaunch, PlannedLaunch, descriptor_strides, interpreting, next_pow2
 from suite.device_profile import active_profile, smem_limit
 from suite.errors import CouldNotRun
 
@@ -585,12 +585,6 @@ def _tma_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, 
     return _measured_on_sm90(n_rows, n_experts, d, f, dtype, device)
 
 
-def _descriptor_strides(strides: tuple, itemsize: int) -> bool:
-    """Whether a tensor of these strides takes a TMA descriptor: a unit last stride and the
-    others positive 16-byte multiples (a call's pointers and sizes are checked as it launches)."""
-    return strides[-1] == 1 and all(s > 0 and s * itemsize % 16 == 0 for s in strides[:-1])
-
-
 def _grouped_mm_ready(*operands: torch.Tensor) -> bool:
     """Whether torch._grouped_mm's CUTLASS path takes each operand (it raises on the rest): a
     unit stride in one of the last two dims, the other of them at least the unit dim's size (no
@@ -717,7 +711,7 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
     w_nk = wg_strides[2] != 1  # stored [E, f, d]: d the unit-stride dim, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (wg_strides, wu_strides)]
     if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (wu_strides[2] != 1)
-            and all(_descriptor_strides(s, dtype.itemsize) for s in stored)):
+            and all(descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
     return DescriptorLaunch(_up_tma_kernel, grid, (n_experts, d, f, x_stride, *tiles),
@@ -747,8 +741,8 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     w_nk = w_strides[2] != 1  # stored [E, N, K]: its K dim the unit-stride one, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (w_strides, w2_strides)]
     if not (tma and _tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (w2_strides[2] != 1)
-            and _descriptor_strides((n_k, 1), dtype.itemsize)
-            and all(_descriptor_strides(s, dtype.itemsize) for s in stored)):
+            and descriptor_strides((n_k, 1), dtype.itemsize)
+            and all(descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
     a_block = [cfg.block_m, cfg.block_k]
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]

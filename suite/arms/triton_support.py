@@ -446,12 +446,16 @@ class PlannedLaunch:
                 self.direct = (device, direct)
 
 
+def descriptor_strides(strides: tuple, itemsize: int) -> bool:
+    """Whether a TMA descriptor takes a tensor of these strides: a unit last stride and the
+    others positive 16-byte multiples (planners check this once; `descriptor_ready` a call)."""
+    return strides[-1] == 1 and all(s > 0 and s * itemsize % 16 == 0 for s in strides[:-1])
+
+
 def descriptor_ready(t: torch.Tensor) -> bool:
-    """Whether a TMA descriptor takes t as it is: a 16-byte aligned base, a unit last stride,
-    the other strides positive 16-byte multiples, and no empty dimension."""
-    size = t.element_size()
-    return (not t.data_ptr() & 15 and t.stride(-1) == 1 and all(t.shape)
-            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+    """Whether a TMA descriptor takes t as it is: a 16-byte aligned base, its strides
+    (`descriptor_strides`), and no empty dimension."""
+    return not t.data_ptr() & 15 and all(t.shape) and descriptor_strides(t.stride(), t.element_size())
 
 
 def storage_order(t: torch.Tensor) -> torch.Tensor:
