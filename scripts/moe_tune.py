@@ -114,6 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layout", default="stored", choices=("stored", "out_in"),
                         help="the weights as MoEExperts stores them, or as transposed views of [E, out, in] storage "
                              "(a transformers model's experts)")
+    parser.add_argument("--tma", default="rule", choices=("rule", "always"),
+                        help="the arm's row GEMMs through TMA descriptors where its size rule (`_tma_gemms`) says, or "
+                             "at any size (to measure a layer the rule leaves on the pointer kernels; sm90)")
     parser.add_argument("--replays", type=_positive, default=20, help="graph replays per figure; the median is kept")
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json; a relative path goes under $OUT when set)")
     return parser.parse_args(argv)
@@ -325,9 +328,28 @@ def time_kernel(timer, fn: Callable[[], Any], replays: int) -> float:
     return statistics.median(timer.time_calls(replay, replays, flush_l2=True, window=1))
 
 
+@contextlib.contextmanager
+def tma_rule(mode: str):
+    """mode "always": the arm's row GEMMs through TMA descriptors whatever the layer's size."""
+    from suite.arms import moe_kernels as mk
+
+    rule = mk._tma_gemms
+    if mode == "always":
+        mk._tma_gemms = lambda *shape: True
+    try:
+        yield
+    finally:
+        mk._tma_gemms = rule
+
+
 def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda figures: None) -> dict[str, Any]:
     """Every chosen kernel of preset `name` timed; kernel_done(figures so far) after each (a
     sweep cut short by a time limit still leaves what it measured)."""
+    with tma_rule(args.tma):
+        return _tune_preset(name, args, timer, ceilings, device, kernel_done)
+
+
+def _tune_preset(name: str, args, timer, ceilings, device, kernel_done) -> dict[str, Any]:
     import torch
 
     from suite.arms import moe_kernels as mk
@@ -337,8 +359,8 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
     rows = routing.max_rows
     d, f, tokens, k = p["hidden"], p["ffn"], p["tokens"], p["top_k"]
     limit = smem_limit(device)
-    figures: dict[str, Any] = {"preset": name, "params": dict(p), "layout": args.layout, "smem_limit": limit,
-                               "kernels": []}
+    figures: dict[str, Any] = {"preset": name, "params": dict(p), "layout": args.layout, "tma": args.tma,
+                               "smem_limit": limit, "kernels": []}
     chosen = set(args.kernel or KERNEL_NAMES)
     # a row output is compared over the kept rows alone: those past them are nobody's (a
     # grouped_mm output leaves them as its pool had them)
@@ -424,7 +446,8 @@ def _config_text(c: dict[str, Any] | None) -> str:
 
 
 def print_table(figures: dict[str, Any]) -> None:
-    print(f"\n{figures['preset']} {figures['params']}, weights {figures['layout']} (smem limit {figures['smem_limit']} B)")
+    print(f"\n{figures['preset']} {figures['params']}, weights {figures['layout']}, TMA {figures['tma']} "
+          f"(smem limit {figures['smem_limit']} B)")
     print(f"{'kernel':26s} {'config':24s} {'ms':>9s} {'rate':>14s} {'of ceiling':>10s} {'rel diff':>9s}")
     defaults, bests = {}, {}
     for entry in figures["kernels"]:

@@ -60,12 +60,10 @@ def test_a_config_that_writes_nan_is_not_a_match(tune):
     assert tune.rel_diff([torch.full((4, 3), float("nan"))], [want]) == float("inf")
 
 
-def _forced_tma(monkeypatch) -> list:
-    """The row GEMMs through TMA descriptors whatever the layer's size; -> the TMA kernels
-    launched, as they launch."""
+def _tma_launches(monkeypatch) -> list:
+    """-> the TMA kernels launched, as they launch."""
     from suite.arms import moe_kernels as mk
 
-    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: True)
     tma_launches = []
     launch = triton_support.Launcher.__call__
 
@@ -96,12 +94,12 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
 
     # the row GEMMs through TMA descriptors, as on an H200 at the model presets: the pointer
     # kernels' experiments then check the TMA kernels' bits
-    tma_launches = _forced_tma(monkeypatch)
+    tma_launches = _tma_launches(monkeypatch)
     monkeypatch.setattr(tune, "gemm_candidates",
                         lambda n_a, n_b, item, limit: [GemmConfig(16, 16, 16, 4, 1, n_a, n_b, item, 2)])
     monkeypatch.setattr(tune, "COMBINE_CANDIDATES", ((4, 16, 4),))
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
-    args = tune.parse_args(["--preset", "tiny-top2", "--sweep", "--replays", "2"])
+    args = tune.parse_args(["--preset", "tiny-top2", "--sweep", "--replays", "2", "--tma", "always"])
     figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
     assert [e["kernel"] for e in figures["kernels"]] == [k for k, _, _ in tune.KERNELS] + ["combine_backward"]
     for entry in figures["kernels"][:-1]:  # the default, then group_m 8 and 16, then the list's one
@@ -118,6 +116,7 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
     assert len(combine) == 2 and combine[1]["config"] == CombineConfig(4, 16, 4).__dict__
     assert combine[1]["rel_diff"] < 1e-6  # fp32, other column chunks for the dot
     assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
+    assert mk._tma_gemms(1, 1, 1, 1, torch.float32, torch.device("cpu")) is False  # the rule back after it
     tune.print_table(figures)
     assert "sum of kernels" in capsys.readouterr().out
 
@@ -127,12 +126,22 @@ def test_out_in_weights_run_the_tma_kernels_with_the_pointer_kernels_bits(tune, 
     kernels read in their stored order, checked against the pointer kernels on the same views."""
     from suite.arms import moe_kernels as mk
 
-    tma_launches = _forced_tma(monkeypatch)
+    tma_launches = _tma_launches(monkeypatch)
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
     kernels = ["expert_up", "expert_down", "dx_rows", "expert_up_pointers", "expert_down_pointers", "dx_rows_pointers"]
-    args = tune.parse_args(["--layout", "out_in", "--replays", "2", *(f"--kernel={k}" for k in kernels)])
+    args = tune.parse_args(["--layout", "out_in", "--tma", "always", "--replays", "2",
+                            *(f"--kernel={k}" for k in kernels)])
     figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
     assert figures["layout"] == "out_in" and [e["kernel"] for e in figures["kernels"]] == kernels
     for entry in figures["kernels"][3:]:
         assert [t["rel_diff"] for t in entry["timings"]] == [0.0], entry
     assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
+
+
+def test_the_tma_rule_holds_unless_told_always(tune, monkeypatch):
+    """--tma rule (the default) leaves a layer below `_tma_gemms`'s size on the pointer kernels."""
+    tma_launches = _tma_launches(monkeypatch)
+    ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
+    args = tune.parse_args(["--replays", "2", "--kernel=expert_up", "--kernel=dx_rows"])
+    figures = tune.tune_preset("tiny-top2", args, _InlineTimer(), ceilings, torch.device("cpu"))
+    assert figures["tma"] == "rule" and tma_launches == []
