@@ -430,9 +430,11 @@ def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypa
     assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
     assert not mk._vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
     assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
-    assert not mk._vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small: d under any measured
+    assert mk._vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small, the least d measured
+    assert not mk._vendor_gemms(8192, 16, 1024, 768, bf16, cuda)  # no dim below, less work than any measured
     assert not mk._vendor_gemms(65536, 64, 8192, 128, bf16, cuda)  # f under any measured
-    assert all(mk._tma_gemms(*layer, bf16, cuda) for layer in (olmoe, mixtral, (65536, 128, 2048, 768)))
+    assert all(mk._tma_gemms(*layer, bf16, cuda)
+               for layer in (olmoe, mixtral, (65536, 128, 2048, 768), (16384, 16, 1024, 2816)))
     assert not mk._tma_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer: host time counts more
     assert not mk._tma_gemms(32768, 64, 1024, 512, bf16, cuda)
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there

@@ -547,12 +547,14 @@ def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device
 
 
 # torch._grouped_mm's weight gradients and d_a beat our pointer kernels on the H200 at olmoe,
-# qwen3-30b-a3b and mixtral (moe_tune's grouped_mm entries; figures in docs/tuning.md), the
-# smallest of them 512 rows an expert, d 2048 and f 768; a layer smaller in any of them, where
-# each op's host time counts more, keeps our kernels until measured.
+# qwen3-30b-a3b, mixtral and top2-small (moe_tune's grouped_mm entries; figures in
+# docs/tuning.md): the fewest rows an expert and least f there qwen3-30b-a3b's, which also has
+# the least work an expert (rows x d x f), the least d top2-small's. A layer below any of these,
+# where each op's host time counts more, keeps our kernels until measured.
 _VENDOR_MIN_ROWS = 512  # average rows per expert
-_VENDOR_MIN_D = 2048
+_VENDOR_MIN_D = 1024
 _VENDOR_MIN_F = 768
+_VENDOR_MIN_WORK = 512 * 2048 * 768
 
 
 def _measured_on_sm90(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
@@ -562,7 +564,8 @@ def _measured_on_sm90(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.
         return False
     if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return n_rows >= _VENDOR_MIN_ROWS * n_experts and d >= _VENDOR_MIN_D and f >= _VENDOR_MIN_F
+    return (n_rows >= _VENDOR_MIN_ROWS * n_experts and d >= _VENDOR_MIN_D and f >= _VENDOR_MIN_F
+            and n_rows * d * f >= _VENDOR_MIN_WORK * n_experts)
 
 
 def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
