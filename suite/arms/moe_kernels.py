@@ -579,14 +579,13 @@ def _vendor_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtyp
 
 def _tma_gemms(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
     """Whether a layer of this shape feeds its row GEMMs (up, down, d_a, dx) through TMA
-    descriptors (`_up_tma_kernel`, `_rows_tma_kernel`): with the same bits, up and dx took
-    less time than the pointer kernels at every model preset on the H200, down at each on one
-    of two machines, d_a at all but mixtral's, where d_a runs on grouped_mm (`_vendor_gemms`);
-    on a model's [E, out, in] weights, up, down and dx together took less at each, though down
-    and dx alone lost at mixtral (scripts/moe_tune.py, docs/tuning.md). Not measured on sm100
-    or the RTX card (sm120, whose tiles the rtx profile holds), nor at smaller layers, where a
-    descriptor launch's host time weighs more: those keep the pointer kernels
-    (`_measured_on_sm90`)."""
+    descriptors (`_up_tma_kernel`, `_rows_tma_kernel`): with the same bits, the layer's GEMMs
+    took less time together than on the pointer kernels at every layer measured on the H200,
+    though a few lost alone (down at mixtral on one of two machines and on a model's [E, out,
+    in] weights, dx there too; d_a at mixtral and top2-small, where it runs on grouped_mm,
+    `_vendor_gemms`); scripts/moe_tune.py, docs/tuning.md. Not measured on sm100 or the RTX
+    card (sm120, whose tiles the rtx profile holds), nor at smaller layers, where a descriptor
+    launch's host time weighs more: those keep the pointer kernels (`_measured_on_sm90`)."""
     return _measured_on_sm90(n_rows, n_experts, d, f, dtype, device)
 
 
