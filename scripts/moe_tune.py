@@ -493,6 +493,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_tune needs a CUDA GPU", file=sys.stderr)
         return 3
+    major, minor = torch.cuda.get_device_capability()
+    if args.tma == "always" and major < 9:  # no TMA before Hopper: the descriptor kernels would not compile
+        print(f"moe_tune: --tma always needs a card with TMA (sm90 or newer), not sm_{major}{minor}; "
+              "leave it at --tma rule here", file=sys.stderr)
+        return 2
     from suite.harness.timers import CudaTimer
     from suite.harness.timing import measure_ceilings
 

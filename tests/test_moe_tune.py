@@ -54,6 +54,14 @@ def test_an_unknown_preset_exits_2_naming_the_presets(tune, capsys):
     assert "no preset 'olmo'" in err and "olmoe" in err and "Traceback" not in err
 
 
+def test_tma_always_on_a_card_without_tma_exits_2_naming_it(tune, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert tune.main(["--preset", "tiny-top2", "--tma", "always"]) == 2
+    err = capsys.readouterr().err
+    assert "--tma always needs a card with TMA" in err and "sm_80" in err and "Traceback" not in err
+
+
 def test_a_config_that_writes_nan_is_not_a_match(tune):
     want = torch.ones(4, 3)
     assert tune.rel_diff([want + 1e-3], [want]) == pytest.approx(1e-3, rel=1e-3)
