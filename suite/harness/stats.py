@@ -48,14 +48,25 @@ def judge(median: float, ci_low: float, ci_high: float, floor_log: float) -> Ver
 Decision = Literal["pass", "fail", "undecided"]
 
 
-def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decision:
-    """One-sided: the arm reaches `bar` x c.against's speed when the CI's low end, over bar, is
-    within the floor; it falls short when the CI's high end and the median, over bar, are below
-    1 and the floor (the "slower" verdict against the peer's time scaled by 1/bar); otherwise
-    more rounds may decide."""
-    if math.log(c.ci_high / bar) < 0 and math.log(c.speedup / bar) < -floor_log:
+def reaches(value: float, low: float, high: float, bar: float, floor_log: float) -> Decision:
+    """One-sided, for a figure with its CI: it reaches `bar` when the CI's low end, over bar, is
+    within the floor; it falls short when the CI's high end and the figure, over bar, are below
+    1 and the floor; otherwise more rounds may decide. A bar tighter than the run's own noise is
+    so never judged on one pair of medians."""
+    if math.log(high / bar) < 0 and math.log(value / bar) < -floor_log:
         return "fail"
-    return "pass" if math.log(c.ci_low / bar) >= -floor_log else "undecided"
+    return "pass" if math.log(low / bar) >= -floor_log else "undecided"
+
+
+def stays_within(value: float, low: float, high: float, bound: float, floor_log: float) -> Decision:
+    """The mirror of `reaches`: the figure stays at or below `bound` within the floor."""
+    return reaches(1 / value, 1 / high, 1 / low, 1 / bound, floor_log)
+
+
+def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decision:
+    """The arm reaches `bar` x c.against's speed (the "slower" verdict against the peer's time
+    scaled by 1/bar is a fail)."""
+    return reaches(c.speedup, c.ci_low, c.ci_high, bar, floor_log)
 
 
 def at_least(c: Comparison, least: float) -> Decision:
@@ -63,6 +74,20 @@ def at_least(c: Comparison, least: float) -> Decision:
     if c.ci_low >= least:
         return "pass"
     return "fail" if c.ci_high < least else "undecided"
+
+
+def median_ratio(
+    num_ms: Sequence[float], den_ms: Sequence[float], n_boot: int, level: float, rng: np.random.Generator
+) -> tuple[float, float, float]:
+    """median(num) / median(den) of two series timed apart (not round by round, so not paired),
+    with a percentile bootstrap CI that resamples each series on its own."""
+    num, den = np.asarray(num_ms, dtype=float), np.asarray(den_ms, dtype=float)
+    ratio = float(np.median(num) / np.median(den))
+    boot_num = np.median(num[rng.integers(0, len(num), size=(n_boot, len(num)))], axis=1)
+    boot_den = np.median(den[rng.integers(0, len(den), size=(n_boot, len(den)))], axis=1)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(boot_num / boot_den, [tail, 1.0 - tail])
+    return ratio, float(low), float(high)
 
 
 def compare(

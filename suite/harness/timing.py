@@ -20,12 +20,14 @@ import torch
 
 from suite.harness.gate import BenchCase, PerfCriterion, Preset
 from suite.harness.stats import (
-    at_least,
-    at_least_within_noise,
+    Decision,
     compare,
     copy_size,
+    median_ratio,
     noise_floor,
+    reaches,
     round_order,
+    stays_within,
     steady,
     throughput,
 )
@@ -184,23 +186,28 @@ def measure_bench(
     progress: Callable[[str], None] | None = None,
     rotation: int = 1,
     host_probe: str | None = None,
+    graph: BenchResult | None = None,
 ) -> BenchResult:
     """Time the arm against the reference and the available peers in one mode, and judge
-    `criterion` for it. `rotation` says how many input sets the eager calls cycle through.
+    `criterion` for it. `rotation` says how many input sets the eager calls cycle through;
+    `graph`, in eager mode, is the same case's graph-mode result, which an eager-over-graph
+    bound judges the arm's eager calls against.
 
     `progress` gets short status lines ("round 3/10"); the caller adds which bench it is.
-    The steps, in order: cold calls, capture (graph mode), warm-up, rounds until the judged
-    comparisons are decided, the figures, the criteria.
+    The steps, in order: cold calls, capture (graph mode), warm-up, the device's busy time
+    (cases that ask for it), rounds until every criterion is decided, the figures, the checks.
     """
-    bench = _Bench(case, mode, contenders, preset, criterion, policy, timer, progress or (lambda message: None))
+    bench = _Bench(case, mode, contenders, preset, criterion, policy, timer, progress or (lambda message: None),
+                   ceilings, graph)
     bench.cold_calls()
     if mode == "graph":
         bench.capture()
     bench.warm_up()
+    bench.measure_busy()
     bench.rounds()
-    timings = bench.figures(ceilings)
-    checks, ambiguous = _check_criteria(
-        case, mode, preset, criterion, contenders, bench.comparisons, timings, ceilings, bench.ref_name)
+    timings = bench.figures()
+    checks = [claim.check() for claim in bench.claims]
+    ambiguous = any(check.ambiguous and not check.target for check in checks)
     nbytes, flops = case.bytes(preset), case.flops(preset)
     return BenchResult(
         case=case.name, description=case.description, mode=mode, l2=case.l2, ceiling=case.ceiling,
@@ -214,14 +221,33 @@ def measure_bench(
         duration_s=time.perf_counter() - bench.started)
 
 
+@dataclass
+class _Claim:
+    """One criterion of a bench: `decide()` gives its decision on the rounds so far and the
+    detail the report prints. An aim is reported met or missed and asks for no more rounds."""
+
+    title: str
+    decide: Callable[[], tuple[Decision, str]]
+    aim: bool = False
+
+    def check(self) -> CriterionCheck:
+        decision, detail = self.decide()
+        if decision == "undecided":
+            detail += " (undecided at the round cap; never a pass)"
+        return CriterionCheck(name=self.title, passed=decision == "pass", target=self.aim, detail=detail,
+                              ambiguous=decision == "undecided")
+
+
 class _Bench:
     """One bench case in one timing mode, step by step (`measure_bench` runs the steps)."""
 
     def __init__(self, case: BenchCase, mode: TimingMode, contenders: list[Timed], preset: Preset,
-                 criterion: PerfCriterion, policy: TimingPolicy, timer: Timer, say: Callable[[str], None]):
+                 criterion: PerfCriterion, policy: TimingPolicy, timer: Timer, say: Callable[[str], None],
+                 ceilings: Ceilings | None = None, graph: BenchResult | None = None):
         self.started = time.perf_counter()
         self.case, self.mode, self.contenders, self.preset = case, mode, contenders, preset
         self.criterion, self.policy, self.timer, self.say = criterion, policy, timer, say
+        self.ceilings, self.graph = ceilings, graph
         by_role = {role: [c for c in contenders if c.role == role] for role in ("reference", "arm")}
         if len(by_role["reference"]) != 1 or len(by_role["arm"]) != 1:
             raise ValueError("measure_bench needs exactly one reference and one arm")
@@ -242,6 +268,7 @@ class _Bench:
         self.dropped: dict[str, str] = {}  # peers that failed on their first call or capture, and why
         self.cold: dict[str, float] = {}
         self.methods = {name: "" for name in self.fns}
+        self.busy: dict[str, float] = {}
 
     def _drop(self, name: str, what: str, exc: Exception) -> None:
         if self.roles[name] != "peer":
@@ -286,7 +313,6 @@ class _Bench:
         and which contenders need an untimed lead-in call before each timing."""
         policy, fns, mode = self.policy, self.fns, self.mode
         self.demands = _peer_demands(self.criterion, self.preset, self.case, mode)
-        self.least = self.criterion.speedup(self.preset.name, self.case.name, mode)
         # a peer the arm is judged against is timed twice a round, like the reference: where the
         # reference runs at another scale (a device-bound eager reference beside host-bound calls),
         # its A/A says nothing of the noise between the arm and that peer
@@ -340,6 +366,7 @@ class _Bench:
         self.first = {name: [] for name in (ref_name, *judged)}
         self.second = {name: [] for name in (ref_name, *judged)}
         self.per_round = {name: [] for name in self.others}
+        self.claims = self._claims()
         target = policy.min_rounds
         while True:
             while len(self.first[ref_name]) < target:
@@ -359,17 +386,12 @@ class _Bench:
                         policy, rng)
                 for name in self.fns if name != self.arm_name
             ]
-            by_name = {c.against: c for c in self.comparisons}
-            # more rounds only for what can fail: each bar against a peer (not an aim), the speedup floor
-            undecided = [by_name[name] for name, bar, _, _, aim in self.demands if name in by_name and not aim
-                         and at_least_within_noise(by_name[name], bar, floors[name]) == "undecided"]
-            if self.least is not None and at_least(by_name[ref_name], self.least) == "undecided":
-                undecided.append(by_name[ref_name])
+            # more rounds only for what can fail (an aim cannot)
+            undecided = [claim.title for claim in self.claims if not claim.aim and claim.decide()[0] == "undecided"]
             if not undecided or target >= policy.max_rounds:
                 return
             target = min(target + policy.round_step, policy.max_rounds)
-            self.say(f"ambiguous against {', '.join(c.against for c in undecided)}; "
-                     f"extending to {target} rounds")
+            self.say(f"undecided: {'; '.join(undecided)}; extending to {target} rounds")
 
     def recommendations(self) -> list[Recommendation]:
         """Each timed contender but the reference against its baseline, round by round, judged
@@ -387,7 +409,15 @@ class _Bench:
             found.append(Recommendation(contender=c.name, **cmp.model_dump()))
         return found
 
-    def figures(self, ceilings: Ceilings | None) -> list[ContenderTiming]:
+    def measure_busy(self) -> None:
+        """Eager `gpu_busy` cases: each contender's device-busy time per call, measured before
+        the rounds so a bound on it is decided by them."""
+        if self.case.gpu_busy and self.mode == "eager" and hasattr(self.timer, "busy_ms"):
+            for name, fn in self.fns.items():
+                self.say(f"device busy time of {name}")
+                self.busy[name] = self.timer.busy_ms(fn, self.windows[name])
+
+    def figures(self) -> list[ContenderTiming]:
         """Each contender's figures (median over rounds, throughput, share of the ceiling), and
         the GPU's busy time per call where the case asks for it."""
         nbytes, flops = self.case.bytes(self.preset), self.case.flops(self.preset)
@@ -398,20 +428,118 @@ class _Bench:
                                                host_us=c.host_us))
                 continue
             median_ms = float(np.median(self.series[c.name]))
-            gbps, tflops, fraction = throughput(nbytes, flops, median_ms, ceilings, self.case.ceiling)
+            gbps, tflops, fraction = throughput(nbytes, flops, median_ms, self.ceilings, self.case.ceiling)
             timings.append(ContenderTiming(
                 name=c.name, role=c.role, method=self.methods[c.name], cold_ms=self.cold[c.name], median_ms=median_ms,
                 round_medians_ms=list(self.series[c.name]), gbps=gbps, tflops=tflops,
                 ceiling_fraction=fraction, host_us=c.host_us, window=self.windows[c.name],
                 idle_start_tail_ms=self.idle_start.get(c.name), setup_s=c.setup_s,
-                setup_peak_bytes=c.setup_peak_bytes, note=c.note))
-        if self.case.gpu_busy and self.mode == "eager" and hasattr(self.timer, "busy_ms"):
-            # beside the wall time per step: how much of it the GPU was busy, i.e. the dispatch cost
-            for timing in timings:
-                if timing.unavailable is None:
-                    self.say(f"device busy time of {timing.name}")
-                    timing.gpu_busy_ms = self.timer.busy_ms(self.fns[timing.name], self.windows[timing.name])
+                setup_peak_bytes=c.setup_peak_bytes, note=c.note, gpu_busy_ms=self.busy.get(c.name)))
         return timings
+
+    # ---- the criteria, each decided by its CI against the floor --------------------------
+
+    def _claims(self) -> list[_Claim]:
+        """What `criterion` claims for this case and mode, in the report's order."""
+        criterion, preset, case, mode = self.criterion, self.preset.name, self.case.name, self.mode
+        claims = []
+        reasons = {**{c.name: c.unavailable for c in self.contenders if c.call is None}, **self.dropped}
+        timed = {c.name for c in self.contenders}
+        for name, bar, title, peer_is_target, aim in self.demands:
+            if name not in timed:
+                continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
+            if name in reasons:
+                claims.append(_Claim(title, self._unavailable_peer(name, reasons[name], peer_is_target, aim), aim))
+            else:
+                claims.append(_Claim(title, self._over_peer(name, bar, peer_is_target), aim))
+        least = criterion.speedup(preset, case, mode)
+        if least is not None:
+            claims.append(_Claim(f"speedup over {self.ref_name} >= {least:g}x", self._over_peer(self.ref_name, least, True)))
+        bound = criterion.busy_bound(preset, case, mode)
+        if bound is not None:
+            claims.append(_Claim(f"within {bound:g}x of {self.ref_name}'s device-busy time", self._busy(bound)))
+        need = criterion.ceiling_fraction(preset, case, mode)
+        if need is not None:
+            claims.append(_Claim(f"{self.case.ceiling} ceiling fraction >= {need:g}", self._ceiling(need)))
+        bound = criterion.eager_bound(preset, case) if mode == "eager" else None
+        if bound is not None:
+            claims.append(_Claim(f"eager calls within {bound:g}x of graph replays", self._eager_over_graph(bound)))
+        return claims
+
+    def _unavailable_peer(self, name: str, reason: str, peer_is_target: bool, aim: bool):
+        # a peer that cannot run on this device is skipped; where the peer is the target, one that
+        # failed here (its first call or its capture) leaves the bar unjudged: no pass
+        skipped = name not in self.dropped or not peer_is_target
+        decision: Decision = "pass" if skipped and not aim else "fail"
+        detail = f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reason})"
+        return lambda: (decision, detail)
+
+    def _over_peer(self, name: str, bar: float, peer_is_target: bool):
+        def decide() -> tuple[Decision, str]:
+            c = next(c for c in self.comparisons if c.against == name)
+            decision = reaches(c.speedup, c.ci_low, c.ci_high, bar, math.log1p(c.noise_floor))
+            return decision, f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {c.noise_floor:.2%}: " + (
+                f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
+        return decide
+
+    def _busy(self, bound: float):
+        def decide() -> tuple[Decision, str]:
+            busy = self.busy.get(self.ref_name)
+            if not busy:  # None, or a profile that saw no kernel
+                return "fail", f"case {self.case.name!r} measured no device-busy time for {self.ref_name}"
+            arm = self.series[self.arm_name]
+            ratio, low, high = median_ratio(arm, [busy], self.policy.n_boot, self.policy.ci_level, self._rng())
+            ref_ms = float(np.median(self.series[self.ref_name]))
+            return stays_within(ratio, low, high, bound, self.floor_log), (
+                f"arm {float(np.median(arm)):.4g} ms / {self.ref_name} busy {busy:.4g} ms = {ratio:.3f} "
+                f"(CI {low:.3f}-{high:.3f}); needs <= {bound:g} within the floor {math.expm1(self.floor_log):.2%} "
+                f"(the eager step's own wall/busy: {ref_ms / busy:.3f})")
+        return decide
+
+    def _ceiling(self, need: float):
+        def decide() -> tuple[Decision, str]:
+            if self.ceilings is None:
+                return "fail", "no ceilings were measured in this run"
+            arm = self.series[self.arm_name]
+            median_ms = float(np.median(arm))
+            gbps, tflops, fraction = throughput(self.case.bytes(self.preset), self.case.flops(self.preset),
+                                                median_ms, self.ceilings, self.case.ceiling)
+            if fraction is None:
+                counted = "flops" if self.case.ceiling == "gemm" else "bytes"
+                return "fail", f"case {self.case.name!r} declares no {counted} or no ceiling"
+            # the fraction goes as 1 / time: its CI is that of the median time, inverted
+            _, low, high = median_ratio([fraction * median_ms], arm, self.policy.n_boot, self.policy.ci_level,
+                                        self._rng())
+            if self.case.ceiling == "gemm":
+                rate = f"{tflops:.1f} TFLOP/s of {self.ceilings.gemm_bf16_tflops:.1f}"
+            else:
+                rate = f"{gbps:.1f} GB/s of {self.ceilings.copy_gbps:.1f}"
+            return reaches(fraction, low, high, need, self.floor_log), (
+                f"arm {rate} = {fraction:.3f} (CI {low:.3f}-{high:.3f}); needs >= {need:g} within the floor "
+                f"{math.expm1(self.floor_log):.2%}")
+        return decide
+
+    def _eager_over_graph(self, bound: float):
+        """The arm's eager calls against its graph replays of the same case: two series timed
+        apart, so the ratio's CI resamples each, and the floor is the wider of the two modes'."""
+        graph_arm = next((t for t in self.graph.contenders if t.role == "arm"), None) if self.graph else None
+
+        def decide() -> tuple[Decision, str]:
+            if graph_arm is None:
+                return "fail", "no graph replays of this case were timed before its eager calls"
+            if graph_arm.method or not graph_arm.round_medians_ms:
+                return "fail", f"the graph mode timed no replays: {graph_arm.method or 'no figures'}"
+            eager = self.series[self.arm_name]
+            ratio, low, high = median_ratio(eager, graph_arm.round_medians_ms, self.policy.n_boot,
+                                            self.policy.ci_level, self._rng())
+            floor_log = max(self.floor_log, math.log1p(self.graph.noise_floor))
+            return stays_within(ratio, low, high, bound, floor_log), (
+                f"arm eager {float(np.median(eager)):.4g} ms / graph {graph_arm.median_ms:.4g} ms = {ratio:.3f} "
+                f"(CI {low:.3f}-{high:.3f}); needs <= {bound:g} within the floor {math.expm1(floor_log):.2%}")
+        return decide
+
+    def _rng(self) -> np.random.Generator:
+        return np.random.default_rng(self.policy.seed)  # same figures and seed, same intervals
 
 
 def _peer_demands(
@@ -428,111 +556,6 @@ def _peer_demands(
     return demands + [(name, bar, f"speedup over {name} >= {bar:g}x", True, False) for name, bar in bars.items()] + [
         (name, aim, f"target: speedup over {name} >= {aim:g}x", True, True)
         for name, aim in criterion.targets_over(preset.name, case.name, mode).items()]
-
-
-def _check_criteria(
-    case: BenchCase,
-    mode: TimingMode,
-    preset: Preset,
-    criterion: PerfCriterion,
-    contenders: list[Timed],
-    comparisons: list[Comparison],
-    timings: list[ContenderTiming],
-    ceilings: Ceilings | None,
-    ref_name: str,
-) -> tuple[list[CriterionCheck], bool]:
-    """One CriterionCheck per demand, and whether any of them stayed ambiguous (not a pass)."""
-    checks: list[CriterionCheck] = []
-    ambiguous = False
-    against = {c.against: c for c in comparisons}
-    reasons = {t.name: t.unavailable for t in timings if t.unavailable}
-    timed = {c.name for c in contenders}
-    for name, bar, title, peer_is_target, aim in _peer_demands(criterion, preset, case, mode):
-        if name not in timed:
-            continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
-        if name in reasons:
-            # a peer that cannot run on this device is skipped; where the peer is the target, one
-            # that failed here (its first call or its capture) leaves the bar unjudged: no pass
-            declared = next((c.unavailable for c in contenders if c.name == name and c.call is None), None)
-            skipped = declared is not None or not peer_is_target
-            checks.append(CriterionCheck(
-                name=title, passed=skipped and not aim, target=aim,
-                detail=f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reasons[name]})"))
-            continue
-        c = against[name]
-        decision = at_least_within_noise(c, bar, math.log1p(c.noise_floor))
-        detail = f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {c.noise_floor:.2%}: " + (
-            f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
-        if decision == "undecided":
-            ambiguous = ambiguous or not aim
-            detail += " (the CI reaches below the floor at the round cap; never a pass)"
-        checks.append(CriterionCheck(name=title, passed=decision == "pass", target=aim,
-                                     detail=detail, ambiguous=decision == "undecided"))
-
-    least = criterion.speedup(preset.name, case.name, mode)
-    if least is not None:
-        c = against[ref_name]
-        decision = at_least(c, least)
-        ambiguous = ambiguous or decision == "undecided"
-        checks.append(CriterionCheck(
-            name=f"speedup over {ref_name} >= {least:g}x", passed=decision == "pass",
-            detail=f"arm vs {ref_name}: speedup {_fmt_ratio(c)}; the whole CI must be >= {least:g}x",
-            ambiguous=decision == "undecided"))
-
-    bound = criterion.busy_bound(preset.name, case.name, mode)
-    if bound is not None:
-        title = f"within {bound:g}x of {ref_name}'s device-busy time"
-        arm = next(t for t in timings if t.role == "arm")
-        ref = next(t for t in timings if t.name == ref_name)
-        if not ref.gpu_busy_ms or arm.median_ms is None:  # None, or a profile that saw no kernel
-            checks.append(CriterionCheck(name=title, passed=False,
-                                         detail=f"case {case.name!r} measured no device-busy time for {ref_name}"))
-        else:
-            ratio = arm.median_ms / ref.gpu_busy_ms
-            checks.append(CriterionCheck(
-                name=title, passed=ratio <= bound,
-                detail=f"arm {arm.median_ms:.4g} ms / {ref_name} busy {ref.gpu_busy_ms:.4g} ms = {ratio:.3f}; "
-                       f"needs <= {bound:g} (the eager step's own wall/busy: {ref.median_ms / ref.gpu_busy_ms:.3f})"))
-
-    need = criterion.ceiling_fraction(preset.name, case.name, mode)
-    if need is not None:
-        title = f"{case.ceiling} ceiling fraction >= {need:g}"
-        arm = next(t for t in timings if t.role == "arm")
-        if ceilings is None:
-            checks.append(CriterionCheck(name=title, passed=False,
-                                         detail="no ceilings were measured in this run"))
-        elif arm.ceiling_fraction is None:
-            counted = "flops" if case.ceiling == "gemm" else "bytes"
-            checks.append(CriterionCheck(name=title, passed=False,
-                                         detail=f"case {case.name!r} declares no {counted} or no ceiling"))
-        else:
-            if case.ceiling == "gemm":
-                rate = f"{arm.tflops:.1f} TFLOP/s of {ceilings.gemm_bf16_tflops:.1f}"
-            else:
-                rate = f"{arm.gbps:.1f} GB/s of {ceilings.copy_gbps:.1f}"
-            ok = arm.ceiling_fraction >= need
-            checks.append(CriterionCheck(
-                name=title, passed=ok,
-                detail=f"arm {rate} = {arm.ceiling_fraction:.3f}; needs >= {need:g}"))
-    return checks, ambiguous
-
-
-def judge_eager_over_graph(graph: BenchResult, eager: BenchResult, bound: float) -> None:
-    """Adds to `eager` the check that the arm's eager calls take at most `bound` x its graph
-    replays (one case, timed both ways; two separate measurements, so a point comparison)."""
-    title = f"eager calls within {bound:g}x of graph replays"
-    arm_graph = next(t for t in graph.contenders if t.role == "arm")
-    arm_eager = next(t for t in eager.contenders if t.role == "arm")
-    if arm_graph.method:
-        check = CriterionCheck(name=title, passed=False,
-                               detail=f"the graph mode timed no replays: {arm_graph.method}")
-    else:
-        ratio = arm_eager.median_ms / arm_graph.median_ms
-        check = CriterionCheck(name=title, passed=ratio <= bound, detail=(
-            f"arm eager {arm_eager.median_ms:.4g} ms / graph {arm_graph.median_ms:.4g} ms = {ratio:.3f}; "
-            f"needs <= {bound:g}"))
-    eager.criteria.append(check)
-    eager.passed = eager.passed and check.passed
 
 
 # ---- ceilings ----------------------------------------------------------------------------
