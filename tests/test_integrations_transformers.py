@@ -153,6 +153,39 @@ def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits
     assert torch.equal(again_loss, stock_loss) and all(torch.equal(again[n], g) for n, g in stock.items())
 
 
+def test_a_patched_model_deepcopies_pickles_and_restores_like_a_stock_one(tmp_path):
+    """An EMA or reference model is a deepcopy: its norms must use its own weights and send
+    their gradients to its own parameters; torch.save and pickle must take the patched model;
+    its state_dict is the stock one's; restore_rms_norm works on the copy and the reloaded one."""
+    import copy
+    import io
+
+    model = tiny("llama")
+    hf.apply_rms_norm(model, impl="fused")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(3.0)
+    norm, twin_norm, x = model.model.norm, twin.model.norm, torch.randn(3, 32)
+    torch.testing.assert_close(twin_norm(x), type(twin_norm).forward(twin_norm, x), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(twin_norm(x), norm(x))  # the copy's weight, not the original's
+    twin(input_ids=ids, labels=ids).loss.backward()
+    assert twin.model.norm.weight.grad is not None and model.model.norm.weight.grad is None
+    assert twin.state_dict().keys() == tiny("llama").state_dict().keys()
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        loaded.model.norm.weight.add_(1.0)
+    loaded_norm = loaded.model.norm
+    torch.testing.assert_close(loaded_norm(x), type(loaded_norm).forward(loaded_norm, x), rtol=1e-5, atol=1e-6)
+    assert hf.restore_rms_norm(twin) == 5 and hf.restore_rms_norm(loaded) == 5
+    assert "forward" not in vars(twin.model.norm) and "forward" not in vars(loaded.model.norm)
+    assert hf.restore_rms_norm(model) == 5
+
+
 def test_auto_leaves_the_norm_to_the_model_where_the_kernels_cannot_run_or_inductor_fuses_it(monkeypatch):
     from suite.arms import rmsnorm
 

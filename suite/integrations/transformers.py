@@ -15,9 +15,12 @@ interleaved gate and up, transposed or not), never a copy.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from suite.arms import rmsnorm
 from suite.arms.moe import experts, routing_from_topk
 from suite.errors import CouldNotRun
 
@@ -164,8 +167,6 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
     kernels everywhere. Every RMSNorm class is checked first: one this does not know raises
     IntegrationError naming it, and nothing of the model is patched. `restore_rms_norm` undoes it."""
-    from suite.arms import rmsnorm
-
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
@@ -174,18 +175,21 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
         raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows "
                                f"({', '.join(sorted(RMS_NORMS))}); the model was left unchanged")
     for _, module in norms:
-        eps_attr, offset, promotes = RMS_NORMS[type(module).__name__]
-        original = type(module).forward
-
-        def forward(x, module=module, eps_attr=eps_attr, offset=offset, promotes=promotes, original=original):
-            if impl == "auto" and (torch.compiler.is_compiling() or not rmsnorm.runs_on(x)):
-                return original(module, x)
-            y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
-            return y.to(torch.promote_types(x.dtype, module.weight.dtype)) if promotes else y
-
-        module.forward = forward
+        # a partial of a module-level function, not a closure: a deepcopy (an EMA or reference
+        # model) rebinds it to the copy, and pickle and torch.save can name it
+        module.forward = functools.partial(_rms_norm_forward, module)
         module._suite_rms_norm = impl
     return len(norms)
+
+
+def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
+    impl = module._suite_rms_norm
+    eps_attr, offset, promotes = RMS_NORMS[type(module).__name__]
+    if impl == "auto" and (torch.compiler.is_compiling() or not rmsnorm.runs_on(x)):
+        return type(module).forward(module, x)
+    y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
+    return y.to(torch.promote_types(x.dtype, module.weight.dtype)) if promotes else y
 
 
 def restore_rms_norm(model: nn.Module) -> int:
