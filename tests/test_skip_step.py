@@ -176,11 +176,18 @@ def test_the_fused_decision_kernel_writes_what_decide_and_remember_write(length,
             latest[trial % 2] = specials[trial % 3]
         if trial % 5 == 0 and trial % 10 == 0:
             latest[0] = 1.5
+        if trial % 3 == 2:
+            ring[trial % 2, ::3] = math.nan  # slots of steps that did not set that row
         for opt in (fused, plain):
             opt.values.copy_(ring)
             opt.count.fill_(count)
             opt.skipped.fill_(trial)
             opt.consecutive.fill_(trial % 3)
+            if trial % 7 == 3:  # neither value set for this step
+                continue
+            if trial % 7 in (1, 5):  # the loss alone
+                opt.latest_loss = latest[0]
+                continue
             opt.latest_loss, opt.latest_grad_norm = latest
         fused._decide_and_remember_fused()
         decision = plain.decision()
@@ -189,7 +196,8 @@ def test_the_fused_decision_kernel_writes_what_decide_and_remember_write(length,
         plain._found_inf.copy_(decision.skip.to(torch.float32))
         plain._remember(decision)
         for key in ("values", "count", "skipped", "nonfinite", "consecutive", "_factor", "_found_inf"):
-            assert torch.equal(getattr(fused, key), getattr(plain, key)), (trial, key)
+            torch.testing.assert_close(getattr(fused, key), getattr(plain, key), rtol=0, atol=0, equal_nan=True,
+                                       msg=f"{trial} {key}")
         torch.testing.assert_close(fused.last_z, plain.last_z, rtol=1e-12, atol=0, equal_nan=True)
 
 
@@ -302,3 +310,104 @@ def test_a_scheduler_attaches_to_the_wrapper_and_advances_on_a_skipped_step():
         scheduler.step()
     assert opt.step_factor().item() == 0.0  # the NaN step was skipped
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 / 5)  # and the schedule moved on regardless
+
+
+# ---- what a loop leaves unset, the closure, resume, and bad arguments ----
+
+
+def _run(opt, params, values, set_loss=True, set_norm=True):
+    for step, (loss, norm) in enumerate(values):
+        _grads(params, step)
+        if set_loss:
+            opt.latest_loss = loss
+        if set_norm:
+            opt.latest_grad_norm = norm
+        opt.step()
+
+
+def test_a_value_a_loop_never_sets_is_not_judged_and_the_other_still_is():
+    """A loop that sets nothing steps as without the wrapper; one that sets only the loss has its
+    loss spike skipped and nothing else (an unset grad norm read as NaN had skipped every step)."""
+    values = scenario("loss-spike")
+    params, plain_params = _tiny_params(), _tiny_params()
+    opt, plain = SkipStepOptimizer(_adamw_fused(params)), _adamw_fused(plain_params)
+    for step in range(len(values)):
+        _grads(params, step)
+        _grads(plain_params, step)
+        opt.step()
+        plain.step()
+    assert opt.skipped.item() == 0 and all(torch.equal(a, b) for a, b in zip(params, plain_params))
+
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_adamw_fused(params))
+    monitor = StabilityMonitor(opt)
+    _run(opt, params, values, set_norm=False)
+    report = monitor.report()
+    assert report["skipped"] == 1 and report["spikes"] == 1 and report["nonfinite"] == 0
+    assert report["window"] == 128 and math.isnan(report["grad_norm_mean"]) is False
+    assert torch.isnan(opt.values[1]).all() and torch.isfinite(opt.values[0]).all()
+
+
+def test_the_closures_loss_is_the_steps_loss():
+    values = scenario("loss-spike")
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_muon(params))
+    skipped = []
+    for step, (loss, norm) in enumerate(values):
+        _grads(params, step)
+        opt.latest_grad_norm = norm
+        returned = opt.step(lambda loss=loss: torch.tensor(loss, dtype=torch.float64))
+        assert returned.item() == loss
+        skipped.append(opt.step_factor().item() == 0.0)
+    assert skipped == host_run(values)
+
+
+def test_load_state_dict_checks_before_it_loads_and_the_monitor_resumes_with_the_last_decision():
+    values = scenario("loss-spike")[:151]  # ends on the spike: the last step was skipped
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_adamw_fused(params))
+    _run(opt, params, values)
+    saved = copy.deepcopy(opt.state_dict())
+
+    other_params = _tiny_params(seed=1)
+    other = SkipStepOptimizer(_adamw_fused(other_params), rolling_interval_length=64)
+    _run(other, other_params, values[:5])
+    inner_before = copy.deepcopy(other.optimizer.state_dict())
+    with pytest.raises(ValueError, match="same rolling_interval_length"):
+        other.load_state_dict(saved)
+    after = other.optimizer.state_dict()
+    for key, state in inner_before["state"].items():  # the inner optimizer's state untouched
+        assert all(torch.equal(t, after["state"][key][k]) for k, t in state.items())
+
+    resumed = SkipStepOptimizer(_adamw_fused(_tiny_params()))
+    resumed.load_state_dict(saved)
+    report = StabilityMonitor(resumed).report()
+    assert not report["last_step_taken"] and report["last_z_loss"] > 6
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"sigma_factor": "6"}, TypeError, "sigma_factor must be a number, got str"),
+    ({"sigma_factor": math.inf}, ValueError, "sigma_factor must be a finite number > 0"),
+    ({"sigma_factor": math.nan}, ValueError, "sigma_factor must be a finite number > 0"),
+    ({"finite_guard": "yes"}, TypeError, "finite_guard must be True or False"),
+    ({"rolling_interval_length": True}, ValueError, "rolling_interval_length must be an int"),
+])
+def test_bad_constructor_arguments_are_named(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        SkipStepOptimizer(_muon(_tiny_params()), **kwargs)
+
+
+def test_bad_values_state_and_monitor_targets_are_named():
+    opt = SkipStepOptimizer(_muon(_tiny_params()))
+    with pytest.raises(ValueError, match=r"latest_loss must be one real number .* shape \(2, 2\)"):
+        opt.latest_loss = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="latest_grad_norm must be one real number .*complex"):
+        opt.latest_grad_norm = torch.tensor(1 + 2j)
+    with pytest.raises(TypeError, match="latest_loss must be a tensor or a real number, got str"):
+        opt.latest_loss = "1.0"
+    with pytest.raises(ValueError, match=r"expected the keys \['optimizer', 'skip_step'\].*got \[\]"):
+        opt.load_state_dict({})
+    with pytest.raises(ValueError, match="a window state holds"):
+        opt.load_state_dict({"optimizer": opt.optimizer.state_dict(), "skip_step": {"values": opt.values}})
+    with pytest.raises(TypeError, match="StabilityMonitor reads a SkipStepOptimizer's window, got AdamW"):
+        StabilityMonitor(_adamw_fused(_tiny_params()))

@@ -18,6 +18,8 @@ flaws of its version fixed:
   value against it has an infinite z-score and is skipped.
 - z uses the unbiased standard deviation (Bessel's correction), as `torch.std_mean` does.
 - Fewer than `min_history` values in the window: only a non-finite value is skipped.
+- A value not set for a step is not judged (a loop that sets only the loss, or neither, steps as
+  without the wrapper), and it does not enter the window: each row counts its own values.
 
 The step decides (`decide`, and on a GPU the same decision and ring update as one Triton launch,
 tested against it); `StabilityMonitor` reads the same ring and what the step recorded of its
@@ -42,6 +44,7 @@ skipped before the guard sees it; without a skip the guard aborts the process at
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
@@ -55,6 +58,9 @@ from suite.arms.triton_support import launch_kept, next_pow2
 
 LOSS, GRAD_NORM = 0, 1  # rows of the window
 _WINDOW_KEYS = ("values", "count", "skipped", "nonfinite", "consecutive")
+# the last decision, saved so a resumed monitor reports what the last step did; optional on
+# load, as checkpoints written before it lack them
+_DECISION_KEYS = {"factor": "_factor", "last_z": "last_z"}
 
 
 class Decision(NamedTuple):
@@ -72,11 +78,13 @@ class Decision(NamedTuple):
 
 def window_stats(values: torch.Tensor, count: torch.Tensor,
                  correction: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, mean, std) per row of a ring `values` [2, L] holding min(count, L) values; the std
-    divides by n - correction (1: unbiased, as torch.std_mean)."""
+    """(n, mean, std) per row of a ring `values` [2, L] filled min(count, L) slots deep; a NaN
+    slot is a step whose value was not set for that row and does not count. The std divides by
+    n - correction (1: unbiased, as torch.std_mean)."""
     length = values.shape[1]
-    n = count.clamp(max=length)
-    valid = torch.arange(length, device=values.device) < n
+    filled = torch.arange(length, device=values.device) < count.clamp(max=length)
+    valid = filled & ~values.isnan()
+    n = valid.sum(dim=1)
     n64 = n.to(torch.float64)
     mean = torch.where(valid, values, 0).sum(dim=1) / n64.clamp(min=1)
     deviation = torch.where(valid, values - mean[:, None], 0)
@@ -85,51 +93,68 @@ def window_stats(values: torch.Tensor, count: torch.Tensor,
 
 
 def decide(values: torch.Tensor, count: torch.Tensor, latest: torch.Tensor, sigma_factor: float,
-           min_history: int, correction: int = 1) -> Decision:
-    """Skip when either latest value is not finite, or, with at least min_history values in the
-    window, when |z| > sigma_factor for either; a zero std gives z = 0 for a value equal to the
-    mean and an infinite z otherwise."""
+           min_history: int, correction: int = 1, judged: torch.Tensor | None = None) -> Decision:
+    """Skip when a judged latest value is not finite, or, for a row with at least min_history
+    values in the window, when its |z| > sigma_factor; a zero std gives z = 0 for a value equal
+    to the mean and an infinite z otherwise. `judged` [2] bool: the rows set for this step (None:
+    both); a row not judged has z 0 and never skips."""
     n, mean, std = window_stats(values, count, correction)
+    judged = torch.ones(2, dtype=torch.bool, device=values.device) if judged is None else judged
     diff = latest - mean
     z = torch.where(std > 0, diff / std, torch.where(diff == 0, 0.0, diff.sign() * torch.inf))
-    finite = torch.isfinite(latest).all()
-    spike = (z.abs() > sigma_factor).any() & (n >= min_history)
+    z = torch.where(judged, z, 0.0)
+    finite = (torch.isfinite(latest) | ~judged).all()
+    spike = ((z.abs() > sigma_factor) & (n >= min_history)).any()
     skip = spike | ~finite
     return Decision(factor=(~skip).to(torch.float32), skip=skip, finite=finite, z=z, mean=mean, std=std)
 
 
 @triton.jit
-def _decide_and_remember_kernel(values_ptr, count_ptr, latest_ptr, factor_ptr, found_inf_ptr, z_ptr, skipped_ptr,
-                                nonfinite_ptr, consecutive_ptr, length, sigma_factor, min_history,
+def _decide_and_remember_kernel(values_ptr, count_ptr, latest_ptr, judged_ptr, factor_ptr, found_inf_ptr, z_ptr,
+                                skipped_ptr, nonfinite_ptr, consecutive_ptr, length, sigma_factor, min_history,
                                 CORRECTION: tl.constexpr, BLOCK: tl.constexpr):
-    """`decide` and `SkipStepOptimizer._remember` in one program: the window's two rows reduced
-    in float64, the decision written where the step reads it, the ring and counters updated."""
+    """`decide` and `SkipStepOptimizer._remember` in one program: each row of the window
+    reduced in float64 over its own values (a NaN slot is a value not set), the decision
+    written where the step reads it, the ring and counters updated."""
     INF: tl.constexpr = float("inf")
+    NAN: tl.constexpr = float("nan")
     count = tl.load(count_ptr)
-    n = tl.minimum(count, length)
-    n64 = n.to(tl.float64)
+    filled = tl.minimum(count, length)
     offsets = tl.arange(0, BLOCK)
     loss_sum = tl.zeros((BLOCK,), tl.float64)
     grad_sum = tl.zeros((BLOCK,), tl.float64)
+    loss_seen = tl.zeros((BLOCK,), tl.int64)
+    grad_seen = tl.zeros((BLOCK,), tl.int64)
     for start in range(0, length, BLOCK):
-        valid = start + offsets < n
-        loss_sum += tl.load(values_ptr + start + offsets, mask=valid, other=0.0)
-        grad_sum += tl.load(values_ptr + length + start + offsets, mask=valid, other=0.0)
-    loss_mean = tl.sum(loss_sum, 0) / tl.maximum(n64, 1.0)
-    grad_mean = tl.sum(grad_sum, 0) / tl.maximum(n64, 1.0)
+        in_ring = start + offsets < filled
+        loss_v = tl.load(values_ptr + start + offsets, mask=in_ring, other=0.0)
+        grad_v = tl.load(values_ptr + length + start + offsets, mask=in_ring, other=0.0)
+        loss_ok = in_ring & (loss_v == loss_v)
+        grad_ok = in_ring & (grad_v == grad_v)
+        loss_sum += tl.where(loss_ok, loss_v, 0.0)
+        grad_sum += tl.where(grad_ok, grad_v, 0.0)
+        loss_seen += loss_ok.to(tl.int64)
+        grad_seen += grad_ok.to(tl.int64)
+    loss_n = tl.sum(loss_seen, 0)
+    grad_n = tl.sum(grad_seen, 0)
+    loss_mean = tl.sum(loss_sum, 0) / tl.maximum(loss_n.to(tl.float64), 1.0)
+    grad_mean = tl.sum(grad_sum, 0) / tl.maximum(grad_n.to(tl.float64), 1.0)
     loss_sq = tl.zeros((BLOCK,), tl.float64)
     grad_sq = tl.zeros((BLOCK,), tl.float64)
     for start in range(0, length, BLOCK):
-        valid = start + offsets < n
-        loss_dev = tl.where(valid, tl.load(values_ptr + start + offsets, mask=valid, other=0.0) - loss_mean, 0.0)
-        grad_dev = tl.where(valid, tl.load(values_ptr + length + start + offsets, mask=valid, other=0.0) - grad_mean,
-                            0.0)
+        in_ring = start + offsets < filled
+        loss_v = tl.load(values_ptr + start + offsets, mask=in_ring, other=0.0)
+        grad_v = tl.load(values_ptr + length + start + offsets, mask=in_ring, other=0.0)
+        loss_dev = tl.where(in_ring & (loss_v == loss_v), loss_v - loss_mean, 0.0)
+        grad_dev = tl.where(in_ring & (grad_v == grad_v), grad_v - grad_mean, 0.0)
         loss_sq += loss_dev * loss_dev
         grad_sq += grad_dev * grad_dev
-    loss_std = tl.sqrt(tl.sum(loss_sq, 0) / tl.maximum(n64 - CORRECTION, 1.0))
-    grad_std = tl.sqrt(tl.sum(grad_sq, 0) / tl.maximum(n64 - CORRECTION, 1.0))
+    loss_std = tl.sqrt(tl.sum(loss_sq, 0) / tl.maximum(loss_n.to(tl.float64) - CORRECTION, 1.0))
+    grad_std = tl.sqrt(tl.sum(grad_sq, 0) / tl.maximum(grad_n.to(tl.float64) - CORRECTION, 1.0))
     loss = tl.load(latest_ptr)
     grad = tl.load(latest_ptr + 1)
+    loss_judged = tl.load(judged_ptr) != 0
+    grad_judged = tl.load(judged_ptr + 1) != 0
     loss_diff = loss - loss_mean
     grad_diff = grad - grad_mean
     # a zero std: z is 0 for a value at the mean, signed infinity off it (NaN stays NaN)
@@ -137,8 +162,11 @@ def _decide_and_remember_kernel(values_ptr, count_ptr, latest_ptr, factor_ptr, f
                       tl.where(loss_diff > 0, INF, tl.where(loss_diff < 0, -INF, loss_diff)))
     grad_z = tl.where(grad_std > 0, grad_diff / tl.where(grad_std > 0, grad_std, 1.0),
                       tl.where(grad_diff > 0, INF, tl.where(grad_diff < 0, -INF, grad_diff)))
-    finite = (tl.abs(loss) < INF) & (tl.abs(grad) < INF)
-    spike = ((tl.abs(loss_z) > sigma_factor) | (tl.abs(grad_z) > sigma_factor)) & (n >= min_history)
+    loss_z = tl.where(loss_judged, loss_z, 0.0)
+    grad_z = tl.where(grad_judged, grad_z, 0.0)
+    finite = ((tl.abs(loss) < INF) | (loss_judged == 0)) & ((tl.abs(grad) < INF) | (grad_judged == 0))
+    spike = ((tl.abs(loss_z) > sigma_factor) & (loss_n >= min_history)) | \
+        ((tl.abs(grad_z) > sigma_factor) & (grad_n >= min_history))
     skip = tl.where(spike | (finite == 0), 1, 0)
     tl.store(factor_ptr, (1 - skip).to(tl.float32))
     tl.store(found_inf_ptr, skip.to(tl.float32))
@@ -146,21 +174,27 @@ def _decide_and_remember_kernel(values_ptr, count_ptr, latest_ptr, factor_ptr, f
     tl.store(z_ptr + 1, grad_z)
     slot = count % length
     taken = skip == 0
-    tl.store(values_ptr + slot, loss, mask=taken)
-    tl.store(values_ptr + length + slot, grad, mask=taken)
+    tl.store(values_ptr + slot, tl.where(loss_judged, loss, NAN), mask=taken)
+    tl.store(values_ptr + length + slot, tl.where(grad_judged, grad, NAN), mask=taken)
     tl.store(count_ptr, count + (1 - skip))
     tl.store(skipped_ptr, tl.load(skipped_ptr) + skip)
     tl.store(nonfinite_ptr, tl.load(nonfinite_ptr) + tl.where(finite, 0, 1))
     tl.store(consecutive_ptr, tl.where(taken, 0, tl.load(consecutive_ptr) + 1))
 
 
-def _set(target: torch.Tensor, value: torch.Tensor | float) -> None:
+def _set(target: torch.Tensor, value: torch.Tensor | float, name: str) -> None:
     """A python number is filled in as a kernel argument (no host-to-device copy that would wait
     for the stream); a tensor converts where it lives (no host read)."""
     if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise ValueError(f"SkipStepOptimizer: {name} must be one real number (a 0-d or one-element tensor), "
+                             f"got a {value.dtype} tensor of shape {tuple(value.shape)}; pass loss.detach() of "
+                             f"the step's mean loss")
         target.copy_(value.detach().reshape(()))
-    else:
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
         target.fill_(float(value))
+    else:
+        raise TypeError(f"SkipStepOptimizer: {name} must be a tensor or a real number, got {type(value).__name__}")
 
 
 def _innermost(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -209,14 +243,21 @@ class SkipStepOptimizer(OptimizerWrapper):
                  sigma_factor: float = 6.0, min_history: int = 20, finite_guard: bool = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SkipStepOptimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not (isinstance(rolling_interval_length, int) and rolling_interval_length >= 2):
+        if not (isinstance(rolling_interval_length, int) and not isinstance(rolling_interval_length, bool)
+                and rolling_interval_length >= 2):
             raise ValueError(f"SkipStepOptimizer: rolling_interval_length must be an int >= 2, "
                              f"not {rolling_interval_length!r}")
-        if not (isinstance(min_history, int) and 2 <= min_history <= rolling_interval_length):
+        if not (isinstance(min_history, int) and not isinstance(min_history, bool)
+                and 2 <= min_history <= rolling_interval_length):
             raise ValueError(f"SkipStepOptimizer: min_history must be an int in [2, rolling_interval_length], "
                              f"not {min_history!r}")
-        if not sigma_factor > 0:
-            raise ValueError(f"SkipStepOptimizer: sigma_factor must be > 0, not {sigma_factor!r}")
+        if not isinstance(sigma_factor, (int, float)) or isinstance(sigma_factor, bool):
+            raise TypeError(f"SkipStepOptimizer: sigma_factor must be a number, got {type(sigma_factor).__name__} "
+                            f"{sigma_factor!r}")
+        if not (math.isfinite(sigma_factor) and sigma_factor > 0):
+            raise ValueError(f"SkipStepOptimizer: sigma_factor must be a finite number > 0, not {sigma_factor!r}")
+        if not isinstance(finite_guard, bool):
+            raise TypeError(f"SkipStepOptimizer: finite_guard must be True or False, got {finite_guard!r}")
         self.optimizer = optimizer
         self.rolling_interval_length = rolling_interval_length
         self.sigma_factor = float(sigma_factor)
@@ -234,6 +275,7 @@ class SkipStepOptimizer(OptimizerWrapper):
         self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)  # of those, for a NaN or Inf
         self.consecutive = torch.zeros((), dtype=torch.int64, device=device)  # skipped since the last step taken
         self._latest = torch.full((2,), torch.nan, dtype=torch.float64, device=device)
+        self._judged = torch.zeros(2, dtype=torch.bool, device=device)  # the rows set for this step
         self._factor = torch.ones((), dtype=torch.float32, device=device)
         self.last_z = torch.zeros(2, dtype=torch.float64, device=device)  # the last decision's (loss, grad norm)
         # the inner optimizer reads this tensor (captures included): refilled in place each step
@@ -253,7 +295,8 @@ class SkipStepOptimizer(OptimizerWrapper):
 
     @latest_loss.setter
     def latest_loss(self, value: torch.Tensor | float) -> None:
-        _set(self._latest[LOSS], value)
+        _set(self._latest[LOSS], value, "latest_loss")
+        self._judged[LOSS].fill_(True)
 
     @property
     def latest_grad_norm(self) -> torch.Tensor:
@@ -261,11 +304,12 @@ class SkipStepOptimizer(OptimizerWrapper):
 
     @latest_grad_norm.setter
     def latest_grad_norm(self, value: torch.Tensor | float) -> None:
-        _set(self._latest[GRAD_NORM], value)
+        _set(self._latest[GRAD_NORM], value, "latest_grad_norm")
+        self._judged[GRAD_NORM].fill_(True)
 
     def decision(self) -> Decision:
         """What the next step() will decide, from the window and the latest values."""
-        return decide(self.values, self.count, self._latest, self.sigma_factor, self.min_history)
+        return decide(self.values, self.count, self._latest, self.sigma_factor, self.min_history, judged=self._judged)
 
     def step_factor(self) -> torch.Tensor:
         """The last step's factor: 0-d fp32 on the device, 1.0 stepped, 0.0 skipped."""
@@ -277,6 +321,8 @@ class SkipStepOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+            if loss is not None:  # the step's loss is the closure's
+                self.latest_loss = loss
         # the window is updated before the inner step: only the next decision reads it
         if self.fused_decision and self.values.is_cuda:
             self._decide_and_remember_fused()
@@ -286,6 +332,7 @@ class SkipStepOptimizer(OptimizerWrapper):
             self.last_z.copy_(decision.z)
             self._found_inf.copy_(decision.skip.to(torch.float32))
             self._remember(decision)
+        self._judged.zero_()  # the next step judges what is set for it
         if self._how == "restore":
             self._step_restoring(self._found_inf != 0)
         else:
@@ -316,7 +363,7 @@ class SkipStepOptimizer(OptimizerWrapper):
     def _decide_and_remember_fused(self) -> None:
         """decide() and _remember() as one launch (the pair is some thirty small kernels apart)."""
         length = self.rolling_interval_length
-        launch_kept(_decide_and_remember_kernel, (1,), self.values, self.count, self._latest, self._factor,
+        launch_kept(_decide_and_remember_kernel, (1,), self.values, self.count, self._latest, self._judged, self._factor,
                     self._found_inf, self.last_z, self.skipped, self.nonfinite, self.consecutive, length,
                     self.sigma_factor, self.min_history, CORRECTION=1, BLOCK=min(next_pow2(length), 1024))
 
@@ -328,7 +375,8 @@ class SkipStepOptimizer(OptimizerWrapper):
         self.nonfinite.add_((~decision.finite).to(torch.int64))
         slot = (self.count % self.rolling_interval_length).reshape(1)
         current = self.values.index_select(1, slot)
-        self.values.index_copy_(1, slot, torch.where(taken, self._latest[:, None], current))
+        latest = torch.where(self._judged, self._latest, torch.nan)  # a row not set: a slot that does not count
+        self.values.index_copy_(1, slot, torch.where(taken, latest[:, None], current))
         self.count.add_(taken.to(torch.int64))
         self.skipped.add_(skip.to(torch.int64))
         self.consecutive.mul_(skip.to(torch.int64)).add_(skip.to(torch.int64))
@@ -339,19 +387,40 @@ class SkipStepOptimizer(OptimizerWrapper):
     # ---- checkpoints ----
 
     def window_state(self) -> dict[str, torch.Tensor]:
-        return {key: getattr(self, key).clone() for key in _WINDOW_KEYS}
+        return {key: getattr(self, attr).clone() for key, attr in (*zip(_WINDOW_KEYS, _WINDOW_KEYS),
+                                                                   *_DECISION_KEYS.items())}
+
+    def _check_window_state(self, state: Any) -> None:
+        if not isinstance(state, dict) or any(key not in state for key in _WINDOW_KEYS):
+            have = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"SkipStepOptimizer: a window state holds {list(_WINDOW_KEYS)}, this one {have}; "
+                             "pass what window_state() (or state_dict()['skip_step']) returned")
+        for key, attr in (*zip(_WINDOW_KEYS, _WINDOW_KEYS), *_DECISION_KEYS.items()):
+            if key not in state:
+                continue
+            mine, saved = getattr(self, attr), state[key]
+            if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(mine.shape):
+                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                more = "; resume with the same rolling_interval_length" if key == "values" else ""
+                raise ValueError(f"SkipStepOptimizer: the saved window's {key} holds {shape}, this one "
+                                 f"{tuple(mine.shape)}{more}")
 
     def load_window_state(self, state: dict[str, torch.Tensor]) -> None:
-        if tuple(state["values"].shape) != tuple(self.values.shape):
-            raise ValueError(f"SkipStepOptimizer: the saved window holds {tuple(state['values'].shape)}, this one "
-                             f"{tuple(self.values.shape)}; resume with the same rolling_interval_length")
-        for key in _WINDOW_KEYS:
-            getattr(self, key).copy_(state[key])
+        self._check_window_state(state)
+        for key, attr in (*zip(_WINDOW_KEYS, _WINDOW_KEYS), *_DECISION_KEYS.items()):
+            if key in state:
+                getattr(self, attr).copy_(state[key])
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "skip_step": self.window_state()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """The inner optimizer's state and the window; both are checked before either is loaded."""
+        if not isinstance(state_dict, dict) or not {"optimizer", "skip_step"} <= state_dict.keys():
+            have = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+            raise ValueError(f"SkipStepOptimizer.load_state_dict: expected the keys ['optimizer', 'skip_step'] "
+                             f"that SkipStepOptimizer.state_dict() writes, got {have}")
+        self._check_window_state(state_dict["skip_step"])
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.load_window_state(state_dict["skip_step"])
         if self._how == "found_inf":
@@ -365,6 +434,9 @@ class StabilityMonitor:
     step from `decide`, so it reports what the step decided and cannot keep a threshold of its own."""
 
     def __init__(self, optimizer: SkipStepOptimizer) -> None:
+        if not isinstance(optimizer, SkipStepOptimizer):
+            raise TypeError(f"StabilityMonitor reads a SkipStepOptimizer's window, got {type(optimizer).__name__}; "
+                            "wrap the optimizer first: StabilityMonitor(SkipStepOptimizer(optimizer))")
         self.optimizer = optimizer
         self._skipped_reported = 0
 
@@ -372,7 +444,7 @@ class StabilityMonitor:
         opt = self.optimizer
         n, mean, std = window_stats(opt.values, opt.count)
         # one transfer for everything: a single host sync
-        counts = torch.stack([n, opt.skipped, opt.nonfinite, opt.consecutive]).double()
+        counts = torch.stack([n.max(), opt.skipped, opt.nonfinite, opt.consecutive]).double()
         packed = torch.cat([mean, std, counts, opt.step_factor().reshape(1).double(), opt.last_z]).tolist()
         loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor, z_loss, z_grad = packed
         new_skips = int(skipped) - self._skipped_reported
