@@ -13,7 +13,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
@@ -22,6 +22,8 @@ from suite.harness.gate import Buffers, Gate, Outputs, Preset, Tolerance
 from suite.harness.results import Check, Failure, ParityResult, TensorCheck
 
 CHUNK_ELEMENTS = 1 << 24  # bounds the float64 temporaries on large tensors
+# a truth row this far below the largest truth value is float64 rounding noise (fp32 resolves 6e-8)
+NOISE = 1e-12
 
 _BITS_VIEW = {
     torch.float16: torch.int16,
@@ -184,11 +186,16 @@ def bitwise_check(name: str, arm: torch.Tensor, ref: torch.Tensor) -> TensorChec
     )
 
 
-def _relative_errors(
-    out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor, row_floor: float = 0.0
-) -> tuple[float, float, float]:
-    """(whole-tensor relative L2 error, worst row's relative L2 error, largest error norm of a
-    row whose truth is all zero) over finite positions.
+class _Errors(NamedTuple):
+    whole: float  # the whole tensor's relative L2 error
+    worst_row: float  # the worst row's relative L2 error
+    zero_rows: float  # the largest error norm of a row whose truth is all zero
+    row_diff: torch.Tensor  # per row: the squared error norm
+    row_truth: torch.Tensor  # per row: the truth's squared norm
+
+
+def _relative_errors(out: torch.Tensor, truth: torch.Tensor, finite: torch.Tensor, row_floor: float = 0.0) -> _Errors:
+    """The errors of `out` against the truth over finite positions, whole and per row.
 
     A row's error is relative to its truth's norm, floored at `row_floor` x the RMS of the
     rows' norms: where a row's truth cancels to near zero its relative error is a ratio of
@@ -209,12 +216,12 @@ def _relative_errors(
     diff_sq, truth_sq = float(row_diff.sum()), float(row_truth.sum())
     whole = math.sqrt(diff_sq / truth_sq) if truth_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
     if row_diff.numel() == 0:
-        return whole, 0.0, 0.0
+        return _Errors(whole, 0.0, 0.0, row_diff, row_truth)
     scale = row_truth.clamp_min(row_floor**2 * truth_sq / row_truth.numel())
     measured = scale > 0
     row_rel = torch.where(measured, (row_diff / scale.clamp_min(1e-300)).sqrt(), 0.0)
     zero_rows = torch.where(measured, 0.0, row_diff.sqrt())
-    return whole, float(row_rel.max()), float(zero_rows.max())
+    return _Errors(whole, float(row_rel.max()), float(zero_rows.max()), row_diff, row_truth)
 
 
 def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
@@ -224,9 +231,15 @@ def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
 
 def tolerance_check(
     name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float,
-    row_floor: float = 0.0,
+    row_floor: float = 0.0, noise: float = 0.0,
 ) -> TensorCheck:
-    """Arm's error against the float64 truth must be within k x the reference's own + floor."""
+    """Arm's error against the float64 truth must be within k x the reference's own + floor.
+
+    A row whose error is as large as its truth has lost its whole value (an all-zero output
+    where x*x overflowed to Inf in an rsqrt). Where the reference loses it too, the buffers lie
+    beyond the working dtype, counted with `overflowed` (judge_arm refuses them); where only the
+    arm does, it fails. Rows whose truth norm is at most `noise` (rounding noise of the float64
+    truth around an exact zero) are not counted either way."""
     base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="tolerance", k=k, floor=floor,
                 row_floor=row_floor)
     layout = _same_layout(name, arm, ref, "reference")
@@ -252,9 +265,17 @@ def tolerance_check(
     elif not nonfinite_match:
         problems.append(Failure(check=Check.NONFINITE, message=f"{name}: NaN/Inf positions differ from the truth's"))
     finite = torch.isfinite(truth) & torch.isfinite(arm) & torch.isfinite(ref)
-    arm_l2, arm_row, arm_zero = _relative_errors(arm, truth, finite, row_floor)
-    ref_l2, ref_row, ref_zero = _relative_errors(ref, truth, finite, row_floor)
+    arm_l2, arm_row, arm_zero, arm_diff, row_truth = _relative_errors(arm, truth, finite, row_floor)
+    ref_l2, ref_row, ref_zero, ref_diff, _ = _relative_errors(ref, truth, finite, row_floor)
     limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
+    meaningful = row_truth > noise**2
+    arm_lost, ref_lost = meaningful & (arm_diff >= row_truth), meaningful & (ref_diff >= row_truth)
+    lost_by_arm = int((arm_lost & ~ref_lost).sum())
+    lost_by_both = int((arm_lost & ref_lost).sum()) * (ref.numel() // max(row_truth.numel(), 1))
+    if lost_by_arm:
+        problems.append(Failure(check=Check.PARITY, message=(
+            f"{name}: {lost_by_arm} rows lose their whole value (an error as large as the truth) where the "
+            "reference's do not")))
     if arm_l2 > limit_l2:
         problems.append(Failure(check=Check.PARITY, message=(
             f"{name}: relative error {arm_l2:.3e} > limit {limit_l2:.3e} (reference {ref_l2:.3e})")))
@@ -284,7 +305,7 @@ def tolerance_check(
         arm_zero_rows=arm_zero,
         ref_zero_rows=ref_zero,
         nonfinite_match=nonfinite_match,
-        overflowed=int(overflow.sum()),
+        overflowed=int(overflow.sum()) + lost_by_both,
     )
 
 
@@ -295,6 +316,9 @@ class Expected:
     reference: Outputs
     truth: Outputs | None
     input_digests: dict[str, tuple]
+    # the largest finite |value| of any output's truth: a row whose truth is below NOISE of it is
+    # rounding noise around an exact zero, not a value an output can lose
+    truth_scale: float = 0.0
 
 
 def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
@@ -307,7 +331,17 @@ def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
     if _input_digests(buffers) != digests:
         raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
     _require_something_to_compare(reference, truth)
-    return Expected(reference=reference, truth=truth, input_digests=digests)
+    scale = max((_finite_amax(t) for t in (truth or {}).values() if t.is_floating_point()), default=0.0)
+    return Expected(reference=reference, truth=truth, input_digests=digests, truth_scale=scale)
+
+
+def _finite_amax(t: torch.Tensor) -> float:
+    flat = t.detach().reshape(-1)
+    found = torch.zeros((), dtype=torch.float64, device=t.device)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        chunk = flat[start : start + CHUNK_ELEMENTS].double()
+        found = torch.maximum(found, torch.where(torch.isfinite(chunk), chunk.abs(), 0.0).amax())
+    return float(found)
 
 
 def _any_finite(ref: torch.Tensor, truth: torch.Tensor | None) -> torch.Tensor:
@@ -379,7 +413,7 @@ def _check(gate: Gate, name: str, output: torch.Tensor, expected: Expected) -> T
     output = output.to(expected.reference[name].device)  # an arm may leave a host-side output on the CPU
     if isinstance(mode, Tolerance):
         return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor,
-                               mode.row_floor)
+                               mode.row_floor, noise=NOISE * expected.truth_scale)
     return bitwise_check(name, output, expected.reference[name])
 
 
@@ -457,9 +491,9 @@ def _overflow_message(checks: list[TensorCheck]) -> str:
     dtypes = {c.dtype.removeprefix("torch.") for c in checks}
     narrowest = min(dtypes, key=lambda name: torch.finfo(getattr(torch, name)).max)
     where = "; ".join(f"{c.name}: {c.overflowed} elements" for c in checks[:KEPT_FAILURES])
-    return (f"the buffers overflow {narrowest}: NaN/Inf in both the reference and the arm where the float64 "
-            f"truth is finite ({where}); parity cannot judge values the working dtype cannot hold. Record "
-            "inputs scaled into its range, or in a wider dtype")
+    return (f"the buffers overflow {narrowest}: the reference and the arm both lose the value (NaN/Inf, or an "
+            f"error as large as the value) where the float64 truth is finite ({where}); parity cannot judge "
+            "values the working dtype cannot hold. Record inputs scaled into its range, or in a wider dtype")
 
 
 def _same_bits(first: Outputs, again: Outputs, cause: str = "") -> tuple[bool, list[Failure]]:
