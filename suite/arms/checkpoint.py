@@ -21,11 +21,14 @@ stamp verifies and ignores temporaries (the next save removes them).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import json
 import math
+import numbers
 import os
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -44,6 +47,8 @@ CHUNK_BYTES = 8 << 20  # files are written (and read) in pieces of this size
 HASH_CHUNK_BYTES = 8 << 20  # ... and hashed in chunks of this size, each on its own, in parallel
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 HASH_BACKLOG = 16  # chunks written but not yet hashed, at most
+# a read that failed while another process replaced the directory is read again, this often
+REREADS = 5
 
 
 class CheckpointError(CouldNotRun):
@@ -63,6 +68,9 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
     """`value` as JSON with each tensor replaced by a reference to its entry in `tensors`."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
+        if t.is_meta:
+            raise UsageError(f"save_checkpoint: {path} is a meta tensor, which holds no data to save; "
+                             "materialise it (to_empty, then load or initialise it) first")
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) if t.numel() else None
         if key in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[key], "device": str(t.device)}
@@ -104,7 +112,7 @@ def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torc
     if "__tensor__" in value:
         name = value["__tensor__"]
         if name not in placed:
-            placed[name] = tensors[name].to(map_location if map_location is not None else value["device"])
+            placed[name] = tensors[name].to(map_location if map_location is not None else _saved_on(value["device"]))
         return placed[name]
     if "__tuple__" in value:
         return tuple(_join(v, tensors, map_location, placed) for v in value["__tuple__"])
@@ -113,6 +121,29 @@ def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torc
     if "__items__" in value:
         return {k: _join(v, tensors, map_location, placed) for k, v in value["__items__"]}
     return {k: _join(v, tensors, map_location, placed) for k, v in value.items()}
+
+
+def _saved_on(device: str) -> torch.device:
+    """The device a tensor was saved on, where this machine has it; else a UsageError naming
+    map_location."""
+    where = torch.device(device)
+    if where.type == "cuda" and (not torch.cuda.is_available() or (where.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"load_checkpoint: its tensors were saved on {device}, which this machine lacks; pass "
+                         "map_location='cpu' (or a device it has)")
+    return where
+
+
+def _tensor_refs(value: Any) -> Iterator[str]:
+    """The tensor entries a state's JSON structure names."""
+    if isinstance(value, list):
+        for v in value:
+            yield from _tensor_refs(v)
+    elif isinstance(value, dict):
+        if isinstance(value.get("__tensor__"), str):
+            yield value["__tensor__"]
+        else:
+            for v in value.values():
+                yield from _tensor_refs(v)
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -295,18 +326,55 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
     never replaced. `at(point)` is called between the writer's steps (crash-injection tests)."""
     if not isinstance(state, dict):
         raise UsageError(f"save_checkpoint: state is a {type(state).__name__}; pass a dict")
+    if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
+        raise UsageError(f"save_checkpoint: step must be a whole number >= 0 (the train step), got "
+                         f"{type(step).__name__} {step!r}")
     final = Path(directory)
+    if len(os.fsencode(final.name)) > _name_max(final.parent):
+        raise UsageError(f"save_checkpoint: the name {final.name[:40]}... is {len(os.fsencode(final.name))} bytes, "
+                         f"longer than this filesystem's {_name_max(final.parent)}; pass a shorter name")
+    if final.exists() and not final.is_dir():
+        raise UsageError(f"save_checkpoint: {final} is a file, not a directory; pass a directory path")
     if final.exists() and any(final.iterdir()):
         if not overwrite:
             raise UsageError(f"save_checkpoint: {final} already holds something; pass overwrite=True to replace "
                              "a checkpoint there")
-        if not (final / META).exists():
-            raise UsageError(f"save_checkpoint: {final} holds files but no {META}: not a checkpoint, never replaced")
-    with atomic.staging_directory(final.parent, final.name) as staged:
-        at("staging created")
-        write_checkpoint_files(staged, state, step, at)
-        atomic.publish_directory(staged, final, replace=overwrite, at=at)
+        if not _holds_checkpoint(final):
+            raise UsageError(f"save_checkpoint: {final} holds files that are not a checkpoint (no {META} stamp of "
+                             "this suite naming every file there); it is never replaced: pass another directory")
+    try:
+        with atomic.staging_directory(final.parent, final.name) as staged:
+            at("staging created")
+            write_checkpoint_files(staged, state, step, at)
+            atomic.publish_directory(staged, final, replace=overwrite, at=at)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and not overwrite:
+            raise UsageError(f"save_checkpoint: another save published a checkpoint at {final} meanwhile; pass "
+                             "overwrite=True to replace it") from None
+        raise
     return final
+
+
+def _name_max(parent: Path) -> int:
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        return os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _holds_checkpoint(directory: Path) -> bool:
+    """Whether `directory` is a checkpoint of this suite, whole or damaged: its stamp parses and
+    matches its own hash, and it names every file there. Another tool's meta.json never does."""
+    try:
+        meta = json.loads((directory / META).read_text(encoding="utf-8"))
+        files = meta["files"]
+        names = {p.name for p in directory.iterdir()}
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+        return False
+    return (isinstance(files, dict) and meta.get("stamp_sha256") == _stamp_digest(meta)
+            and names <= set(files) | {META})
 
 
 # ---- reading -----------------------------------------------------------------------------------
@@ -333,16 +401,48 @@ def read_stamp(directory: str | Path, verify: bool = True) -> dict[str, Any]:
     return meta
 
 
+def _identity(root: Path) -> tuple[int, int] | None:
+    try:
+        st = root.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the stamp, when keep each file's contents: the tensors file's tensors, the others'
-    bytes): every file read once, and judged by the bytes read, so what is decoded is what was
-    verified, even if the directory is replaced meanwhile."""
+    """(the stamp, and when keep each file's contents: the tensors file's tensors, the state's
+    JSON structure): every file read once, and judged by the bytes read, so what is decoded is
+    what was verified. A read that fails while another process replaces the directory (an
+    overwrite swaps it in one step) is read again from the new one."""
+    for attempt in range(REREADS):
+        before = _identity(root)
+        try:
+            return _read_once(root, verify, keep)
+        except CheckpointError:
+            if _identity(root) == before or attempt == REREADS - 1:
+                raise
+            time.sleep(0.001 * 2**attempt)  # a rename in progress elsewhere takes microseconds
+    raise AssertionError("unreachable")
+
+
+def _read_once(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:
+        return _read_files(root, verify, keep)
+    except RecursionError:
+        raise CheckpointError(f"{root}: a JSON file there nests too deeply to be one this suite wrote") from None
+    except OSError as exc:
+        raise CheckpointError(f"{root}: cannot read {exc.filename or 'it'} ({exc.strerror or exc})") from None
+
+
+def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
     try:
         meta = json.loads((root / META).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{root} has no {META}: not a whole checkpoint (a save that did not finish?)") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{root / META} is a directory, not a checkpoint stamp") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{root / META} is not a checkpoint stamp: {exc}") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
@@ -356,6 +456,8 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
             _valid_entry(name, entry) for name, entry in files.items()):
         raise CheckpointError(f"{root / META} lacks its step or a valid entry (plain file name, size, sha256) "
                               "for each file")
+    if not {STATE, TENSORS} <= set(files):
+        raise CheckpointError(f"{root / META} does not name {STATE} and {TENSORS}: not a checkpoint stamp")
     if meta.get("stamp_sha256") != _stamp_digest(meta):
         raise CheckpointError(f"{root / META} does not match its own hash: the stamp was edited after the save")
     present = {p.name for p in root.iterdir()}
@@ -369,7 +471,8 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
             raise CheckpointError(f"{root} lacks {name}, which its stamp names")
         size = path.stat().st_size
         chunk_bytes = entry.get("chunk_bytes", 0)  # 0: format 1, one sha256 over the bytes
-        if size == entry["bytes"] and keep:  # a load hashes the very bytes it decodes
+        # a load hashes the very bytes it decodes; a verify reads the state too, to check what it names
+        if size == entry["bytes"] and (keep or (verify and name == STATE)):
             try:
                 data, size, digest = (_read_tensors if name == TENSORS else _read_hashed)(path, size, chunk_bytes)
             except CheckpointError:
@@ -387,9 +490,26 @@ def _read(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[st
             if digest != entry["sha256"]:
                 raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after it "
                                       "was written")
-        if keep:
+        if keep or (verify and name == STATE):
             contents[name] = data
+    if STATE in contents:
+        contents[STATE] = _state_structure(root, contents, keep)
     return meta, contents
+
+
+def _state_structure(root: Path, contents: dict[str, Any], keep: bool) -> Any:
+    """The state's JSON structure, checked to name only tensors the tensors file holds (a load
+    would otherwise fail after a verify said the checkpoint was whole)."""
+    try:
+        structure = json.loads(contents[STATE].numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{root / STATE} is not the state's JSON: {exc}") from None
+    held = set(contents[TENSORS]) if keep else _tensor_names(root / TENSORS)
+    missing = sorted(set(_tensor_refs(structure)) - held)
+    if missing:
+        raise CheckpointError(f"{root / STATE} names tensor {missing[0]!r}, which {TENSORS} does not hold: the "
+                              "state was edited, or paired with another save's tensors")
+    return structure
 
 
 def _hasher(pool: ThreadPoolExecutor, chunk_bytes: int):
@@ -474,6 +594,19 @@ def _read_tensors(path: Path, size: int, chunk_bytes: int) -> tuple[dict[str, to
         return tensors, read, digest.hexdigest()
 
 
+def _tensor_names(path: Path) -> set[str]:
+    """The tensor names a safetensors file's header lists (its size verified by the caller)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        length = int.from_bytes(fh.read(8), "little")
+        if length > size - 8:
+            raise bad(f"its header claims {length} bytes of {size - 8}")
+        return {name for name, *_ in _entries(fh.read(length), size - 8 - length, bad)}
+
+
 def _entries(header: bytes, body_bytes: int, bad: Callable[[str], CheckpointError]) -> list[tuple]:
     """(name, dtype, shape, bytes) of each tensor a safetensors header describes, in file order,
     the body being body_bytes long."""
@@ -511,9 +644,20 @@ def load_checkpoint(directory: str | Path, map_location: str | torch.device | No
     """The state saved at `directory`, after its stamp and every hash are verified: decoded from
     the very bytes that were hashed."""
     meta, contents = _read(Path(directory), verify=True, keep=True)
-    tensors = contents[TENSORS]
-    structure = json.loads(contents[STATE].numpy().tobytes().decode("utf-8"))
-    return Checkpoint(state=_join(structure, tensors, map_location, {}), step=meta["step"], meta=meta)
+    return Checkpoint(state=_join(contents[STATE], contents[TENSORS], map_location, {}), step=meta["step"], meta=meta)
+
+
+def _names(base: Path) -> set[str]:
+    """The names in `base` but temporaries. A listing taken while another process swaps a
+    directory into place can miss the name being swapped, so listings are taken until one adds
+    nothing to those before it."""
+    seen: set[str] = set()
+    for _ in range(REREADS):
+        names = {name for name in os.listdir(base) if not name.startswith(".")}
+        if seen and names == seen:
+            break
+        seen |= names
+    return seen
 
 
 def latest_checkpoint(root: str | Path, verify: bool = False) -> Path | None:
@@ -524,14 +668,16 @@ def latest_checkpoint(root: str | Path, verify: bool = False) -> Path | None:
     base = Path(root)
     if not base.is_dir():
         return None
-    for entry in base.iterdir():
-        if entry.name.startswith(".") or not entry.is_dir():
+    for name in sorted(_names(base)):
+        entry = base / name
+        if not entry.is_dir():
             continue
         try:
             meta = read_stamp(entry, verify=verify)
-        except CheckpointError:
+            mtime = entry.stat().st_mtime
+        except (CheckpointError, OSError):  # not whole, unreadable, or removed meanwhile
             continue
-        key = (meta["step"], entry.stat().st_mtime, entry.name)
+        key = (meta["step"], mtime, entry.name)
         if best is None or key > best:
             best, found = key, entry
     return found

@@ -44,6 +44,7 @@ TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 JOURNAL_PREFIX = ".journal-"
 STALE_TMP_S = 3600  # older than any write takes: its writer is gone
+STEM_CHARS = 64  # of a staged temporary's name taken from its destination's
 # what a rename onto an existing, non-empty directory fails with (Linux, BSD)
 _TAKEN = (errno.EEXIST, errno.ENOTEMPTY)
 _HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:4]
@@ -169,7 +170,8 @@ def staging_directory(parent: Path, stem: str) -> Iterator[Path]:
     parent.mkdir(parents=True, exist_ok=True)
     tidy(parent)
     while True:
-        staged = parent / f"{TMP_PREFIX}{_owner()}-{stem}-{secrets.token_hex(4)}"
+        # the stem only tells a reader whose temporary it is: cut, so a long name still fits NAME_MAX
+        staged = parent / f"{TMP_PREFIX}{_owner()}-{stem[:STEM_CHARS]}-{secrets.token_hex(4)}"
         try:
             staged.mkdir()  # not mkdtemp: the published directory keeps the umask's permissions
             break
