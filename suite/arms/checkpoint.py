@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
+from suite import jsonfile
 from suite.errors import CouldNotRun, UsageError
 from suite.harness import atomic
 
@@ -368,10 +369,10 @@ def _holds_checkpoint(directory: Path) -> bool:
     """Whether `directory` is a checkpoint of this suite, whole or damaged: its stamp parses and
     matches its own hash, and it names every file there. Another tool's meta.json never does."""
     try:
-        meta = json.loads((directory / META).read_text(encoding="utf-8"))
+        meta = jsonfile.load(directory / META)
         files = meta["files"]
         names = {p.name for p in directory.iterdir()}
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError):
+    except (jsonfile.Unreadable, OSError, KeyError, TypeError):
         return False
     return (isinstance(files, dict) and meta.get("stamp_sha256") == _stamp_digest(meta)
             and names <= set(files) | {META})
@@ -437,13 +438,11 @@ def _read_once(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], di
 def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     if not root.is_dir():
         raise CheckpointError(f"{root} is not a directory")
+    if not (root / META).exists():
+        raise CheckpointError(f"{root} has no {META}: not a whole checkpoint (a save that did not finish?)")
     try:
-        meta = json.loads((root / META).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{root} has no {META}: not a whole checkpoint (a save that did not finish?)") from None
-    except IsADirectoryError:
-        raise CheckpointError(f"{root / META} is a directory, not a checkpoint stamp") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta = jsonfile.load(root / META)
+    except jsonfile.Unreadable as exc:
         raise CheckpointError(f"{root / META} is not a checkpoint stamp: {exc}") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
     if not isinstance(version, int):

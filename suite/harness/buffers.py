@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from suite import jsonfile
 from suite.errors import BadBuffers, UsageError
 from suite.harness import atomic
 
@@ -187,13 +188,15 @@ def read_manifest(directory: str | os.PathLike) -> BufferManifest:
             "Write one with `suite record GATE --preset P --out DIR` or suite.harness.buffers.save_buffers."
         )
     try:
-        return BufferManifest.model_validate(json.loads(path.read_text(encoding="utf-8")))
-    except UnicodeDecodeError as exc:
-        raise BadBuffers(f"{path} is not a buffer manifest: not UTF-8 text (byte {exc.start}); record the buffers again") from exc
-    except OSError as exc:
-        raise BadBuffers(f"cannot read {path}: {exc.strerror or exc}") from exc
-    except (json.JSONDecodeError, ValidationError) as exc:
+        return BufferManifest.model_validate(jsonfile.load(path))
+    except jsonfile.NotJson as exc:
+        raise BadBuffers(f"{path} is not a buffer manifest: {exc}; record the buffers again") from None
+    except jsonfile.Unreadable as exc:
+        raise BadBuffers(f"cannot read {path}: {exc}") from None
+    except ValidationError as exc:
         raise BadBuffers(f"{path} is not a valid buffer manifest ({exc.__class__.__name__}: {exc}); record the buffers again") from exc
+    except RecursionError:
+        raise BadBuffers(f"{path} is not a valid buffer manifest: {jsonfile.DEEP}; record the buffers again") from None
 
 
 def load_buffers(

@@ -6,7 +6,6 @@ reverse.
 
 from __future__ import annotations
 
-import json
 import re
 from enum import Enum
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from suite import jsonfile
 from suite.errors import UsageError
 
 # 2: failures carry the check that found them; parity mode per output; bench modes; phases
@@ -325,20 +325,13 @@ def read_versioned_json(
     """
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot read {kind} {path}: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise UsageError(
-            f"{path} is not a {kind}: not UTF-8 text (byte {exc.start}); re-save it as UTF-8 JSON"
-        ) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"{path} is not a {kind}: not valid JSON ({exc.msg} at line {exc.lineno}, "
-            f"column {exc.colno})"
-        ) from exc
+        data = jsonfile.load(path)
+    except jsonfile.NotUtf8 as exc:
+        raise UsageError(f"{path} is not a {kind}: {exc}; re-save it as UTF-8 JSON") from None
+    except jsonfile.NotJson as exc:
+        raise UsageError(f"{path} is not a {kind}: {exc}") from None
+    except jsonfile.Unreadable as exc:
+        raise UsageError(f"cannot read {kind} {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"{path} is not a {kind}: expected a JSON object, found {type(data).__name__}")
     other = next((name for name, keys in _KINDS.items() if name != kind and keys <= data.keys()), None)
@@ -359,6 +352,8 @@ def read_versioned_json(
         return model.model_validate(data)
     except ValidationError as exc:
         raise UsageError(f"{path} is not a valid {kind}: {validation_summary(exc)}") from exc
+    except RecursionError:
+        raise UsageError(f"{path} is not a valid {kind}: {jsonfile.DEEP}") from None
 
 
 def validation_summary(exc: ValidationError, limit: int = 5) -> str:
