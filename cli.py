@@ -526,7 +526,7 @@ def _gate_listing(gate, device) -> dict:
         "needs_cuda": gate.needs_cuda,
         "presets": [
             {"name": p.name, "where": p.where, "default_here": p in gate.default_presets(device),
-             "in_run_here": p in gate.default_presets(device, all_gates=True),
+             "in_run_here": p in gate.default_presets(device, all_gates=True) and gate.missing() is None,
              "memory_bytes": p.memory_bytes, "note": p.note}
             for p in gate.presets
         ],
@@ -557,6 +557,9 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
                     for p in g["presets"]]
         for g in listing
     }
+    if not console.is_terminal:
+        _print_listing_plain(listing, presets_of, settings.device)
+        return
     gate_width = max(len(g["name"]) for g in listing)
     table = _names_table(f"gates (device: {settings.device})",
                          {"gate": gate_width, "presets": max(len(p) for names in presets_of.values() for p in names)},
@@ -568,14 +571,35 @@ def list_gates(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     # one contender a row: a reason that wraps then stays in its own narrow column
     contenders = _names_table("contenders", {"gate": gate_width, "contender": max(
         len(c["name"]) for g in listing for c in g["contenders"]), "role": len("reference")}, "here")
+    for gate, name, role, here in _contender_rows(listing, settings.device):
+        contenders.add_row(escape(gate), escape(name), role, escape(here))
+    console.print(contenders)
+    console.print(LIST_LEGEND)
+
+
+LIST_LEGEND = "* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too"
+
+
+def _contender_rows(listing: list[dict], device) -> Iterator[tuple[str, str, str, str]]:
     for g in listing:
-        timing_here = settings.device.type == "cuda" or all(set(b["modes"]) == {"wall"} for b in g["benches"])
+        timing_here = device.type == "cuda" or all(set(b["modes"]) == {"wall"} for b in g["benches"])
         for c in g["contenders"]:
             here = (f"unavailable: {c['unavailable']}" if c["unavailable"] else "yes" if timing_here
                     else "gate needs CUDA" if g["needs_cuda"] else "no timing without CUDA")
-            contenders.add_row(escape(g["name"]), escape(c["name"]), c["role"], escape(here))
-    console.print(contenders)
-    console.print("* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too")
+            yield g["name"], c["name"], c["role"], here
+
+
+def _print_listing_plain(listing: list[dict], presets_of: dict[str, list[str]], device) -> None:
+    """`suite list` into a pipe: one line a row, never wrapped, so `suite list | grep GATE`
+    keeps each of its rows whole."""
+    from tabulate import tabulate
+
+    gates_rows = [(g["name"], ", ".join(presets_of[g["name"]]), "yes" if g["needs_cuda"] else "no", g["summary"])
+                  for g in listing]
+    sys.stdout.write(tabulate(gates_rows, headers=("gate", "presets", "needs CUDA", "summary"), tablefmt="plain")
+                     + "\n\n")
+    sys.stdout.write(tabulate(list(_contender_rows(listing, device)), headers=("gate", "contender", "role", "here"),
+                              tablefmt="plain") + "\n\n" + LIST_LEGEND + "\n")
 
 
 @app.command()
@@ -590,8 +614,10 @@ def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     rows = []
     for gate in gates.select("all"):
         missing = [f"{c.name}: {r}" for c in gate.contenders if (r := c.unavailable(settings.device))]
-        can_gate = settings.device.type == "cuda" or not gate.needs_cuda
-        if not can_gate:
+        can_gate = (settings.device.type == "cuda" or not gate.needs_cuda) and gate.missing() is None
+        if gate.missing() is not None:
+            missing.insert(0, gate.missing())
+        elif not can_gate:
             missing.insert(0, "CUDA (the gate needs a GPU)")
         can_bench = bool(gate.benches) and (settings.device.type == "cuda" or all(b.modes == ("wall",) for b in gate.benches))
         if not can_bench:

@@ -50,6 +50,8 @@ from suite.harness.gate import (
     Saboteur,
     Tolerance,
 )
+from suite.errors import BadBuffers
+from suite.harness.buffers import expect_buffer
 from suite.harness.results import Check
 
 # How the router logits are skewed: the edge cases are made by the routing itself.
@@ -167,8 +169,18 @@ def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
 
 
 def buffer_params(buffers: Buffers) -> dict[str, Any]:
-    x, w_gate = buffers["x"], buffers["w_gate"]
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    x = expect_buffer("moe-bwd", buffers, "x", dtypes=floats)
+    w_gate = expect_buffer("moe-bwd", buffers, "w_gate", dtypes=(x.dtype,))
+    if x.dim() != 2 or w_gate.dim() != 3 or w_gate.shape[1] != x.shape[1]:
+        raise BadBuffers(f"moe-bwd buffers 'x' [tokens, hidden] and 'w_gate' [experts, hidden, ffn] must agree on "
+                         f"hidden, got {list(x.shape)} and {list(w_gate.shape)}; record them again with "
+                         "`suite record moe-bwd --out DIR`")
     num_experts, d, f = w_gate.shape
+    expect_buffer("moe-bwd", buffers, "w_up", shape=(num_experts, d, f), dtypes=(x.dtype,))
+    expect_buffer("moe-bwd", buffers, "w_down", shape=(num_experts, f, d), dtypes=(x.dtype,))
+    expect_buffer("moe-bwd", buffers, "grad_out", shape=tuple(x.shape), dtypes=(x.dtype,))
+    expect_buffer("moe-bwd", buffers, "logits", shape=(x.shape[0], num_experts), dtypes=floats)
     return dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
 
 

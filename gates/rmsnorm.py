@@ -34,6 +34,8 @@ from suite.harness.gate import (
     Saboteur,
     Tolerance,
 )
+from suite.errors import BadBuffers
+from suite.harness.buffers import expect_buffer
 from suite.harness.results import Check
 
 # bytes per element of x a GPU preset needs at its peak: measured 57 on the H200 (x, dy, the
@@ -87,8 +89,16 @@ def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
     }
 
 
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def buffer_params(buffers: Buffers) -> dict[str, Any]:
-    x, weight = buffers["x"], buffers["weight"]
+    x = expect_buffer("rmsnorm", buffers, "x", dtypes=FLOATS)
+    if x.dim() == 0:
+        raise BadBuffers("rmsnorm buffer 'x' must have a hidden dimension, got a 0-d tensor; record them again with "
+                         "`suite record rmsnorm --out DIR`")
+    weight = expect_buffer("rmsnorm", buffers, "weight", shape=(x.shape[-1],), dtypes=FLOATS)
+    expect_buffer("rmsnorm", buffers, "dy", shape=tuple(x.shape), dtypes=(x.dtype,))
     return dict(shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."), weight_dtype=str(weight.dtype).removeprefix("torch."))
 
 

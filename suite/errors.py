@@ -20,7 +20,9 @@ class SuiteError(Exception):
     exit_code = ExitCode.COULD_NOT_RUN
 
 
-class UsageError(SuiteError):
+class UsageError(SuiteError, ValueError):
+    """A bad argument: the CLI's exit 2, and for a library call a ValueError naming it."""
+
     exit_code = ExitCode.USAGE
 
 

@@ -87,10 +87,15 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
     """Record the `step`-th forward (0: the first) of each eligible module inside the block, and
     its backward, then write each module's recording under out_dir/<module path> on exit. A
     module whose forward or backward did not run inside the block is listed in `skipped`."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(modules, str) or not isinstance(modules, (tuple, list, set, frozenset)):
+        raise TypeError(f"capture: modules must be a tuple of kinds from {MODULE_KINDS}, e.g. ('rms_norm',), "
+                        f"got {type(modules).__name__} {modules!r}")
     unknown = sorted(set(modules) - set(MODULE_KINDS))
     if unknown:
         raise ValueError(f"capture: modules must be among {MODULE_KINDS}, not {unknown}")
-    if not isinstance(step, int) or step < 0:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"capture: step must be an int >= 0, got {step!r}")
     recording = Recording(Path(out_dir))
     watched = _watch(model, modules, step)

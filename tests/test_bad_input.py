@@ -52,14 +52,14 @@ cli = CliRunner(env={"COLUMNS": "400"})  # wide enough that no message is wrappe
 # ---- what the cases are given --------------------------------------------------------------
 
 
-def dump(x: torch.Tensor):
+def dump(x: torch.Tensor, eps: float = 1e-6):
     """A training loop's dump into {tmp}/dump of x, its norm weight and dy (~1e-3), as the
     README shows."""
 
     def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
         dy = (torch.randn(x.shape, generator=torch.Generator().manual_seed(1)) * 1e-3).to(x.dtype)
         save_buffers({"x": x, "weight": torch.ones(x.shape[-1]), "dy": dy}, tmp / "dump",
-                     params={"eps": 1e-6, "offset": 0.0})
+                     params={"eps": eps, "offset": 0.0})
 
     return prepare
 
@@ -140,6 +140,92 @@ def library(fn, *args, **kwargs):
     return lambda tmp: fn(*args, **kwargs)
 
 
+def tiny_hf(family: str):
+    import test_integrations_transformers as hf_tests
+
+    return hf_tests.tiny(family)
+
+
+def skip_step(**kwargs):
+    from suite.arms.muon import Muon
+    from suite.arms.skip_step import SkipStepOptimizer
+
+    return SkipStepOptimizer(Muon([torch.nn.Parameter(torch.ones(4, 4))], lr=0.01), **kwargs)
+
+
+def skip_step_loss(value):
+    def call(tmp: Path):
+        skip_step().latest_loss = value
+
+    return call
+
+
+def stability_monitor_of_adamw(tmp: Path):
+    from suite.arms.skip_step import StabilityMonitor
+
+    return StabilityMonitor(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], fused=True))
+
+
+def integration(fn_name: str, *args, **kwargs):
+    def call(tmp: Path):
+        from suite.integrations import transformers as hf
+
+        return getattr(hf, fn_name)(*args, **kwargs)
+
+    return call
+
+
+def capture_call(model, **kwargs):
+    def call(tmp: Path):
+        from suite.record import capture
+
+        with capture(model if model != "tiny" else tiny_hf("llama"), tmp / "rec", **kwargs):
+            pass
+
+    return call
+
+
+def checkpoint_save(name: str = "ckpt", **kwargs):
+    def call(tmp: Path):
+        from suite.arms.checkpoint import save_checkpoint
+
+        return save_checkpoint(tmp / name, {"w": kwargs.pop("tensor", torch.ones(2))}, **{"step": 1, **kwargs})
+
+    return call
+
+
+def gpu_checkpoint_on_a_cpu(tmp: Path):
+    """A checkpoint whose tensors a GPU saved (state.json says cuda:0), loaded here without map_location."""
+    from test_checkpoint import _rewrite_state
+
+    from suite.arms.checkpoint import load_checkpoint, save_checkpoint
+
+    root = save_checkpoint(tmp / "ckpt", {"w": torch.ones(2)}, step=1)
+    _rewrite_state(root, lambda state: state["w"].update({"device": "cuda:0"}))
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    return load_checkpoint(root)
+
+
+def experts_on_a_cpu_without_the_interpreter(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    from suite.arms import moe_route_kernels
+
+    mp.setattr(moe_route_kernels, "interpreting", lambda kernel: False)
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def recording_edited(gate: str, edit: Callable[[dict], None]):
+    """`gate`'s tiny recording, `edit`ed and saved again whole (its digest matches)."""
+
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        assert invoke("record", gate, "--preset", "tiny", "--device", "cpu", "--out", tmp / "rec").code == 0
+        tensors, manifest = load_buffers(tmp / "rec")
+        edit(tensors)
+        save_buffers(tensors, tmp / "dump", params=manifest.params, gate=gate, preset=manifest.preset)
+
+    return prepare
+
+
 def rms_norm_eps(eps):
     def call(tmp: Path):
         return rms_norm(torch.randn(4, 8), torch.ones(8), eps=eps)
@@ -163,6 +249,30 @@ def file_at(name: str, data: bytes):
         (tmp / name).write_bytes(data)
 
     return prepare
+
+
+def fifo_at(name: str):
+    def prepare(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+        os.mkfifo(tmp / name)
+
+    return prepare
+
+
+NESTED = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # deeper than json's or pydantic's recursion
+
+
+def nested_manifest(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    recording(tmp, mp)
+    (tmp / "rec" / MANIFEST).write_bytes(NESTED)
+
+
+def nested_baseline(path: Path) -> None:
+    path.write_bytes(NESTED)
+
+
+def nested_checkpoint_stamp(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    (tmp / "ckpt").mkdir()
+    (tmp / "ckpt" / "meta.json").write_bytes(NESTED)
 
 
 def utf16_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
@@ -534,10 +644,17 @@ CASES = [
     Case("23.1", "a baseline whose gate field is another gate's", COMPARE, USAGE,
          "its gate field says 'muon' but the file is named for 'rmsnorm'", baseline_saved(gate_renamed)),
     Case("23.2", "moe-bwd buffers in fp16 with x scaled by 3000", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
-         COULD_NOT_RUN, "the buffers overflow float16: NaN/Inf in both the reference and the arm where the float64 truth is "
-         "finite (out: ", moe_overflowing(torch.float16, 3000.0)),
+         COULD_NOT_RUN, "the buffers overflow float16: the reference and the arm both lose the value (NaN/Inf, or an "
+         "error as large as the value) where the float64 truth is finite (out: ", moe_overflowing(torch.float16, 3000.0)),
     Case("23.2", "moe-bwd buffers in fp32 with x scaled by 1e30", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
          COULD_NOT_RUN, "the buffers overflow float32", moe_overflowing(torch.float32, 1e30)),
+    # reliability, round three (issue 44)
+    Case("44.2", "rmsnorm buffers in fp32 with x scaled by 1e30 (x*x overflows: all-zero outputs)",
+         ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU), COULD_NOT_RUN,
+         "the buffers overflow float32: the reference and the arm both lose the value", dump(seeded(16, 64).float() * 1e30)),
+    Case("44.2", "rmsnorm buffers with eps 1e300", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "the buffers overflow float32: the reference and the arm both lose the value",
+         dump(seeded(16, 64).float(), eps=1e300)),
     Case("23.3", "routing_from_topk with an expert id past the experts", topk_with_expert(4), USAGE,
          "routing_from_topk: top_k_index holds an expert id outside 0..3"),
     Case("23.3", "routing_from_topk with an expert id -1", topk_with_expert(-1), USAGE,
@@ -585,6 +702,67 @@ CASES = [
     Case("23.6", "rms_norm with eps NaN", rms_norm_eps(float("nan")), USAGE, "rms_norm: eps must be a finite number >= 0, got nan"),
     Case("23.7", "a recording's two files", ("record", "rmsnorm", "--preset", "tiny", "--device", "cpu", "--out", "{tmp}/rec"),
          OK, "rec", check=files_share_the_umask_mode),
+    Case("44.6", "suite report /dev/zero (it read until killed at 23 GB)", ("report", "/dev/zero"), USAGE,
+         "cannot read run report /dev/zero: it is a device, not a regular file"),
+    Case("44.6", "suite report of a FIFO (it hung)", ("report", "{tmp}/fifo"), USAGE,
+         "cannot read run report {tmp}/fifo: it is a FIFO, not a regular file", fifo_at("fifo")),
+    Case("44.6", "baseline compare of a FIFO", ("baseline", "compare", "{tmp}/fifo", "--baselines", "{tmp}"), USAGE,
+         "it is a FIFO, not a regular file", fifo_at("fifo")),
+    Case("44.6", "a deeply nested report", ("report", "{tmp}/deep.json"), USAGE,
+         "deep.json is not a run report: its JSON nests deeper than any file the suite writes", file_at("deep.json", NESTED)),
+    Case("44.6", "a deeply nested baseline", COMPARE, USAGE,
+         "rmsnorm.json is not a baseline: its JSON nests deeper", baseline_saved(nested_baseline)),
+    Case("44.6", "a deeply nested buffer manifest", ("gate", "rmsnorm", "--buffers", "{tmp}/rec", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "manifest.json is not a buffer manifest: its JSON nests deeper", nested_manifest),
+    Case("44.6", "a deeply nested checkpoint meta.json", ("checkpoint", "verify", "{tmp}/ckpt"), COULD_NOT_RUN,
+         "meta.json is not a checkpoint stamp: its JSON nests deeper", nested_checkpoint_stamp),
+    Case("44.7", "use_suite_experts of a string", integration("use_suite_experts", "model"), USAGE,
+         "use_suite_experts: model must be a torch.nn.Module (a transformers model), got str"),
+    Case("44.7", "apply_rms_norm of None", integration("apply_rms_norm", None), USAGE,
+         "apply_rms_norm: model must be a torch.nn.Module (a transformers model), got NoneType"),
+    Case("44.7", "muon_param_groups of a list", integration("muon_param_groups", [1]), USAGE,
+         "muon_param_groups: model must be a torch.nn.Module (a transformers model), got list"),
+    Case("44.7", "capture(model, modules='rms_norm') (it listed single letters)", capture_call("tiny", modules="rms_norm"),
+         USAGE, "capture: modules must be a tuple of kinds from ('rms_norm', 'experts'), e.g. ('rms_norm',), got str"),
+    Case("44.7", "capture of a string", capture_call("model"), USAGE, "capture: model must be a torch.nn.Module, got str"),
+    Case("44.7", "save_checkpoint with step=1.7 (it saved step 1)", checkpoint_save(step=1.7), USAGE,
+         "save_checkpoint: step must be a whole number >= 0 (the train step), got float 1.7"),
+    Case("44.7", "save_checkpoint with step=None", checkpoint_save(step=None), USAGE, "got NoneType None"),
+    Case("44.7", "save_checkpoint with step='abc'", checkpoint_save(step="abc"), USAGE, "got str 'abc'"),
+    Case("44.7", "save_checkpoint with step=NaN", checkpoint_save(step=float("nan")), USAGE, "got float nan"),
+    Case("44.7", "save_checkpoint onto a file", checkpoint_save("afile"), USAGE, "afile is a file, not a directory",
+         file_at("afile", b"x")),
+    Case("44.7", "save_checkpoint of a meta tensor", checkpoint_save(tensor=torch.empty(2, device="meta")), USAGE,
+         "state['w'] is a meta tensor, which holds no data to save"),
+    Case("44.7", "save_checkpoint with a 300-character name", checkpoint_save("n" * 300), USAGE,
+         "longer than this filesystem's 255; pass a shorter name"),
+    Case("44.7", "load_checkpoint of a GPU's checkpoint on a CPU, no map_location", gpu_checkpoint_on_a_cpu, USAGE,
+         "saved on cuda:0, which this machine lacks; pass map_location='cpu'"),
+    Case("44.7", "SkipStepOptimizer(sigma_factor='6')", lambda tmp: skip_step(sigma_factor="6"), USAGE,
+         "sigma_factor must be a number, got str '6'"),
+    Case("44.7", "SkipStepOptimizer(sigma_factor=inf)", lambda tmp: skip_step(sigma_factor=float("inf")), USAGE,
+         "sigma_factor must be a finite number > 0, not inf"),
+    Case("44.7", "SkipStepOptimizer(finite_guard='yes')", lambda tmp: skip_step(finite_guard="yes"), USAGE,
+         "finite_guard must be True or False, got 'yes'"),
+    Case("44.7", "a 2x2 latest_loss", skip_step_loss(torch.ones(2, 2)), USAGE,
+         "latest_loss must be one real number (a 0-d or one-element tensor), got a torch.float32 tensor of shape (2, 2)"),
+    Case("44.7", "a complex latest_loss", skip_step_loss(torch.tensor(1 + 1j)), USAGE, "latest_loss must be one real number"),
+    Case("44.7", "SkipStepOptimizer.load_state_dict({})", lambda tmp: skip_step().load_state_dict({}), USAGE,
+         "expected the keys ['optimizer', 'skip_step'] that SkipStepOptimizer.state_dict() writes, got []"),
+    Case("44.7", "StabilityMonitor of a plain optimizer", stability_monitor_of_adamw, USAGE,
+         "StabilityMonitor reads a SkipStepOptimizer's window, got AdamW"),
+    Case("44.7", "rmsnorm buffers whose dy lost a column", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16, shape [3, 16, 96]; got bfloat16, shape [3, 16, 95]",
+         recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"][..., :-1].contiguous()))),
+    Case("44.7", "rmsnorm buffers whose dy is fp16", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
+         COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16",
+         recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"].half()))),
+    Case("44.7", "moe-bwd buffers whose w_down is transposed", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", "--no-sabotage",
+         *CPU), COULD_NOT_RUN, "moe-bwd buffer 'w_down' must be float32, shape",
+         recording_edited("moe-bwd", lambda t: t.__setitem__("w_down", t["w_down"].transpose(1, 2).contiguous()))),
+    Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
+         lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
+         COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),
     Case("-", "save_buffers of a number", lambda tmp: save_buffers({"x": torch.ones(2), "eps": 1e-6}, tmp / "dump"),
          COULD_NOT_RUN, "'eps' is a float, not a torch.Tensor", check=absent("dump")),
     Case("-", "save_buffers of a meta tensor", lambda tmp: save_buffers({"x": torch.empty(2, device="meta")}, tmp / "dump"),
@@ -653,7 +831,8 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0)}
 
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
-    assert covered == {str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {"-"}
+    assert covered == ({str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {f"44.{n}" for n in range(2, 9)}
+                       | {"-"})
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:

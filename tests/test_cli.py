@@ -354,3 +354,35 @@ def test_checkpoint_verify_says_whole_or_names_the_fault(tmp_path):
     (root / TENSORS).write_bytes(bytes(data))
     result = invoke("checkpoint", "verify", root)
     assert result.exit_code == 3 and f"{TENSORS} does not match its sha256" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "moe-bwd", "split-muon", "skip-step", "checkpoint"])
+def test_a_gates_own_recording_loads_as_its_buffers(tmp_path, name):
+    """`suite record GATE --preset tiny` then `--buffers` of it: the params it recorded are
+    enough (skip-step and checkpoint had asked for params only their GPU presets set)."""
+    assert invoke("record", name, "--preset", "tiny", "--device", "cpu", "--out", tmp_path / "rec").exit_code == 0
+    gate = gates.get(name)
+    runner = runner_module.Runner(runner_module.RunOptions(device=torch.device("cpu"), buffers_dir=tmp_path / "rec"))
+    buffers, preset, provenance = runner._buffers(gate, gate.preset("tiny"), recorded=True)
+    assert provenance.source == "loaded" and set(gate.preset("tiny").params) <= set(preset.params)
+
+
+def test_list_into_a_pipe_keeps_each_row_on_one_line():
+    """`suite list | grep GATE`: a gate's presets and summary on its one line, never wrapped."""
+    listed = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["list", "--device", "cpu"]).output
+    (row,) = [line for line in listed.splitlines() if line.startswith("rmsnorm ") and "tiny **" in line]
+    gate = gates.get("rmsnorm")
+    assert all(p.name in row for p in gate.presets) and gate.summary in row
+
+
+def test_a_gate_missing_its_extra_is_not_marked_as_run_by_suite_run(monkeypatch):
+    """Without transformers, `suite run` skips train-step: list and env must not say it runs."""
+    train_step = gates.get("train-step")
+    monkeypatch.setattr(gates, "get", lambda name, real=gates.get: dataclasses.replace(
+        train_step, missing=lambda: "transformers is not installed") if name == "train-step" else real(name))
+    listing = json.loads(invoke("list", "--device", "cpu", "--json").output)
+    presets = next(g for g in listing["gates"] if g["name"] == "train-step")["presets"]
+    assert not any(p["in_run_here"] for p in presets)
+    env = json.loads(invoke("env", "--device", "cpu", "--json").output)
+    row = next(g for g in env["gates"] if g["gate"] == "train-step")
+    assert not row["parity"] and row["missing"][0] == "transformers is not installed"

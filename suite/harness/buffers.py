@@ -180,6 +180,19 @@ def save_buffers(
     return Path(out_dir)
 
 
+def expect_buffer(gate: str, buffers: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...] | None = None,
+                  dtypes: tuple[torch.dtype, ...] | None = None) -> torch.Tensor:
+    """buffers[name], or BadBuffers naming it when its shape or dtype is not what the gate runs on
+    (a tampered or hand-made recording), before any of the gate's code runs on it."""
+    t = buffers[name]
+    if (shape is not None and tuple(t.shape) != tuple(shape)) or (dtypes is not None and t.dtype not in dtypes):
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes) if dtypes else "any dtype"
+        raise BadBuffers(f"{gate} buffer {name!r} must be {wanted}, shape {list(shape) if shape is not None else 'any'}; "
+                         f"got {str(t.dtype).removeprefix('torch.')}, shape {list(t.shape)}; record them again with "
+                         f"`suite record {gate} --out DIR`")
+    return t
+
+
 def read_manifest(directory: str | os.PathLike) -> BufferManifest:
     path = Path(directory) / MANIFEST
     if not path.is_file():

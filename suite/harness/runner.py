@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 
 from suite.device_profile import active_profile
-from suite.errors import BadBuffers, CouldNotRun, UsageError, combine
+from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError, combine
 from suite.harness import parity
 from suite.harness.buffers import load_buffers
 from suite.harness.fingerprint import fingerprint
@@ -318,7 +318,8 @@ class Runner:
         known = {p.name: p for p in gate.presets}
         base = known.get(manifest.preset) if manifest.preset else None
         params = {**(base.params if base else {}), **manifest.params, **gate.buffer_params(buffers)}
-        needed = set().union(*(p.params for p in gate.presets))
+        # what every preset declares; a param only some presets set is optional to the gate
+        needed = set.intersection(*(set(p.params) for p in gate.presets))
         missing = sorted(needed - set(params))
         if missing:
             raise BadBuffers(
@@ -336,7 +337,15 @@ class Runner:
         with self._phase(phases, unit, "buffers"):
             buffers, preset, provenance = self._buffers(gate, unit.preset, unit.recorded)
         with self._phase(phases, unit, "reference"):
-            expected = parity.expected_outputs(gate, preset, buffers)
+            try:
+                expected = parity.expected_outputs(gate, preset, buffers)
+            except (RuntimeError, ValueError, IndexError, KeyError, TypeError) as exc:
+                if not unit.recorded or isinstance(exc, SuiteError):
+                    raise
+                # on the gate's own buffers this is a bug; on a recording, a layout the gate cannot run
+                raise BadBuffers(f"{opts.buffers_dir}: gate {gate.name}'s reference cannot run on these buffers "
+                                 f"({type(exc).__name__}: {_first_line(exc)}); their shapes or dtypes do not fit "
+                                 f"the gate: record them again with `suite record {gate.name} --out DIR`") from exc
         with self._phase(phases, unit, "parity"):
             # with a bench to come, the determinism run waits until after it and rechecks it too
             verdict, arm_outputs = parity.judge_arm(gate, preset, buffers, expected,

@@ -20,6 +20,7 @@ import functools
 import torch
 from torch import nn
 
+from suite.arms import moe_route_kernels as route_kernels
 from suite.arms import rmsnorm
 from suite.arms.moe import experts, routing_from_topk
 from suite.errors import CouldNotRun
@@ -121,10 +122,17 @@ def suite_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     return experts(hidden_states.to(w_gate.dtype), routing, w_gate, w_up, w_down).to(hidden_states.dtype)
 
 
+def _require_module(fn: str, model: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
+
+
 def use_suite_experts(model: nn.Module) -> int:
     """Switch every experts module of `model` to the suite's kernels and return how many. Each
     is checked first: a model with none, or one the kernels cannot take, raises
-    IntegrationError naming the module and the flag, and the model is left as it was."""
+    IntegrationError naming the module and the flag, and the model is left as it was. On a
+    machine without CUDA the kernels run only under Triton's interpreter: without it, refused."""
+    _require_module("use_suite_experts", model)
     register()
     found = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
     if not found:
@@ -134,6 +142,12 @@ def use_suite_experts(model: nn.Module) -> int:
         reason = experts_unsupported(module)
         if reason is not None:
             raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
+    weights = found[0][1].gate_up_proj
+    if not torch.cuda.is_available() and not route_kernels.runs_on(weights):
+        raise IntegrationError(f"use_suite_experts: this machine has no CUDA GPU, and the suite's Triton kernels run "
+                               f"on a CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+                               f"imported (tests, tiny models), or leave the model's experts as they are; the model "
+                               f"was left unchanged")
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     else:
@@ -167,6 +181,7 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
     kernels everywhere. Every RMSNorm class is checked first: one this does not know raises
     IntegrationError naming it, and nothing of the model is patched. `restore_rms_norm` undoes it."""
+    _require_module("apply_rms_norm", model)
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
@@ -194,6 +209,7 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def restore_rms_norm(model: nn.Module) -> int:
     """Undo `apply_rms_norm`: every patched module's own forward again; returns how many."""
+    _require_module("restore_rms_norm", model)
     restored = 0
     for module in model.modules():
         if hasattr(module, "_suite_rms_norm"):
@@ -229,6 +245,7 @@ def muon_param_groups(model: nn.Module, **muon_kwargs) -> list[dict]:
 
         optimizer = Muon(muon_param_groups(model, lr=0.02), lr=3e-4)   # lr=3e-4: the AdamW groups'
     """
+    _require_module("muon_param_groups", model)
     config = getattr(model, "config", None)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
