@@ -826,7 +826,9 @@ def test_the_readme_lists_every_case():
 
 # ---- faults that need several processes or an outside signal -------------------------------
 
-OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0)}
+OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
+               # tests of their own in test_checkpoint.py and test_skip_step.py (several processes, optimizer state)
+               ("44.3", 2), ("44.4", 0), ("44.5", 2)}
 
 
 def test_every_numbered_item_has_a_test():

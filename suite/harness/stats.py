@@ -63,19 +63,6 @@ def stays_within(value: float, low: float, high: float, bound: float, floor_log:
     return reaches(1 / value, 1 / high, 1 / low, 1 / bound, floor_log)
 
 
-def at_least_within_noise(c: Comparison, bar: float, floor_log: float) -> Decision:
-    """The arm reaches `bar` x c.against's speed (the "slower" verdict against the peer's time
-    scaled by 1/bar is a fail)."""
-    return reaches(c.speedup, c.ci_low, c.ci_high, bar, floor_log)
-
-
-def at_least(c: Comparison, least: float) -> Decision:
-    """The speedup is at least `least` when the whole CI is; below it when the whole CI is."""
-    if c.ci_low >= least:
-        return "pass"
-    return "fail" if c.ci_high < least else "undecided"
-
-
 def median_ratio(
     num_ms: Sequence[float], den_ms: Sequence[float], n_boot: int, level: float, rng: np.random.Generator
 ) -> tuple[float, float, float]:
