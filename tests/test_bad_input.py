@@ -3,8 +3,8 @@ nothing lost.
 
 CASES is the table: what is given, the command (CLI arguments, where {tmp} stands for the
 test's directory, or a call of the library a training loop makes), the exit code expected (for a
-library call: the code its error maps to) and a fragment of what it says. The README's
-"What bad input gets" lists the same rows. Faults that need several processes, or a signal
+library call: the code its error maps to) and a fragment of what it says. docs/bad-input.md
+lists the same rows. Faults that need several processes, or a signal
 from outside, are the tests below the table.
 """
 
@@ -812,16 +812,15 @@ def test_bad_input(case: Case, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         case.check(tmp_path, outcome)
 
 
-def readme_rows() -> set[tuple[str, int]]:
-    """(item, exit code) of each row of the README's "What bad input gets" table."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## What bad input gets", 1)[1].split("\n## ", 1)[0]
-    rows = [line.split("|")[1:-1] for line in section.splitlines() if line.startswith("| ")]
+def documented_rows() -> set[tuple[str, int]]:
+    """(item, exit code) of each row of docs/bad-input.md's table, which the README points to."""
+    text = (ROOT / "docs" / "bad-input.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
     return {(cells[0].strip(), int(cells[-2].strip())) for cells in rows[1:]}  # [0] is the header
 
 
-def test_the_readme_lists_every_case():
-    assert readme_rows() == {(c.item, int(c.code)) for c in CASES} | OTHER_ITEMS
+def test_the_docs_list_every_case():
+    assert documented_rows() == {(c.item, int(c.code)) for c in CASES} | OTHER_ITEMS
 
 
 # ---- faults that need several processes or an outside signal -------------------------------
