@@ -56,7 +56,7 @@ def test_missing_manifest_and_missing_file(tmp_path):
 def test_garbled_manifest(tmp_path):
     save_buffers(sample(), tmp_path)
     (tmp_path / MANIFEST).write_text("{not json")
-    with pytest.raises(BadBuffers, match="not a valid buffer manifest"):
+    with pytest.raises(BadBuffers, match="is not a buffer manifest: not valid JSON"):
         read_manifest(tmp_path)
 
 
