@@ -366,7 +366,7 @@ def record(
     """Save a gate's buffers (safetensors + manifest with shapes, dtypes, seed, versions, sha256)."""
     settings = _setup(device, None)
     import gates
-    from suite.harness.buffers import check_destination, save_buffers
+    from suite.files.buffers import check_destination, save_buffers
 
     chosen = gates.get(name)
     p = chosen.preset(preset)

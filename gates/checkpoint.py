@@ -34,7 +34,7 @@ from gates.optim_loop import flat_params, fresh_params, set_saved_grads
 from suite.arms import checkpoint as ck
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
-from suite.harness import atomic
+from suite.files import atomic
 from suite.harness.gate import BenchCase, Bitwise, Buffers, Contender, Gate, Outputs, PerfCriterion, Preset, Saboteur
 
 ADAMW_LR, MUON_LR, WEIGHT_DECAY = 3e-4, 0.02, 0.01

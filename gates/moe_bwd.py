@@ -51,7 +51,7 @@ from suite.harness.gate import (
     Tolerance,
 )
 from suite.errors import BadBuffers
-from suite.harness.buffers import expect_buffer
+from suite.files.buffers import expect_buffer
 from suite.harness.results import Check
 
 # How the router logits are skewed: the edge cases are made by the routing itself.

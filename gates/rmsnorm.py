@@ -35,7 +35,7 @@ from suite.harness.gate import (
     Tolerance,
 )
 from suite.errors import BadBuffers
-from suite.harness.buffers import expect_buffer
+from suite.files.buffers import expect_buffer
 from suite.harness.results import Check
 
 # bytes per element of x a GPU preset needs at its peak: measured 57 on the H200 (x, dy, the

@@ -26,7 +26,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from suite.harness.buffers import save_buffers
+from suite.files.buffers import save_buffers
 
 MODULE_KINDS = ("rms_norm", "experts")
 

@@ -32,15 +32,15 @@ from factories import make_bench, make_fingerprint, make_report, make_tolerance_
 from typer.testing import CliRunner
 
 import gates
-import suite.harness.atomic as atomic
-import suite.harness.buffers as buffers_module
+import suite.files.atomic as atomic
+import suite.files.buffers as buffers_module
 import suite.harness.store as store
 from cli import app
 from suite.arms import moe
 from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
-from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
+from suite.files.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
 from suite.harness.runner import Runner
 from suite.harness.store import list_reports, write_report
 

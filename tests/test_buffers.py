@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from suite.errors import BadBuffers
-from suite.harness.buffers import MANIFEST, TENSORS, load_buffers, read_manifest, save_buffers
+from suite.files.buffers import MANIFEST, TENSORS, load_buffers, read_manifest, save_buffers
 
 
 def sample():

@@ -139,7 +139,7 @@ def test_record_then_gate_on_saved_buffers_and_corruption(tmp_path, reports):
 
 
 def test_training_loop_dump_needs_its_params(tmp_path, reports):
-    from suite.harness.buffers import save_buffers
+    from suite.files.buffers import save_buffers
 
     x = torch.randn(6, 32).to(torch.bfloat16)
     tensors = {"x": x, "weight": torch.ones(32), "dy": torch.randn(6, 32).to(torch.bfloat16) * 1e-3}

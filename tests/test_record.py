@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 pytest.importorskip("transformers", minversion="5")
 
 from cli import app  # noqa: E402
-from suite.harness.buffers import load_buffers  # noqa: E402
+from suite.files.buffers import load_buffers  # noqa: E402
 from suite.record import capture  # noqa: E402
 from test_integrations_transformers import tiny  # noqa: E402
 

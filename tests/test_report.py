@@ -19,7 +19,7 @@ from factories import (
     make_tolerance_result,
 )
 
-import suite.harness.atomic as atomic_mod
+import suite.files.atomic as atomic_mod
 import suite.harness.results as results_mod
 import suite.harness.store as store_mod
 from suite.errors import ExitCode, UsageError

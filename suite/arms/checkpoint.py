@@ -4,7 +4,7 @@ A run that dies while it writes a checkpoint must find, on restart, the old chec
 one, whole, and be able to tell which. Writing each file atomically is not enough: a crash between
 the weights and their sidecar leaves a pair nothing can detect. So a checkpoint is a directory,
 written whole under a temporary name beside its target and published by one rename
-(`suite.harness.atomic`: every file and the directory fsynced before, the parent after; an
+(`suite.files.atomic`: every file and the directory fsynced before, the parent after; an
 overwrite swaps the two directories in one step where Linux can, so the path is never without a
 whole checkpoint), and its last file is the stamp, `meta.json`: the train step, each file's size
 and sha256, the library versions and the format version.
@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from suite import jsonfile
+from suite.files import jsonfile
 from suite.errors import CouldNotRun, UsageError
-from suite.harness import atomic
+from suite.files import atomic
 
 # 2: a file's sha256 is over its HASH_CHUNK_BYTES chunks' own digests (1: over its bytes; read still)
 FORMAT_VERSION = 2

@@ -26,7 +26,7 @@ import numpy as np
 from pydantic import ValidationError, computed_field, model_validator
 
 from suite.errors import UsageError
-from suite.harness import atomic
+from suite.files import atomic
 from suite.harness.fingerprint import fingerprint_class, imitates_rtx
 from suite.harness.results import (
     Amount,

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Callable, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from suite import jsonfile
+from suite.files import jsonfile
 from suite.errors import UsageError
 
 # 2: failures carry the check that found them; parity mode per output; bench modes; phases

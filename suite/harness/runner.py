@@ -28,7 +28,7 @@ import torch
 from suite.device_profile import active_profile
 from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError, combine
 from suite.harness import parity
-from suite.harness.buffers import load_buffers
+from suite.files.buffers import load_buffers
 from suite.harness.fingerprint import fingerprint
 from suite.harness.gate import BenchCase, Buffers, Contender, Gate, Preset, Saboteur
 from suite.harness.results import (

@@ -13,7 +13,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from suite.harness import atomic
+from suite.files import atomic
 from suite.harness.render import render_junit, render_markdown, render_pytest_benchmark, to_json
 from suite.harness.results import RunReport, slugify
 

@@ -20,9 +20,9 @@ from pydantic import BaseModel, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from suite import jsonfile
+from suite.files import jsonfile
 from suite.errors import BadBuffers, UsageError
-from suite.harness import atomic
+from suite.files import atomic
 
 MANIFEST = "manifest.json"
 TENSORS = "buffers.safetensors"
@@ -144,7 +144,7 @@ def save_buffers(
     """Write `tensors` to out_dir/buffers.safetensors with out_dir/manifest.json.
 
     Everything is checked before anything is written. The recording is built in a hidden
-    directory beside out_dir and published by one rename (suite.harness.atomic), so a reader
+    directory beside out_dir and published by one rename (suite.files.atomic), so a reader
     or a concurrent save sees the previous recording or this one whole, never a mix, and an
     interrupted or failed save leaves nothing behind. An existing recording is replaced only
     with overwrite=True.
@@ -198,7 +198,7 @@ def read_manifest(directory: str | os.PathLike) -> BufferManifest:
     if not path.is_file():
         raise BadBuffers(
             f"{directory} holds no {MANIFEST}; it is not a buffer directory. "
-            "Write one with `suite record GATE --preset P --out DIR` or suite.harness.buffers.save_buffers."
+            "Write one with `suite record GATE --preset P --out DIR` or suite.files.buffers.save_buffers."
         )
     try:
         return BufferManifest.model_validate(jsonfile.load(path))
