@@ -40,7 +40,7 @@ if not torch.cuda.is_available():  # the launch paths Triton's interpreter takes
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from suite.arms import moe, moe_kernels as mk  # noqa: E402
-from suite.arms.triton_support import KeptLaunches  # noqa: E402
+from suite.triton_support import KeptLaunches  # noqa: E402
 from suite.harness.timers import CudaTimer, host_us_per_call  # noqa: E402
 
 # layers chained into one forward and one backward: their row is per layer
@@ -69,13 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def launches_stubbed():
     """The Python alone: no kernel launches (planned or kept: the routing's too), and CPU
     tensors accepted. What the stubbed kernels would have written is left unwritten."""
-    saved = mk.PlannedLaunch.__call__, mk._require_runnable, KeptLaunches.__call__
-    mk.PlannedLaunch.__call__, mk._require_runnable = (lambda self, *tensors: None), (lambda t, fn: None)
+    saved = mk.PlannedLaunch.__call__, mk.require_runnable, KeptLaunches.__call__
+    mk.PlannedLaunch.__call__, mk.require_runnable = (lambda self, *tensors: None), (lambda t, fn, *rest, **others: None)
     KeptLaunches.__call__ = lambda self, *args: None
     try:
         yield
     finally:
-        mk.PlannedLaunch.__call__, mk._require_runnable, KeptLaunches.__call__ = saved
+        mk.PlannedLaunch.__call__, mk.require_runnable, KeptLaunches.__call__ = saved
 
 
 def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Callable[[], Any]],

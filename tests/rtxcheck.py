@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from suite.arms import triton_support
+from suite import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 
 

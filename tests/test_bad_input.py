@@ -208,9 +208,9 @@ def gpu_checkpoint_on_a_cpu(tmp: Path):
 
 
 def experts_on_a_cpu_without_the_interpreter(tmp: Path, mp: pytest.MonkeyPatch) -> None:
-    from suite.arms import moe_route_kernels
+    from suite import triton_support
 
-    mp.setattr(moe_route_kernels, "interpreting", lambda kernel: False)
+    mp.setattr(triton_support, "interpreted", lambda: False)
     mp.setattr(torch.cuda, "is_available", lambda: False)
 
 

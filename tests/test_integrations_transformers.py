@@ -187,6 +187,7 @@ def test_a_patched_model_deepcopies_pickles_and_restores_like_a_stock_one(tmp_pa
 
 
 def test_auto_leaves_the_norm_to_the_model_where_the_kernels_cannot_run_or_inductor_fuses_it(monkeypatch):
+    from suite import triton_support
     from suite.arms import rmsnorm
 
     model = tiny("llama")
@@ -197,10 +198,10 @@ def test_auto_leaves_the_norm_to_the_model_where_the_kernels_cannot_run_or_induc
     monkeypatch.setattr(rmsnorm, "rms_norm", lambda *args, **kwargs: calls.append(kwargs) or args[0])
     norm(x)
     assert calls == [{"impl": "auto"}]
-    monkeypatch.setattr(rmsnorm, "runs_on", lambda t: False)  # a CPU without Triton's interpreter
+    monkeypatch.setattr(triton_support, "runs_on", lambda t: False)  # a CPU without Triton's interpreter
     assert torch.equal(norm(x), type(norm).forward(norm, x)) and len(calls) == 1
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(rmsnorm, "runs_on", lambda t: True)
+    monkeypatch.setattr(triton_support, "runs_on", lambda t: True)
     assert torch.equal(norm(x), type(norm).forward(norm, x)) and len(calls) == 1
 
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from suite.arms import moe, triton_support
+from suite import triton_support
+from suite.arms import moe
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
 T, D, F = 19, 40, 24
@@ -416,7 +417,7 @@ def test_weights_stored_out_in_go_through_descriptors_as_stored():
 def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
     mk = moe.moe_kernels
     capability = [(9, 0)]
-    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(mk, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setenv("SUITE_PROFILE", "none")
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16

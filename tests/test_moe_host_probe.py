@@ -9,7 +9,8 @@ import json
 import torch
 
 from scriptload import load_script
-from suite.arms import moe_kernels, triton_support
+from suite import triton_support
+from suite.arms import moe_kernels
 
 
 def test_the_probe_times_every_entry_point_and_restores_the_launch(tmp_path, capsys):

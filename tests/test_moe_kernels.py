@@ -271,7 +271,7 @@ def test_a_non_contiguous_input_is_named_as_such():
 def test_a_kept_tile_follows_the_profile(monkeypatch):
     # tiles are kept per call shape (host time), so the key must hold SUITE_PROFILE, whose
     # shared-memory limit the choice reads
-    monkeypatch.setattr(mk, "_interpreting", lambda: False)
+    monkeypatch.setattr(mk, "interpreted", lambda: False)
     monkeypatch.setattr(mk, "smem_limit", lambda device: RTX_SMEM_BYTES if mk.os.environ.get("SUITE_PROFILE") == "rtx" else 232448)
     monkeypatch.setattr(mk, "_gemm_configs", {})
     args = ("rows", 1024, 2816, torch.bfloat16, torch.device("cpu"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from scriptload import load_script
-from suite.arms import triton_support
+from suite import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
 
 

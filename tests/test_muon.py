@@ -403,7 +403,7 @@ def test_the_kept_update_rounds_as_the_eager_ops_and_a_skip_keeps_every_bit(dtyp
     -0.0 and NaN entries, with a skip flag and without one (plain Muon's steps); interpreted on
     the CPU, compiled on the GPU by the CUDA test below."""
     from suite.arms import muon
-    from suite.arms.triton_support import interpreting
+    from suite.triton_support import interpreting
 
     if not interpreting(muon._kept_update_kernel):
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")

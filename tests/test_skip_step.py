@@ -156,7 +156,7 @@ def test_the_fused_decision_kernel_writes_what_decide_and_remember_write(length,
     partly and over-filled rings, a zero std, NaN and Inf values, a window longer than a block."""
     import suite.arms.skip_step as skip_step
 
-    from suite.arms.triton_support import interpreting
+    from suite.triton_support import interpreting
 
     if not interpreting(skip_step._decide_and_remember_kernel):
         pytest.skip("needs TRITON_INTERPRET=1 before triton is imported (tests/conftest.py sets it)")

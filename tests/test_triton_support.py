@@ -5,8 +5,8 @@ import triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
-from suite.arms import triton_support
-from suite.arms.triton_support import UnsupportedArgument, specialization_key
+from suite import triton_support
+from suite.triton_support import UnsupportedArgument, specialization_key
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

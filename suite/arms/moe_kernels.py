@@ -43,11 +43,18 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import DescriptorLaunch, PlannedLaunch, descriptor_strides, interpreting, next_pow2
+from suite.triton_support import (
+    FLOAT_DTYPES,
+    DescriptorLaunch,
+    PlannedLaunch,
+    cdiv,
+    descriptor_strides,
+    interpreted,
+    next_pow2,
+    require_runnable,
+)
 from suite.device_profile import active_profile, smem_limit
-from suite.errors import CouldNotRun
 
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,14 +472,6 @@ class GemmConfig:
         return self.num_stages * per_stage + _SMEM_SCRATCH
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _interpreting() -> bool:
-    return interpreting(_up_kernel)
-
-
 # One tile per GEMM kind (no autotuning): the fastest, or within 4% of it, at every model
 # preset in `scripts/moe_tune.py --sweep` on the H200 (figures: docs/tuning.md). block_n is per
 # B tile (kinds with two B tiles hold block_m x 2*block_n accumulators); group_m walks the row
@@ -510,7 +509,7 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
     gradient, the weight's rows) and n output columns, held to the device profile's shared
     memory; weight_elems: a weight gradient's elements per expert."""
     # the key holds everything the choice reads, SUITE_PROFILE (smem_limit's) too
-    key = (kind, rows, n, dtype, device, weight_elems, os.environ.get("SUITE_PROFILE"), _interpreting())
+    key = (kind, rows, n, dtype, device, weight_elems, os.environ.get("SUITE_PROFILE"), interpreted())
     config = _gemm_configs.get(key)
     if config is None:
         if len(_gemm_configs) >= _MAX_KEPT_CONFIGS:
@@ -522,7 +521,7 @@ def _gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weigh
 def _choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device, weight_elems: int) -> GemmConfig:
     (n_a, n_b), (block_m, block_n, block_k, stages, num_warps, group_m) = GEMM_KINDS[kind]
     itemsize = dtype.itemsize
-    if _interpreting() and device.type != "cuda":
+    if interpreted() and device.type != "cuda":
         # tiny test shapes still take several tiles, steps, groups and masked edges
         return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
     if rows < _MANY_ROWS:
@@ -560,7 +559,7 @@ _VENDOR_MIN_WORK = 512 * 2048 * 768
 def _measured_on_sm90(n_rows: int, n_experts: int, d: int, f: int, dtype: torch.dtype, device) -> bool:
     """A bf16 layer on an sm90 card, outside the rtx profile, with 16-byte rows (d and f
     multiples of 8), no smaller than the smallest model preset measured there."""
-    if device.type != "cuda" or _interpreting() or dtype != torch.bfloat16 or d % 8 or f % 8:
+    if device.type != "cuda" or interpreted() or dtype != torch.bfloat16 or d % 8 or f % 8:
         return False
     if active_profile(device) == "rtx" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
@@ -626,7 +625,7 @@ COMBINE = CombineConfig(8, 128, 8)
 
 
 def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
-    if _interpreting() and device.type != "cuda":
+    if interpreted() and device.type != "cuda":
         return CombineConfig(8, 16, 4)  # several programs and masked edges at test sizes
     return CombineConfig(COMBINE.block_t, min(COMBINE.block_d, max(16, next_pow2(d))), COMBINE.num_warps)
 
@@ -634,14 +633,6 @@ def _combine_config(n_tokens: int, d: int, device) -> CombineConfig:
 # --------------------------------------------------------------------------------------------
 # Checks and buffers
 # --------------------------------------------------------------------------------------------
-
-
-def _require_runnable(t: torch.Tensor, fn: str) -> None:
-    if t.device.type != "cuda" and not _interpreting():
-        raise CouldNotRun(
-            f"{fn}: the MoE kernels need CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
-            f"imported), got a tensor on {t.device}"
-        )
 
 
 def _buffer(given, fn: str, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
@@ -687,11 +678,11 @@ def _check_weight(w: torch.Tensor, fn: str, name: str, shape: tuple, dtype, devi
 
 
 def _check_dtype(x: torch.Tensor, fn: str) -> None:
-    _check(x.dtype in _SUPPORTED_DTYPES, fn, lambda: f"tensors must be bfloat16, float16 or float32, not {x.dtype}")
+    _check(x.dtype in FLOAT_DTYPES, fn, lambda: f"tensors must be bfloat16, float16 or float32, not {x.dtype}")
 
 
 def _upcast(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and _interpreting()
+    return dtype == torch.bfloat16 and interpreted()
 
 
 # --------------------------------------------------------------------------------------------
@@ -705,7 +696,7 @@ def _up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype,
     descriptors where `_tma_gemms` takes the layer (unless tma is False) and their strides allow,
     each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike."""
     cfg = _gemm_config("up", n_rows // n_experts, f, dtype, device)
-    tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(f, cfg.block_n))
+    tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(f, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
                 SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
@@ -734,7 +725,7 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
     Hopper pass fails on a 4-warp tile, and at the model presets' tile it gained at mixtral
     alone)."""
     cfg = _gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
-    tiles = (_cdiv(n_rows, cfg.block_m) + n_experts, _cdiv(n_n, cfg.block_n))
+    tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
                 TWO=two, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
@@ -758,8 +749,8 @@ def _rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, 
 
 def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
     """dg, du from d_a and the pre-activations; called with (d_a, gate, up, dg, du, offsets)."""
-    block = 64 if _interpreting() and device.type != "cuda" else SWIGLU_BLOCK
-    return PlannedLaunch(_swiglu_backward_kernel, (_cdiv(n_rows * f, block),), (n_experts, f),
+    block = 64 if interpreted() and device.type != "cuda" else SWIGLU_BLOCK
+    return PlannedLaunch(_swiglu_backward_kernel, (cdiv(n_rows * f, block),), (n_experts, f),
                          (dtype,) * 5 + (torch.int32,), BLOCK=block, num_warps=4)
 
 
@@ -769,7 +760,7 @@ def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, devic
     # the weight's rows take the place of the token rows: 128-row tiles once it has 128
     cfg = _gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, dtype, device, n_i * n_j)
     return PlannedLaunch(
-        _weight_grad_kernel, (_cdiv(n_i, cfg.block_m) * _cdiv(n_j, cfg.block_n), n_experts), (n_i, n_j, x_stride),
+        _weight_grad_kernel, (cdiv(n_i, cfg.block_m) * cdiv(n_j, cfg.block_n), n_experts), (n_i, n_j, x_stride),
         (dtype, torch.int32 if gather else dtype, dtype, dtype, torch.int32, dtype, dtype),
         BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k, GATHER=gather, TWO=two,
         UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -780,7 +771,7 @@ def _combine_launch(n_tokens, d, top_k, weighted, dtype, device) -> PlannedLaunc
     """Called with (rows, row_id_map, probs or rows, out)."""
     cfg = _combine_config(n_tokens, d, device)
     return PlannedLaunch(
-        _combine_kernel, (_cdiv(n_tokens, cfg.block_t), _cdiv(d, cfg.block_d)), (n_tokens, d),
+        _combine_kernel, (cdiv(n_tokens, cfg.block_t), cdiv(d, cfg.block_d)), (n_tokens, d),
         (dtype, torch.int32, torch.float32 if weighted else dtype, dtype),
         TOP_K=top_k, WEIGHTED=weighted, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
     )
@@ -791,7 +782,7 @@ def _gather_launch(n_rows, d, x_stride, n_experts, dtype, device) -> PlannedLaun
     at the combines' tiles."""
     cfg = _combine_config(n_rows, d, device)
     return PlannedLaunch(
-        _gather_rows_kernel, (_cdiv(n_rows, cfg.block_t), _cdiv(d, cfg.block_d)), (n_experts, d, x_stride),
+        _gather_rows_kernel, (cdiv(n_rows, cfg.block_t), cdiv(d, cfg.block_d)), (n_experts, d, x_stride),
         (dtype, torch.int32, torch.int32, dtype), BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, num_warps=cfg.num_warps,
     )
 
@@ -800,7 +791,7 @@ def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
     """Called with (grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)."""
     cfg = _combine_config(n_tokens, d, device)
     return PlannedLaunch(
-        _combine_bwd_kernel, (_cdiv(n_tokens, cfg.block_t),), (n_tokens, d),
+        _combine_bwd_kernel, (cdiv(n_tokens, cfg.block_t),), (n_tokens, d),
         (dtype, dtype, torch.int32, torch.float32, dtype, torch.float32),
         TOP_K=top_k, BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_S=next_pow2(top_k), num_warps=cfg.num_warps,
     )
@@ -814,7 +805,7 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     offsets[E] are left unwritten. out / gate_out / up_out: caller-owned buffers, reused."""
     fn = "expert_up"
     _check_dtype(x, fn)
-    _require_runnable(x, fn)
+    require_runnable(x, fn)
     _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
     n_experts, d, f = w_gate.shape if w_gate.dim() == 3 else (0, 0, 0)
     _check(w_gate.dim() == 3 and d == x.shape[1], fn, lambda: f"w_gate must be (E, d={x.shape[1]}, f), got {tuple(w_gate.shape)}")
@@ -840,7 +831,7 @@ def expert_down(a, w_down, offsets, *, out=None):
     caller-owned buffer, reused."""
     fn = "expert_down"
     _check_dtype(a, fn)
-    _require_runnable(a, fn)
+    require_runnable(a, fn)
     _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
     n_experts, f, d = w_down.shape
     _check_rows(a, fn, "a", a.shape[0], f, w_down.dtype, w_down.device)
@@ -892,7 +883,7 @@ def combine(rows, row_id_map, probs=None, *, top_k: int | None = None, out=None)
     buffer, reused."""
     fn = "combine"
     _check_dtype(rows, fn)
-    _require_runnable(rows, fn)
+    require_runnable(rows, fn)
     _check(rows.dim() == 2 and rows.is_contiguous(), fn, lambda: f"rows must be a contiguous (R_max, d) tensor, got {tuple(rows.shape)}")
     _check_index(row_id_map, fn, "row_id_map", rows.device)
     if probs is not None:
@@ -919,7 +910,7 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     past offsets[E] are unwritten. grad_rows_out / grad_probs_out: caller-owned, reused."""
     fn = "combine_backward"
     _check_dtype(grad_out, fn)
-    _require_runnable(grad_out, fn)
+    require_runnable(grad_out, fn)
     _check(probs.dim() == 2 and probs.dtype == torch.float32 and probs.is_contiguous(), fn,
            lambda: f"probs must be a contiguous (T, k) float32 tensor, got {probs.dtype} of shape {tuple(probs.shape)}")
     n_tokens, top_k = probs.shape
@@ -947,7 +938,7 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     dw_down_out: caller-owned, reused."""
     fn = "expert_down_backward"
     _check_dtype(a, fn)
-    _require_runnable(a, fn)
+    require_runnable(a, fn)
     _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
     n_experts, f, d = w_down.shape
     n_rows = a.shape[0]
@@ -986,7 +977,7 @@ def expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets, *, dx_row
     a layer that `_vendor_gemms` takes gets its weight gradients from torch._grouped_mm."""
     fn = "expert_up_backward"
     _check_dtype(x, fn)
-    _require_runnable(x, fn)
+    require_runnable(x, fn)
     _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
     _check(w_gate.dim() == 3, fn, lambda: f"w_gate must be (E, d, f), got {tuple(w_gate.shape)}")
     n_experts, d, f = w_gate.shape
@@ -1133,10 +1124,10 @@ def layer_plan(x, w_gate, w_up, w_down, n_rows: int, top_k: int) -> LayerPlan | 
     n_tokens, d = x.shape
     n_experts, _, f = w_gate.shape
     dtype, device = x.dtype, x.device
-    if not (n_tokens and d and f and n_experts and n_rows and dtype in _SUPPORTED_DTYPES and x.stride(1) == 1
+    if not (n_tokens and d and f and n_experts and n_rows and dtype in FLOAT_DTYPES and x.stride(1) == 1
             and w_gate.dtype == dtype and w_up.dtype == dtype and w_down.dtype == dtype
             and w_gate.device == device and w_up.device == device and w_down.device == device
-            and (device.type == "cuda" or _interpreting())):
+            and (device.type == "cuda" or interpreted())):
         return None
     key = (n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), w_gate.stride(), w_up.stride(), w_down.stride(),
            dtype, device, os.environ.get("SUITE_PROFILE"))

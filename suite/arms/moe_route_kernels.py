@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import interpreting, launch_kept, next_pow2
+from suite.triton_support import interprets, launch_kept, next_pow2, runs_on
 
 # Programs of a routing launch, at most: each layout program reads every program's counts
 # (programs x E each), so their number is held down and a program loops over its tokens.
@@ -205,21 +205,12 @@ def _route_backward_kernel(
              mask=mask)
 
 
-def runs_on(t: torch.Tensor) -> bool:
-    """Whether the routing kernels can take t: a CUDA tensor, or any under Triton's interpreter."""
-    return t.is_cuda or interpreting(_route_kernel)
-
-
-def _interpreted(t: torch.Tensor) -> bool:
-    return t.device.type != "cuda" and interpreting(_route_kernel)
-
-
 def _plan(num_tokens: int, num_experts: int, device_tensor: torch.Tensor) -> tuple[int, int, int, int]:
     """-> (block_e, block_t, tokens a program, programs) of a routing launch."""
     block_e = next_pow2(num_experts)
     # small tiles and few programs under the interpreter (it runs programs one by one), so test
     # shapes still take several programs, loop steps and masked edges
-    interpreted = _interpreted(device_tensor)
+    interpreted = interprets(device_tensor)
     block_t = max(1, min(128, (INTERPRETED_TILE if interpreted else TILE_ELEMENTS) // block_e))
     per_program = max(block_t, -(-num_tokens // (3 if interpreted else MAX_PROGRAMS)))
     per_program = -(-per_program // block_t) * block_t
@@ -266,7 +257,7 @@ def _layout(expert_ids, counts, z_parts, num_experts, capacity, max_rows, per_pr
     programs = counts.shape[0]
     device = expert_ids.device
     block_e = next_pow2(num_experts)
-    tile = INTERPRETED_TILE if _interpreted(expert_ids) else TILE_ELEMENTS
+    tile = INTERPRETED_TILE if interprets(expert_ids) else TILE_ELEMENTS
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     row_id_map = torch.empty(num_tokens * k, dtype=torch.int32, device=device)
     source_of_row = torch.empty(max_rows, dtype=torch.int32, device=device)
@@ -288,7 +279,7 @@ def route_backward(grad_probs: torch.Tensor, grad_z: torch.Tensor | None, logits
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if num_tokens:
         block_e = next_pow2(num_experts)
-        block_t = max(1, min(128, (INTERPRETED_TILE if _interpreted(logits) else TILE_ELEMENTS) // block_e))
+        block_t = max(1, min(128, (INTERPRETED_TILE if interprets(logits) else TILE_ELEMENTS) // block_e))
         grad_probs = grad_probs.contiguous()
         launch_kept(_route_backward_kernel, (-(-num_tokens // block_t),), grad_probs, lse if grad_z is None else grad_z,
                logits, lse, expert_ids, probs, dlogits, num_tokens, num_experts, logits.stride(0),

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.arms.triton_support import launch_kept, on_device_of
+from suite.triton_support import launch_kept, on_device_of
 
 # Keller Jordan's quintic: maximal slope at zero, singular values left within about [0.7, 1.2].
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

@@ -28,9 +28,18 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from suite.arms.triton_support import KeptLaunches, Launcher, interpreting, launch, launcher, on_device_of
+from suite.triton_support import (
+    FLOAT_DTYPES,
+    KeptLaunches,
+    Launcher,
+    cdiv,
+    interpreted,
+    launch,
+    launcher,
+    on_device_of,
+    require_runnable,
+)
 from suite.device_profile import smem_limit
-from suite.errors import CouldNotRun
 
 # Longest row one tile holds; longer rows loop over column chunks (tests lower it to reach
 # the looped path at tiny sizes).
@@ -55,7 +64,6 @@ REDUCE_BLOCK_N = 128
 # Configs cached per shape; a training run sees few shapes, variable lengths many.
 MAX_CACHED_CONFIGS = 4096
 
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,10 +306,6 @@ def _prev_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _ceil_sqrt(n: int) -> int:
     return math.isqrt(n - 1) + 1 if n > 1 else 1
 
@@ -311,16 +315,7 @@ def dw_group_size(n_partials: int) -> int:
     return _ceil_sqrt(n_partials)
 
 
-def _interpreting() -> bool:
-    return interpreting(_rms_norm_fwd_kernel)
-
-
-_KERNELS_COMPILED = isinstance(_rms_norm_fwd_kernel, triton.runtime.JITFunction)
-
-
-def runs_on(t: torch.Tensor) -> bool:
-    """Whether the kernels can take t: a CUDA tensor, or any under Triton's interpreter."""
-    return t.is_cuda or not _KERNELS_COMPILED
+_KERNELS_COMPILED = not interpreted()  # compiled for a GPU: what auto's routing to torch's kernel is about
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,8 +360,8 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
         num_warps = max(4, min(32, block_n // 128))
     else:
         num_warps = max(4, min(16, block_m * block_n // 512))
-    row_blocks = _cdiv(n_rows, block_m)
-    n_stripes = _cdiv(n_cols, block_n)
+    row_blocks = cdiv(n_rows, block_m)
+    n_stripes = cdiv(n_cols, block_n)
     # Fewer row groups for more stripes keeps the program count, and the partials, bounded.
     max_parts = max(1, max_programs // n_stripes)
     n_parts = max(1, min(row_blocks, max_parts))
@@ -374,7 +369,7 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
     # Per stripe, one counter per group and one over the groups; there are at most
     # ceil(sqrt(max_parts)) groups, so the forward can zero enough slots knowing N alone.
     n_counters = n_stripes * (_ceil_sqrt(max_parts) + 1)
-    counters_used = n_stripes * (_cdiv(n_parts, group_size) + 1)
+    counters_used = n_stripes * (cdiv(n_parts, group_size) + 1)
     fold_block_n = min(block_n, FOLD_COLS_PER_WARP * num_warps)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n)
 
@@ -483,18 +478,9 @@ def _partials_workspace(cfg: LaunchConfig, n_cols: int, device: torch.device) ->
 # --------------------------------------------------------------------------------------------
 
 
-def _require_runnable(t: torch.Tensor, **others: torch.Tensor) -> None:
-    """t on a device our kernels run on, and every other tensor on t's device: the launches
-    hand Triton addresses, which it no longer checks (see triton_support._pointers)."""
-    if t.device.type != "cuda" and not _interpreting():
-        raise CouldNotRun(
-            f"rms_norm: the fused path needs a CUDA tensor (or TRITON_INTERPRET=1 set before triton "
-            f"is imported), got a tensor on {t.device}; use rms_norm_reference or "
-            f'RMSNorm(impl="eager") on the CPU'
-        )
-    for name, other in others.items():
-        if other.device != t.device:
-            raise ValueError(f"rms_norm: {name} is on {other.device} but x is on {t.device}; move it to {t.device}")
+def _require_operands(t: torch.Tensor, **others: torch.Tensor) -> None:
+    """t where the kernels run, every other operand beside it, stats the forward's fp32 ones."""
+    require_runnable(t, "rms_norm", '; use rms_norm_reference or RMSNorm(impl="eager") on the CPU', **others)
     stats = others.get("stats")
     if stats is not None and stats.dtype != torch.float32:
         raise TypeError(f"rms_norm: stats must be the forward's fp32 stats, got {stats.dtype}")
@@ -518,7 +504,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
     stats[:M] is rstd; the words after it are the folded backward's arrival counters (zeroed
     here, so each forward gives its backward a slot set of its own).
     """
-    _require_runnable(x2d, weight=weight)
+    _require_operands(x2d, weight=weight)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     with on_device_of(x2d):
         return _forward(_unit_col_stride(x2d), _unit_col_stride(weight), float(eps), float(offset), cfg, True)
@@ -527,7 +513,7 @@ def rms_norm_forward(x2d: torch.Tensor, weight: torch.Tensor, eps: float, offset
 def rms_norm_backward(dy2d: torch.Tensor, x2d: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor, offset: float):
     """Stage one of two: -> (dx contiguous (M, N) in x's dtype, dW partials fp32 [G, N]); G is 0
     when M is. `stats` is the forward's (only its rstd is read)."""
-    _require_runnable(x2d, dy=dy2d, weight=weight, stats=stats)
+    _require_operands(x2d, dy=dy2d, weight=weight, stats=stats)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     dy2d, x2d, weight = _unit_col_stride(dy2d), _unit_col_stride(x2d), _unit_col_stride(weight)
     with on_device_of(x2d):
@@ -540,11 +526,11 @@ def reduce_dw_partials(dw_partials: torch.Tensor, dtype: torch.dtype) -> torch.T
     n_parts, n_cols = dw_partials.shape
     if n_parts == 0:
         return torch.zeros(n_cols, dtype=dtype, device=dw_partials.device)
-    _require_runnable(dw_partials)
+    _require_operands(dw_partials)
     dw = torch.empty(n_cols, dtype=dtype, device=dw_partials.device)
     with on_device_of(dw_partials):
         launch(
-            _reduce_dw_partials_kernel, (_cdiv(n_cols, REDUCE_BLOCK_N),),
+            _reduce_dw_partials_kernel, (cdiv(n_cols, REDUCE_BLOCK_N),),
             dw_partials.contiguous(), dw, n_parts, n_cols, dw_group_size(n_parts),
             BLOCK_N=REDUCE_BLOCK_N, UNROLL=REDUCE_UNROLL, num_warps=4,
         )
@@ -557,7 +543,7 @@ def rms_norm_backward_reduced(
     """-> (dx contiguous (M, N) in x's dtype, dW in weight's dtype), dW reduced in the same
     launch; the same bits as `rms_norm_backward` then `reduce_dw_partials`. `stats` must come
     from `rms_norm_forward` of the same shape (its counters are used, and left at zero)."""
-    _require_runnable(x2d, dy=dy2d, weight=weight, stats=stats)
+    _require_operands(x2d, dy=dy2d, weight=weight, stats=stats)
     cfg = _launch_config(x2d.shape[0], x2d.shape[1], x2d.device)
     if stats.shape[0] < x2d.shape[0] + cfg.counters_used:
         # stats from a forward under another config (SUITE_PROFILE changed in between): the
@@ -579,7 +565,7 @@ def _prepare(x: torch.Tensor, weight: torch.Tensor):
     x2d = _as_rows(x)
     device = x2d.device
     if device.type != "cuda":
-        _require_runnable(x2d)
+        _require_operands(x2d)
     return x2d, _unit_col_stride(weight), _launch_config(x2d.shape[0], x2d.shape[1], device)
 
 
@@ -665,9 +651,9 @@ _rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dtype not in _SUPPORTED_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"rms_norm: x must be bfloat16, float16 or float32, not {x.dtype}")
-    if weight.dtype not in _SUPPORTED_DTYPES:
+    if weight.dtype not in FLOAT_DTYPES:
         raise TypeError(f"rms_norm: weight must be bfloat16, float16 or float32, not {weight.dtype}")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"rms_norm: x must have a non-empty last (hidden) dim, got shape {tuple(x.shape)}")
@@ -728,7 +714,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         # faster kernels, everywhere.
         needs_grad = _grad_enabled() and (x.requires_grad or weight.requires_grad)
         if (routes_to_native(x.numel(), x.is_cuda, x.dtype is weight.dtype, needs_grad)
-                and x.dtype in _SUPPORTED_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
+                and x.dtype in FLOAT_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
             try:
                 return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)[0]
             except RuntimeError:

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from suite.arms.graph import CapturedOptimizer, OptimizerWrapper
 from suite.arms.muon import Muon
-from suite.arms.triton_support import launch_kept, next_pow2
+from suite.triton_support import launch_kept, next_pow2
 
 LOSS, GRAD_NORM = 0, 1  # rows of the window
 _WINDOW_KEYS = ("values", "count", "skipped", "nonfinite", "consecutive")

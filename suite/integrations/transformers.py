@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import nn
 
-from suite.arms import moe_route_kernels as route_kernels
+from suite import triton_support
 from suite.arms import rmsnorm
 from suite.arms.moe import experts, routing_from_topk
 from suite.errors import CouldNotRun
@@ -143,7 +143,7 @@ def use_suite_experts(model: nn.Module) -> int:
         if reason is not None:
             raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
     weights = found[0][1].gate_up_proj
-    if not torch.cuda.is_available() and not route_kernels.runs_on(weights):
+    if not torch.cuda.is_available() and not triton_support.runs_on(weights):
         raise IntegrationError(f"use_suite_experts: this machine has no CUDA GPU, and the suite's Triton kernels run "
                                f"on a CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
                                f"imported (tests, tiny models), or leave the model's experts as they are; the model "
@@ -201,7 +201,7 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
     impl = module._suite_rms_norm
     eps_attr, offset, promotes = RMS_NORMS[type(module).__name__]
-    if impl == "auto" and (torch.compiler.is_compiling() or not rmsnorm.runs_on(x)):
+    if impl == "auto" and (torch.compiler.is_compiling() or not triton_support.runs_on(x)):
         return type(module).forward(module, x)
     y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
     return y.to(torch.promote_types(x.dtype, module.weight.dtype)) if promotes else y

@@ -25,6 +25,8 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from suite.errors import CouldNotRun
+
 # Tests set RECORD_COMPILED to collect each kernel's compiled form, keyed by kernel name.
 RECORD_COMPILED = False
 compiled_kernels: dict[str, object] = {}
@@ -47,6 +49,47 @@ def next_pow2(n: int) -> int:
 def interpreting(kernel) -> bool:
     """The env asks for the interpreter and triton honoured it when `kernel` was decorated."""
     return os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(kernel, JITFunction)
+
+
+@triton.jit
+def _decorated():
+    """Decorated as every kernel of the suite is: whether triton.jit gave this process the
+    interpreter (TRITON_INTERPRET=1 set before triton was imported)."""
+    pass
+
+
+def interpreted() -> bool:
+    """Triton's interpreter runs this process's kernels, on the CPU's tensors."""
+    return interpreting(_decorated)
+
+
+def interprets(t: torch.Tensor) -> bool:
+    """`t` would go through the interpreter: a CPU tensor in an interpreted process."""
+    return t.device.type != "cuda" and interpreted()
+
+
+def runs_on(t: torch.Tensor) -> bool:
+    """Whether the suite's kernels can take t: a CUDA tensor, or any under the interpreter."""
+    return t.is_cuda or interpreted()
+
+
+def require_runnable(t: torch.Tensor, fn: str, advice: str = "", **others: torch.Tensor) -> None:
+    """t on a device the kernels run on, and every other tensor on t's device: the launches hand
+    Triton addresses, which it no longer checks (see _pointers). `fn` names the call."""
+    if not runs_on(t):
+        raise CouldNotRun(f"{fn}: the suite's Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 set before "
+                          f"triton is imported), got a tensor on {t.device}{advice}")
+    for name, other in others.items():
+        if other.device != t.device:
+            raise ValueError(f"{fn}: {name} is on {other.device} but the input is on {t.device}; move it to "
+                             f"{t.device}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the kernels load and store
 
 
 @contextlib.contextmanager
