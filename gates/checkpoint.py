@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gates.graph_capture import transformer_shapes as _shapes  # its medium: 403 M params
-from gates.optim_loop import flat_params, fresh_params, set_saved_grads
+from gates.optimizer_runs import flat_params, fresh_params, set_saved_grads
 from suite.arms import checkpoint as ck
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
@@ -223,7 +223,7 @@ def corruption_checks(save: Save, load: Load, latest: Latest) -> torch.Tensor:
     def newer(d: Path):
         meta = json.loads((d / ck.META).read_text())
         meta["format_version"] = ck.FORMAT_VERSION + 1
-        meta["stamp_sha256"] = ck._stamp_digest(meta)  # a stamp a newer suite wrote: whole, of its own
+        meta["stamp_sha256"] = ck.stamp_digest(meta)  # a stamp a newer suite wrote: whole, of its own
         (d / ck.META).write_text(json.dumps(meta))
 
     results = []
@@ -287,13 +287,13 @@ def _stamp_after_publish(directory, state, step, overwrite=False, at=lambda poin
     final = Path(directory)
     with atomic.staging_directory(final.parent, final.name) as staged:
         tensors: dict[str, torch.Tensor] = {}
-        structure = ck._split(state, "state", tensors, {})
-        files = {ck.TENSORS: ck._write_tensors(staged / ck.TENSORS, tensors, at),
-                 ck.STATE: ck._write(staged / ck.STATE, json.dumps(structure).encode(), at)}
+        structure = ck.split_state(state, "state", tensors, {})
+        files = {ck.TENSORS: ck.write_tensors(staged / ck.TENSORS, tensors, at),
+                 ck.STATE: ck.write_file(staged / ck.STATE, json.dumps(structure).encode(), at)}
         atomic.publish_directory(staged, final, replace=overwrite, at=at)
     meta = {"format_version": ck.FORMAT_VERSION, "step": step, "files": files}
-    meta["stamp_sha256"] = ck._stamp_digest(meta)
-    ck._write(final / ck.META, json.dumps(meta).encode(), at)
+    meta["stamp_sha256"] = ck.stamp_digest(meta)
+    ck.write_file(final / ck.META, json.dumps(meta).encode(), at)
     return final
 
 
@@ -312,7 +312,7 @@ def _unverified_load(directory, map_location=None):
     root = Path(directory)
     tensors = load_file(root / ck.TENSORS)
     structure = json.loads((root / ck.STATE).read_text())
-    return ck.Checkpoint(state=ck._join(structure, tensors, map_location, {}), step=-1, meta={})
+    return ck.Checkpoint(state=ck.join_state(structure, tensors, map_location, {}), step=-1, meta={})
 
 
 def _trusting_latest(root, verify=False):
@@ -363,7 +363,7 @@ def _bench_state(buffers: Buffers) -> dict[str, Any]:
 
 def _flat_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
-    ck._split(state, "state", tensors, {})
+    ck.split_state(state, "state", tensors, {})
     return tensors
 
 

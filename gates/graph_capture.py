@@ -3,8 +3,8 @@ against the same optimizer stepped eagerly, bit for bit, over K saved gradient s
 
 A transformer-shaped parameter set (per layer: wq, wk, wv, wo of d x d, w1, w3 of 4d x d,
 w2 of d x 4d, two norm vectors) is trained from saved initial parameters through K saved
-gradient sets by gates.optim_loop.train, for Muon (matrices) + AdamW (vectors) and for torch
-AdamW (foreach, torch's default, and fused), in the scenarios of gates.optim_loop.SCENARIOS:
+gradient sets by gates.optimizer_runs.train, for Muon (matrices) + AdamW (vectors) and for torch
+AdamW (foreach, torch's default, and fused), in the scenarios of gates.optimizer_runs.SCENARIOS:
 constant lr; warm-up + cosine lr through LambdaLR; weight decay changed mid-run (Muon only);
 a state_dict saved at K/2, loaded into fresh optimizers, continued; and OneCycleLR, which cycles
 Muon's lr and betas[0] every step (torch AdamW reads betas as host numbers: lr only). The arm's
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from gates.optim_loop import ADAMW_LR, MUON_LR, SCENARIOS, WEIGHT_DECAY, Wrap, param_names, train
+from gates.optimizer_runs import ADAMW_LR, MUON_LR, SCENARIOS, WEIGHT_DECAY, Wrap, param_names, train
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.harness.gate import (

@@ -472,7 +472,7 @@ def sonicmoe_experts(routing) -> Callable:
     return run
 
 
-def _sonicmoe_missing(device: torch.device) -> str | None:
+def sonicmoe_missing(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "SonicMoE runs on CUDA devices only"
     major, minor = torch.cuda.get_device_capability(device)
@@ -485,7 +485,7 @@ def _sonicmoe_missing(device: torch.device) -> str | None:
     return None
 
 
-def _build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+def build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
     """SonicMoE's build: one forward and backward first, against the arm's on the same routing
     and weights (the output, dx and dprobs, which no weight layout changes), so a layout mistaken
     here is an unavailable peer with its reason, never a fast wrong one; its CuTe kernels' JIT,
@@ -668,7 +668,7 @@ CONTENDERS = (
               note="transformers' OLMoE experts, implementation grouped_mm, from the top-k ids (its sort included)"),
     # fwd+bwd alone: "bwd" runs the backward of one forward again and again (retain_graph),
     # which a compiled backward that donates its buffers refuses
-    Contender("sonicmoe", "peer", _build_sonicmoe, unavailable=_sonicmoe_missing, cases=("fwd+bwd",),
+    Contender("sonicmoe", "peer", build_sonicmoe, unavailable=sonicmoe_missing, cases=("fwd+bwd",),
               note="SonicMoE 0.1.2 (Dao lab): CuTe DSL grouped GEMMs, its routing metadata kernel, on the same "
                    "routing and weights"),
     Contender("arm compiled", "peer", _build(lambda routing, preset: compiled(experts, preset)), cases=("fwd+bwd",),

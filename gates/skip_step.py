@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gates.optim_loop import flat_params, fresh_params, set_saved_grads
+from gates.optimizer_runs import flat_params, fresh_params, set_saved_grads
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.arms.skip_step import SkipStepOptimizer, StabilityMonitor, decide

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from gates.optim_loop import MUON_LR, WEIGHT_DECAY, lambda_schedule, newton_schulz_float64
+from gates.optimizer_runs import MUON_LR, WEIGHT_DECAY, lambda_schedule, newton_schulz_float64
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon, muon_scale, newton_schulz
 from suite.errors import BadBuffers

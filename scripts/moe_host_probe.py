@@ -118,7 +118,7 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
     leaves = [p.requires_grad_() for p in (x.clone(), w_gate.clone(), w_up.clone(), w_down.clone())]
     layer_probs = routing.probs.detach().requires_grad_()
     # as route() made it (its checks would read what stubbed kernels left unwritten)
-    layer_routing = moe._trusted_routing(**{**vars(routing), "probs": layer_probs})
+    layer_routing = moe.trusted_routing(**{**vars(routing), "probs": layer_probs})
 
     def experts_layer():
         result = moe.experts(leaves[0], layer_routing, *leaves[1:])
@@ -156,7 +156,7 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
         return torch.autograd.grad(module.router(router_x), [router_x, module.router.weight], router_grad)
 
     def fused_layer():
-        out, _ = moe._fused_layer(fused_logits, module_x, module.w_gate, module.w_up, module.w_down, k,
+        out, _ = moe.fused_layer(fused_logits, module_x, module.w_gate, module.w_up, module.w_down, k,
                                   module.renormalize, module._capacity, False)
         return torch.autograd.grad(out, [fused_logits, module_x, module.w_gate, module.w_up, module.w_down], grad_out)
 

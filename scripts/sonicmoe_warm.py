@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gates.moe_bwd import BENCHES, GATE, _build_sonicmoe, _sonicmoe_missing
+from gates.moe_bwd import BENCHES, GATE, build_sonicmoe, sonicmoe_missing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    missing = _sonicmoe_missing(device)
+    missing = sonicmoe_missing(device)
     if missing:
         raise SystemExit(missing)
     case = next(c for c in BENCHES if c.name == "fwd+bwd")
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
         preset = GATE.preset(name)
         buffers = GATE.make_buffers(preset, 0, device)
         t0 = time.perf_counter()
-        call = _build_sonicmoe(case, buffers, preset)
+        call = build_sonicmoe(case, buffers, preset)
         call()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -17,8 +17,8 @@ from suite.arms.checkpoint import (
     META,
     STATE,
     CheckpointError,
-    _ChunkedSha256,
-    _stamp_digest,
+    ChunkedSha256,
+    stamp_digest,
     latest_checkpoint,
     load_checkpoint,
     read_stamp,
@@ -119,10 +119,10 @@ def _rewrite_state(root, edit) -> None:
     (root / STATE).write_bytes(data)
     meta = json.loads((root / META).read_text())
     with ThreadPoolExecutor(1) as pool:
-        digest = _ChunkedSha256(pool, meta["files"][STATE]["chunk_bytes"])
+        digest = ChunkedSha256(pool, meta["files"][STATE]["chunk_bytes"])
         digest.update(memoryview(data))
         meta["files"][STATE].update(bytes=len(data), sha256=digest.hexdigest())
-    meta["stamp_sha256"] = _stamp_digest(meta)
+    meta["stamp_sha256"] = stamp_digest(meta)
     (root / META).write_text(json.dumps(meta))
 
 

@@ -67,7 +67,7 @@ def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_i
     tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).bfloat16(), "bool": torch.tensor([True, False]),
                "i64": torch.arange(4), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
                "u8": torch.arange(9, dtype=torch.uint8), "f8": torch.randn(6).to(torch.float8_e4m3fn)}
-    entry = gc.ck._write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
+    entry = gc.ck.write_tensors(tmp_path / "t.safetensors", tensors, lambda point: None)
     loaded = load_file(tmp_path / "t.safetensors")
     assert loaded.keys() == tensors.keys()
     for name, t in tensors.items():
@@ -78,7 +78,7 @@ def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_i
                      "sha256": _chunked_sha256(tmp_path / "t.safetensors", gc.ck.HASH_CHUNK_BYTES),
                      "chunk_bytes": gc.ck.HASH_CHUNK_BYTES}
     with pytest.raises(UsageError, match="complex64"):
-        gc.ck._write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)
+        gc.ck.write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)
 
 
 def test_views_strided_tied_and_every_dtype_come_back_bit_for_bit(tmp_path):
@@ -109,7 +109,7 @@ def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path
     monkeypatch.setattr(gc.ck, "HASH_CHUNK_BYTES", 24)
     monkeypatch.setattr(gc.ck, "HASH_BACKLOG", 1)
     path = tmp_path / "t.safetensors"
-    entry = gc.ck._write_tensors(path, tensors, lambda point: None)
+    entry = gc.ck.write_tensors(path, tensors, lambda point: None)
     assert entry["sha256"] == _chunked_sha256(path, 24) and entry["chunk_bytes"] == 24
     assert gc.ck.file_sha256(path, 24) == entry["sha256"]
     assert gc.ck._read_hashed(path, path.stat().st_size, 24)[2] == entry["sha256"]
@@ -134,7 +134,7 @@ def test_a_format_1_checkpoint_still_loads_and_a_changed_chunk_is_caught(tmp_pat
     old = {**meta, "format_version": 1,
            "files": {name: {"bytes": e["bytes"], "sha256": hashlib.sha256((root / name).read_bytes()).hexdigest()}
                      for name, e in meta["files"].items()}}
-    old["stamp_sha256"] = gc.ck._stamp_digest(old)
+    old["stamp_sha256"] = gc.ck.stamp_digest(old)
     (root / gc.ck.META).write_text(json.dumps(old))
     assert torch.equal(gc.ck.load_checkpoint(root).state["w"], state["w"])
     assert gc.ck.read_stamp(root, verify=True)["format_version"] == 1

@@ -1,4 +1,4 @@
-"""Gate `graph-capture`: its pieces and the shared training loop (gates.optim_loop) on the CPU, the
+"""Gate `graph-capture`: its pieces and the shared training loop (gates.optimizer_runs) on the CPU, the
 whole gate and its saboteurs on the GPU."""
 
 
@@ -11,7 +11,7 @@ import gatecheck
 import gates
 from cli import app
 from gates import graph_capture as gc
-from gates import optim_loop
+from gates import optimizer_runs
 from suite.arms.graph import CapturedOptimizer
 from suite.errors import ExitCode
 from suite.harness import parity
@@ -41,7 +41,7 @@ def test_presets_match_the_issue_shapes():
 def test_buffers_hold_initial_params_and_k_gradient_sets():
     preset = GATE.preset("tiny")
     buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
-    names = optim_loop.param_names(buffers)
+    names = optimizer_runs.param_names(buffers)
     assert len(names) == 2 * 9
     assert all(f"grad{k:02d}/{n}" in buffers for k in range(preset.params["steps"]) for n in names)
     assert GATE.buffer_params(buffers) == {"steps": 20, "params": preset.params["params"]}
@@ -49,31 +49,31 @@ def test_buffers_hold_initial_params_and_k_gradient_sets():
 
 
 def test_schedule_swings_at_least_eightfold():
-    factor = optim_loop.lambda_schedule(20)
+    factor = optimizer_runs.lambda_schedule(20)
     values = [factor(k) for k in range(20)]
     assert max(values) / min(values) >= 8 - 1e-9 and values[0] == pytest.approx(0.125)
 
 
 def test_scenarios_per_optimizer():
-    assert optim_loop.SCENARIOS["muon"] == ("constant", "schedule", "wd-change", "resume", "onecycle")
+    assert optimizer_runs.SCENARIOS["muon"] == ("constant", "schedule", "wd-change", "resume", "onecycle")
     # torch AdamW reads weight decay and betas as host numbers: neither can change under capture
     for kind in ("adamw", "adamw-fused"):
-        assert optim_loop.SCENARIOS[kind] == ("constant", "schedule", "resume", "onecycle-lr")
+        assert optimizer_runs.SCENARIOS[kind] == ("constant", "schedule", "resume", "onecycle-lr")
 
 
 def test_schedulers_attach_to_the_stepper():
     params = {"w": torch.zeros(4, 4, requires_grad=True), "g": torch.zeros(4, requires_grad=True)}
-    captured = CapturedOptimizer(optim_loop.make_optimizer("muon", params, capturable=True))
-    assert optim_loop.make_scheduler("constant", captured, 20) is None
-    schedule = optim_loop.make_scheduler("schedule", captured, 20)
+    captured = CapturedOptimizer(optimizer_runs.make_optimizer("muon", params, capturable=True))
+    assert optimizer_runs.make_scheduler("constant", captured, 20) is None
+    schedule = optimizer_runs.make_scheduler("schedule", captured, 20)
     assert isinstance(schedule, lr_scheduler.LambdaLR) and schedule.optimizer is captured
-    onecycle = optim_loop.make_scheduler("onecycle", captured, 20)
+    onecycle = optimizer_runs.make_scheduler("onecycle", captured, 20)
     assert isinstance(onecycle, lr_scheduler.OneCycleLR) and onecycle.optimizer is captured
     assert onecycle.cycle_momentum and onecycle.use_beta1  # Muon's defaults hold betas
-    assert not optim_loop.make_scheduler("onecycle-lr", captured, 20).cycle_momentum
+    assert not optimizer_runs.make_scheduler("onecycle-lr", captured, 20).cycle_momentum
 
 
-@pytest.mark.parametrize("scenario", optim_loop.SCENARIOS["muon"])
+@pytest.mark.parametrize("scenario", optimizer_runs.SCENARIOS["muon"])
 def test_muon_scenarios_capturable_eager_are_bitwise_plain_on_cpu(scenario):
     """The training loop with Muon(capturable=True) stepped eagerly against Muon(capturable=False):
     the contract the GPU gate extends to the replayed graph. Smaller than `tiny`: bf16 matmuls are slow
@@ -81,9 +81,9 @@ def test_muon_scenarios_capturable_eager_are_bitwise_plain_on_cpu(scenario):
     preset = gc._preset("cpu", layers=1, d=32, steps=8, scenarios=gc.ALL)
     buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
     steps = preset.params["steps"]
-    plain = optim_loop.train("muon", scenario, buffers, steps)
-    capturable = optim_loop.train("muon", scenario, buffers, steps, wrap=lambda optimizer, params: optimizer)
-    assert plain.keys() == capturable.keys() and len(plain) == (steps + 1) * len(optim_loop.param_names(buffers))
+    plain = optimizer_runs.train("muon", scenario, buffers, steps)
+    capturable = optimizer_runs.train("muon", scenario, buffers, steps, wrap=lambda optimizer, params: optimizer)
+    assert plain.keys() == capturable.keys() and len(plain) == (steps + 1) * len(optimizer_runs.param_names(buffers))
     checks = [parity.bitwise_check(name, capturable[name], plain[name]) for name in plain]
     failures = [check.message for check in checks if not check.passed]
     assert not failures, failures[:3]

@@ -305,14 +305,14 @@ def test_the_sonicmoe_build_refuses_a_layer_that_is_not_the_arms(monkeypatch):
     buffers = GATE.make_buffers(preset, 1, CPU)
     case = next(c for c in GATE.benches if c.name == "fwd+bwd")
     monkeypatch.setattr(moe_bwd, "sonicmoe_experts", _sonicmoe_in_torch())
-    grads = moe_bwd._build_sonicmoe(case, buffers, preset)()
+    grads = moe_bwd.build_sonicmoe(case, buffers, preset)()
     assert len(grads) == 4 and grads[1].shape == moe_bwd.sonicmoe_layout([buffers[n] for n in
                                                                           ("w_gate", "w_up", "w_down")])[0].shape
     monkeypatch.setattr(moe_bwd, "sonicmoe_experts", _sonicmoe_in_torch(slice(1, None, 2), slice(0, None, 2)))
     with pytest.raises(ValueError, match="SonicMoE's output differs from the arm's by relative L2"):
-        moe_bwd._build_sonicmoe(case, buffers, preset)
+        moe_bwd.build_sonicmoe(case, buffers, preset)
 
 
 def test_sonicmoe_says_why_it_cannot_run_here():
-    assert moe_bwd._sonicmoe_missing(CPU) == "SonicMoE runs on CUDA devices only"
+    assert moe_bwd.sonicmoe_missing(CPU) == "SonicMoE runs on CUDA devices only"
     assert "sonicmoe" in moe_bwd.STRONGEST_PEERS

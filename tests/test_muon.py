@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gates.optim_loop import muon_float64
+from gates.optimizer_runs import muon_float64
 from suite.arms.muon import Muon, muon_scale, newton_schulz
 
 

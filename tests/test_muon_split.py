@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 
-from gates.optim_loop import newton_schulz_float64
+from gates.optimizer_runs import newton_schulz_float64
 from suite.arms.muon import Muon, muon_scale
 from tests.test_muon import assert_bitwise
 

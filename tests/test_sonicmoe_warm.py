@@ -18,8 +18,8 @@ def warm(monkeypatch):
         built.append(preset.name)
         return lambda: buffers["x"].sum()
 
-    monkeypatch.setattr(module, "_sonicmoe_missing", lambda device: None)
-    monkeypatch.setattr(module, "_build_sonicmoe", build)
+    monkeypatch.setattr(module, "sonicmoe_missing", lambda device: None)
+    monkeypatch.setattr(module, "build_sonicmoe", build)
     module.built = built
     return module
 

@@ -65,7 +65,7 @@ class Checkpoint(NamedTuple):
 # ---- state <-> (JSON structure, tensors) ---------------------------------------------------------
 
 
-def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
+def split_state(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple, str]) -> Any:
     """`value` as JSON with each tensor replaced by a reference to its entry in `tensors`."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
@@ -85,29 +85,29 @@ def _split(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[t
     if isinstance(value, float):
         return value if math.isfinite(value) else {"__float__": repr(value)}
     if isinstance(value, tuple):
-        return {"__tuple__": [_split(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]}
+        return {"__tuple__": [split_state(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_split(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]
+        return [split_state(v, f"{path}[{i}]", tensors, seen) for i, v in enumerate(value)]
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and not any(k.startswith("__") for k in value):
-            return {k: _split(v, f"{path}[{k!r}]", tensors, seen) for k, v in value.items()}
+            return {k: split_state(v, f"{path}[{k!r}]", tensors, seen) for k, v in value.items()}
         items = []
         for k, v in value.items():
             if not isinstance(k, (str, int, float, bool)) and k is not None:
                 raise UsageError(f"save_checkpoint: {path} has a key of type {type(k).__name__}; "
                                  "a checkpoint's dict keys are strings, numbers, booleans or None")
-            items.append([k, _split(v, f"{path}[{k!r}]", tensors, seen)])
+            items.append([k, split_state(v, f"{path}[{k!r}]", tensors, seen)])
         return {"__items__": items}
     raise UsageError(f"save_checkpoint: {path} is a {type(value).__name__}; a checkpoint holds tensors, numbers, "
                      "strings, booleans, None, and lists, tuples and dicts of them")
 
 
-def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None,
+def join_state(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torch.device | None,
           placed: dict[str, torch.Tensor]) -> Any:
     """`value` with each tensor reference replaced by its tensor on its device (or map_location),
     once per entry, so tied tensors come back tied."""
     if isinstance(value, list):
-        return [_join(v, tensors, map_location, placed) for v in value]
+        return [join_state(v, tensors, map_location, placed) for v in value]
     if not isinstance(value, dict):
         return value
     if "__tensor__" in value:
@@ -116,12 +116,12 @@ def _join(value: Any, tensors: dict[str, torch.Tensor], map_location: str | torc
             placed[name] = tensors[name].to(map_location if map_location is not None else _saved_on(value["device"]))
         return placed[name]
     if "__tuple__" in value:
-        return tuple(_join(v, tensors, map_location, placed) for v in value["__tuple__"])
+        return tuple(join_state(v, tensors, map_location, placed) for v in value["__tuple__"])
     if "__float__" in value:
         return float(value["__float__"])
     if "__items__" in value:
-        return {k: _join(v, tensors, map_location, placed) for k, v in value["__items__"]}
-    return {k: _join(v, tensors, map_location, placed) for k, v in value.items()}
+        return {k: join_state(v, tensors, map_location, placed) for k, v in value["__items__"]}
+    return {k: join_state(v, tensors, map_location, placed) for k, v in value.items()}
 
 
 def _saved_on(device: str) -> torch.device:
@@ -157,7 +157,7 @@ def _chunk_digest(pieces: list[memoryview]) -> bytes:
     return digest.digest()
 
 
-class _ChunkedSha256:
+class ChunkedSha256:
     """A file's sha256 as a format-2 stamp holds it: the sha256 of the concatenated sha256
     digests of its HASH_CHUNK_BYTES-long chunks (the last one shorter), in file order. Each chunk
     is hashed on its own by a pool of threads (hashlib leaves the GIL), so hashing keeps pace
@@ -195,14 +195,14 @@ class _ChunkedSha256:
         return hashlib.sha256(b"".join(self.digests)).hexdigest()
 
 
-def _entry(written: int, digest: _ChunkedSha256) -> dict[str, Any]:
+def _entry(written: int, digest: ChunkedSha256) -> dict[str, Any]:
     return {"bytes": written, "sha256": digest.hexdigest(), "chunk_bytes": digest.chunk_bytes}
 
 
-def _write(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]:
+def write_file(path: Path, data: bytes, at: Callable[[str], None]) -> dict[str, Any]:
     """`data` written in pieces, hashed as written, fsynced; its stamp entry."""
     with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        digest = _ChunkedSha256(pool)
+        digest = ChunkedSha256(pool)
         at(f"{path.name}: opened")
         view = memoryview(data)
         for start in range(0, len(view), CHUNK_BYTES):
@@ -254,7 +254,7 @@ def _host_views(tensors: dict[str, torch.Tensor], ahead: int = 2) -> Iterator[me
     """Each tensor's host bytes in order, copied `ahead` (>= 1) tensors early on a worker thread
     (the copies leave the GIL): a GPU state's device-to-host copies overlap the writes. The host
     holds a few tensors' copies instead of the whole state's: `ahead` + 1 here, and those whose
-    chunks still wait for the hash (at most HASH_BACKLOG chunks, see _write_tensors)."""
+    chunks still wait for the hash (at most HASH_BACKLOG chunks, see write_tensors)."""
     if ahead < 1:
         raise ValueError(f"_host_views: ahead must be >= 1, got {ahead}")
     items = list(tensors.values())
@@ -268,7 +268,7 @@ def _host_views(tensors: dict[str, torch.Tensor], ahead: int = 2) -> Iterator[me
             yield queued.popleft().result()
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[str], None]) -> dict[str, Any]:
     """The tensors written in pieces as their host copies arrive, each chunk hashed on the pool
     while the next are written; the fsync waits on the disk while the pool finishes."""
     header = _safetensors_header(tensors)
@@ -276,7 +276,7 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], at: Callable[[s
         torch.cuda.current_stream(device).synchronize()  # the copier's stream sees the caller's work done
     written = 0
     with open(path, "wb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
-        digest = _ChunkedSha256(pool)
+        digest = ChunkedSha256(pool)
         at(f"{path.name}: opened")
         for view in itertools.chain([memoryview(header)], _host_views(tensors)):
             for start in range(0, len(view), CHUNK_BYTES):
@@ -311,13 +311,13 @@ def write_checkpoint_files(directory: Path, state: dict[str, Any], step: int,
                            at: Callable[[str], None] = lambda point: None) -> None:
     """The checkpoint's files into an existing empty `directory`: tensors, state, then the stamp."""
     tensors: dict[str, torch.Tensor] = {}
-    structure = _split(state, "state", tensors, {})
-    files = {TENSORS: _write_tensors(directory / TENSORS, tensors, at),
-             STATE: _write(directory / STATE, json.dumps(structure).encode(), at)}
+    structure = split_state(state, "state", tensors, {})
+    files = {TENSORS: write_tensors(directory / TENSORS, tensors, at),
+             STATE: write_file(directory / STATE, json.dumps(structure).encode(), at)}
     meta = {"format_version": FORMAT_VERSION, "step": int(step), "files": files, "versions": _versions(),
             "saved_utc": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    meta["stamp_sha256"] = _stamp_digest(meta)
-    _write(directory / META, json.dumps(meta, indent=2).encode(), at)
+    meta["stamp_sha256"] = stamp_digest(meta)
+    write_file(directory / META, json.dumps(meta, indent=2).encode(), at)
 
 
 def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, overwrite: bool = False,
@@ -374,14 +374,14 @@ def _holds_checkpoint(directory: Path) -> bool:
         names = {p.name for p in directory.iterdir()}
     except (jsonfile.Unreadable, OSError, KeyError, TypeError):
         return False
-    return (isinstance(files, dict) and meta.get("stamp_sha256") == _stamp_digest(meta)
+    return (isinstance(files, dict) and meta.get("stamp_sha256") == stamp_digest(meta)
             and names <= set(files) | {META})
 
 
 # ---- reading -----------------------------------------------------------------------------------
 
 
-def _stamp_digest(meta: dict[str, Any]) -> str:
+def stamp_digest(meta: dict[str, Any]) -> str:
     """The stamp's own hash, over everything in it but this field: an edited stamp shows."""
     body = {k: v for k, v in meta.items() if k != "stamp_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -457,7 +457,7 @@ def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], d
                               "for each file")
     if not {STATE, TENSORS} <= set(files):
         raise CheckpointError(f"{root / META} does not name {STATE} and {TENSORS}: not a checkpoint stamp")
-    if meta.get("stamp_sha256") != _stamp_digest(meta):
+    if meta.get("stamp_sha256") != stamp_digest(meta):
         raise CheckpointError(f"{root / META} does not match its own hash: the stamp was edited after the save")
     present = {p.name for p in root.iterdir()}
     stray = sorted(present - set(files) - {META})
@@ -514,7 +514,7 @@ def _state_structure(root: Path, contents: dict[str, Any], keep: bool) -> Any:
 def _hasher(pool: ThreadPoolExecutor, chunk_bytes: int):
     """The stamp's hash of a file as its entry says: format 2's over chunks of chunk_bytes, or
     (chunk_bytes 0) format 1's plain sha256, fed in order on the caller's thread."""
-    return _ChunkedSha256(pool, chunk_bytes) if chunk_bytes else hashlib.sha256()
+    return ChunkedSha256(pool, chunk_bytes) if chunk_bytes else hashlib.sha256()
 
 
 def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor, int, str]:
@@ -643,7 +643,7 @@ def load_checkpoint(directory: str | Path, map_location: str | torch.device | No
     """The state saved at `directory`, after its stamp and every hash are verified: decoded from
     the very bytes that were hashed."""
     meta, contents = _read(Path(directory), verify=True, keep=True)
-    return Checkpoint(state=_join(contents[STATE], contents[TENSORS], map_location, {}), step=meta["step"], meta=meta)
+    return Checkpoint(state=join_state(contents[STATE], contents[TENSORS], map_location, {}), step=meta["step"], meta=meta)
 
 
 def _names(base: Path) -> set[str]:

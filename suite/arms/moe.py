@@ -84,7 +84,7 @@ class Routing:
     z_loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # route() and routing_from_topk() skip this (_trusted_routing): they build valid layouts
+        # route() and routing_from_topk() skip this (trusted_routing): they build valid layouts
         _check_routing_shapes(self)
         _check_routing_indices(self)
 
@@ -108,7 +108,7 @@ class Routing:
         return self.row_id_map.view(self.num_tokens, self.k) >= 0
 
 
-def _trusted_routing(**fields) -> Routing:
+def trusted_routing(**fields) -> Routing:
     """A Routing that route() or routing_from_topk() laid out: valid by construction, so it
     skips the checks (a few dozen launches) that one built by hand gets."""
     routing = object.__new__(Routing)
@@ -275,7 +275,7 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     run = _route_op if torch.compiler.is_compiling() else _RouteFunction.apply
     probs, expert_ids, offsets, row_id_map, source_of_row, token_of_row, routed_counts, _, z = run(
         logits, k, renormalize, num_tokens * k if capacity is None else capacity, max_rows, z_loss)
-    return _trusted_routing(
+    return trusted_routing(
         probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
         token_of_row=token_of_row, routed_counts=routed_counts, num_experts=num_experts, k=k, capacity=capacity,
         max_rows=max_rows, z_loss=z if z_loss else None,
@@ -408,7 +408,7 @@ def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, cap
     else:
         indices = _layout_indices(expert_ids, num_experts, capacity)
     offsets, row_id_map, source_of_row, token_of_row, routed_counts = indices
-    return _trusted_routing(
+    return trusted_routing(
         probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
         token_of_row=token_of_row, routed_counts=routed_counts, num_experts=num_experts, k=k, capacity=capacity,
         max_rows=max_rows,
@@ -657,7 +657,7 @@ class _LayerFunction(torch.autograd.Function):
         return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
 
 
-def _fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
+def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
     """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
     MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
     _check_route_args("MoEExperts", logits, k, capacity_factor)
@@ -821,7 +821,7 @@ class MoEExperts(nn.Module):
                 and moe_route_kernels.runs_on(logits)):
             # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
             # backward through it or the next forward, as the output does
-            out, self.last_z_loss = _fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
+            out, self.last_z_loss = fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
                                                  self.renormalize, self._capacity, self.z_loss)
             return out.view(x.shape)
         routing = route(logits, self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)

@@ -1,4 +1,4 @@
-"""What the optimizer gates share: a training loop over saved gradient sets, its scenarios, and a
+"""The runs the optimizer gates share: a training loop over saved gradient sets, its scenarios, and a
 float64 Muon to judge against. Not a gate itself (gates/__init__.py lists those).
 
 train() runs K steps from saved initial parameters through K saved gradient sets, stepping the
