@@ -507,7 +507,8 @@ def show_report(
     fmt: Annotated[str, typer.Option("--format", help="md, json or junit.")] = "md",
 ) -> None:
     """Render a saved JSON report again."""
-    from suite.harness.render import render_junit, render_markdown, to_json
+    from suite.harness.render import render_markdown, to_json
+    from suite.harness.render_ci import render_junit
     from suite.harness.results import load_report
 
     renderers = {"md": render_markdown, "json": to_json, "junit": render_junit}

@@ -16,28 +16,39 @@ real models' layers at 8192 tokens in bf16, and the edge cases at a smaller size
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from suite.arms import moe_kernels, moe_route_kernels
 from suite.arms.moe import (
+    Routing,
     expert_rows,
     experts,
     experts_reference,
-    experts_truth,
+    launch,
     route,
+    route_kernels,
     route_reference,
     router_z_loss,
     routing_from_topk,
-    routing_truth,
 )
-from suite.device_profile import active_profile
+from gates.moe_peers import (
+    COMPILED_AT,
+    combine_backward_in_torch,
+    compiled,
+    gate_up_layout,
+    grouped_mm_experts,
+    grouped_mm_gate_up,
+    grouped_mm_missing,
+    padded_bmm,
+    sonicmoe_experts,
+    sonicmoe_layout,
+    sonicmoe_missing,
+    transformers_experts,
+    transformers_missing,
+)
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -194,7 +205,7 @@ def _route(buffers: Buffers, preset: Preset, route_fn=route, ties_to_higher_id: 
         return logits, route_fn(logits, p["top_k"], capacity_factor=p["capacity_factor"], z_loss=True)
     routed = route(logits.detach(), p["top_k"], capacity_factor=p["capacity_factor"])
     capacity = routed.capacity if routed.capacity is not None else routed.row_id_map.numel()
-    _, chosen, *_ = moe_route_kernels.route_forward(logits.detach(), p["top_k"], True, capacity, routed.max_rows,
+    _, chosen, *_ = route_kernels.route_forward(logits.detach(), p["top_k"], True, capacity, routed.max_rows,
                                                     False, ties_to_higher_id=True)
     picked = torch.softmax(logits.float(), dim=-1).gather(1, chosen.long())
     routing = routing_from_topk(chosen, picked / picked.sum(-1, keepdim=True), logits.shape[1], p["capacity_factor"])
@@ -245,6 +256,51 @@ def arm(buffers: Buffers, preset: Preset) -> Outputs:
     return _forward_backward(experts, route, buffers, preset, lambda logits, routing: routing.z_loss)
 
 
+def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> dict[str, torch.Tensor]:
+    """The layer in closed form in float64, apart from any autograd, one expert at a time (its
+    temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
+    "dw_down" and "dprobs". What this gate and the tests judge errors against."""
+    x, probs = x.double(), routing.probs.detach().double()
+    chosen, kept = routing.expert_ids.long(), routing.kept
+    out = torch.zeros_like(x)
+    grads = grad_out is not None
+    if grads:
+        grad_out = grad_out.double()
+        dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
+        dws = [torch.zeros(w.shape, dtype=torch.float64, device=x.device) for w in (w_gate, w_up, w_down)]
+    for e in range(routing.num_experts):
+        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
+        wg, wu, wd = w_gate[e].double(), w_up[e].double(), w_down[e].double()
+        v = x[tokens]
+        g, u = v @ wg, v @ wu
+        sig = torch.sigmoid(g)
+        h = g * sig * u
+        y = h @ wd
+        p = probs[tokens, slots][:, None]
+        out.index_add_(0, tokens, p * y)
+        if grads:
+            dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
+            dy = grad_out[tokens] * p
+            dh = dy @ wd.T
+            dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+            dws[0][e], dws[1][e], dws[2][e] = v.T @ dg, v.T @ du, h.T @ dy
+            dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
+    if not grads:
+        return {"out": out}
+    return {"out": out, "dx": dx, "dw_gate": dws[0], "dw_up": dws[1], "dw_down": dws[2], "dprobs": dprobs}
+
+
+def routing_truth(logits: torch.Tensor, routing: Routing, renormalize: bool = True):
+    """(probs, wide_logits) in float64: the routing's chosen probabilities recomputed from the
+    logits (the choice held fixed), differentiable to wide_logits, a float64 leaf:
+    `torch.autograd.grad(probs, wide_logits, dprobs)` is the logits' gradient."""
+    wide = logits.detach().double().requires_grad_()
+    probs = torch.softmax(wide, dim=-1).gather(1, routing.expert_ids.long())
+    if renormalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, wide
+
+
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
     """`experts_truth` and `routing_truth`: closed form in float64, independent of the
     reference's autograd; the choices are the reference routing's, its probabilities recomputed
@@ -271,21 +327,21 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
     z_loss = torch.logsumexp(logits.float(), dim=-1).mean() if z_unsquared else routing.z_loss
     x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
     probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
-    a, g, u = moe_kernels.expert_up(x, w_gate, w_up, tor, offsets)
-    y_rows = moe_kernels.expert_down(a, w_down, offsets)
-    out = moe_kernels.combine(y_rows, row_id_map, probs)
-    grad_rows, dprobs = moe_kernels.combine_backward(grad_out, y_rows, probs, row_id_map)
+    a, g, u = launch.expert_up(x, w_gate, w_up, tor, offsets)
+    y_rows = launch.expert_down(a, w_down, offsets)
+    out = launch.combine(y_rows, row_id_map, probs)
+    grad_rows, dprobs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
     if bf16_dprobs:
-        _, dprobs = moe_kernels.combine_backward(grad_out.bfloat16(), y_rows.bfloat16(), probs, row_id_map)
+        _, dprobs = launch.combine_backward(grad_out.bfloat16(), y_rows.bfloat16(), probs, row_id_map)
     if dropped_unwritten:
         dprobs = torch.where(routing.kept, dprobs, torch.empty_like(dprobs))
-    dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
-    dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
+    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
     if dx_gate_term_only:
-        dx_rows, _, _ = moe_kernels.expert_up_backward(dg, torch.zeros_like(du), x, w_gate, w_up, tor, offsets)
+        dx_rows, _, _ = launch.expert_up_backward(dg, torch.zeros_like(du), x, w_gate, w_up, tor, offsets)
     if slot_order is not None:
         row_id_map = slot_order(row_id_map.view(routing.num_tokens, routing.k)).reshape(-1).contiguous()
-    dx = moe_kernels.combine(dx_rows, row_id_map, top_k=routing.k)
+    dx = launch.combine(dx_rows, row_id_map, top_k=routing.k)
     return {"out": out, "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down, "dprobs": dprobs,
             "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
             **_routing_outputs(routing)}
@@ -338,153 +394,6 @@ def _leaves(buffers: Buffers, preset: Preset):
     return x, weights, routing
 
 
-def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    return (F.silu(g.float()) * u.float()).to(g.dtype)
-
-
-def _combine_in_torch(y_rows: torch.Tensor, routing) -> torch.Tensor:
-    """out[t] = sum over kept slots of probs * y_rows[row], fp32, dropped slots weighted 0."""
-    rows = routing.row_id_map.long()
-    weight = torch.where(rows >= 0, routing.probs.reshape(-1), 0.0)
-    slots = y_rows[rows.clamp(min=0)].float() * weight[:, None]
-    return slots.view(routing.num_tokens, routing.k, -1).sum(1).to(y_rows.dtype)
-
-
-def grouped_mm_experts(x, routing, w_gate, w_up, w_down) -> torch.Tensor:
-    """The experts' three GEMMs on torch._grouped_mm over the same expert-sorted rows, the
-    gathers and the combine in torch. Rows past R (capacity drops only) hold whatever the GEMMs
-    leave there and reach nothing but a zero weight."""
-    ends = routing.offsets[1:]
-    x_rows = x[routing.token_of_row.long().clamp(min=0)]
-    g = torch._grouped_mm(x_rows, w_gate, offs=ends)
-    u = torch._grouped_mm(x_rows, w_up, offs=ends)
-    y_rows = torch._grouped_mm(_swiglu(g, u), w_down, offs=ends)
-    return _combine_in_torch(y_rows, routing)
-
-
-def gate_up_layout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The weights as transformers 5 stores a model's experts: gate_up_proj [E, 2f, d] (gate then
-    up, each row an output feature) and down_proj [E, d, f]; fresh leaves, made at build time."""
-    w_gate, w_up, w_down = (w.detach() for w in weights)
-    gate_up = torch.cat([w_gate, w_up], dim=2).transpose(1, 2).contiguous()
-    return [nn.Parameter(gate_up), nn.Parameter(w_down.transpose(1, 2).contiguous())]
-
-
-def grouped_mm_gate_up(x, routing, gate_up, down) -> torch.Tensor:
-    """transformers 5's grouped_mm experts on the same expert-sorted rows: gate and up in one
-    torch._grouped_mm over the concatenated weight, torch's own silu * up in x's dtype, the
-    down projection, the combine in torch."""
-    ends = routing.offsets[1:]
-    x_rows = x[routing.token_of_row.long().clamp(min=0)]
-    gate, up = torch._grouped_mm(x_rows, gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
-    y_rows = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=ends)
-    return _combine_in_torch(y_rows, routing)
-
-
-# Compiled peers are timed at the model presets alone: compiling a forward and backward costs
-# seconds of the host's time per contender and shape (each report's cold_ms), which `suite run`
-# (top2-small) keeps for timing within its budget.
-COMPILED_AT = ("olmoe", "qwen3-30b-a3b", "mixtral")
-_compiled: dict[tuple, Callable] = {}
-
-
-def compiled(fn: Callable, preset: Preset) -> Callable:
-    """fn under torch.compile(fullgraph=True, dynamic=False), once per preset: its cases, modes
-    and rotated inputs share the compiled code. A new preset starts dynamo afresh: past its
-    recompile limit (8 shapes of one function) it would run the eager code without a word."""
-    if preset.name not in COMPILED_AT:
-        raise ValueError(f"compiled peers are timed at {', '.join(COMPILED_AT)} only (compile time)")
-    key = (fn, preset.name, tuple(sorted(preset.params.items())))
-    if key not in _compiled:
-        if not any(k[1:] == key[1:] for k in _compiled):
-            torch._dynamo.reset()
-            _compiled.clear()
-        _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False)
-    return _compiled[key]
-
-
-def transformers_experts(routing) -> Callable:
-    """transformers' own experts (an OLMoE experts module of this shape, its experts
-    implementation "grouped_mm"), called as a model calls it: with the top-k ids and weights,
-    its own sort and gathers included. Weights in its layout (gate_up_layout)."""
-    from transformers import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
-
-    if routing.capacity is not None:
-        raise ValueError("transformers' experts take no capacity factor: every routed slot is computed")
-    top_k_index = routing.expert_ids.long()
-    modules = {}  # one module per weight set (a rotation's inputs each have their own)
-
-    def run(x, routing, gate_up, down):
-        module = modules.get(id(gate_up))
-        if module is None:
-            num_experts, two_f, d = gate_up.shape
-            config = OlmoeConfig(hidden_size=d, intermediate_size=two_f // 2, num_experts=num_experts,
-                                 num_experts_per_tok=routing.k, hidden_act="silu")
-            config._experts_implementation = "grouped_mm"
-            module = modules[id(gate_up)] = OlmoeExperts(config)
-            module.gate_up_proj, module.down_proj = gate_up, down  # its parameters are the timed leaves
-        return module(x, top_k_index, routing.probs)
-
-    return run
-
-
-def _transformers_missing(device: torch.device) -> str | None:
-    try:
-        import transformers
-        from transformers.models.olmoe.modeling_olmoe import OlmoeExperts  # noqa: F401
-    except ImportError:
-        return "transformers is not installed (pip install 'suite[hf]')"
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return f"transformers {transformers.__version__} has no experts interface (needs >= 5)"
-    return _grouped_mm_missing(device)
-
-
-def sonicmoe_layout(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The weights as SonicMoE's MoE module keeps them: c_fc [E, 2f, d] with gate and up rows
-    interleaved (gate i at row 2i, up i at 2i + 1) and c_proj [E, d, f]; fresh leaves."""
-    w_gate, w_up, w_down = (w.detach() for w in weights)
-    c_fc = torch.stack([w_gate.transpose(1, 2), w_up.transpose(1, 2)], dim=2).flatten(1, 2).contiguous()
-    return [nn.Parameter(c_fc), nn.Parameter(w_down.transpose(1, 2).contiguous())]
-
-
-def sonicmoe_experts(routing) -> Callable:
-    """SonicMoE's experts (CuTe DSL grouped GEMMs on QuACK) on the same routing, given as the
-    (token, expert, score) triples of its moe_general_routing_inputs; its own layout metadata
-    kernel included, as a model calling it pays. Weights in its layout (sonicmoe_layout)."""
-    from sonicmoe import moe_general_routing_inputs
-    from sonicmoe.enums import ActivationType
-
-    if routing.capacity is not None:
-        raise ValueError("SonicMoE takes no capacity factor: every routed slot is computed")
-    tokens, k = routing.expert_ids.shape
-    device = routing.expert_ids.device
-    token_indices = torch.arange(tokens, dtype=torch.int32, device=device).repeat_interleave(k)
-    expert_indices = routing.expert_ids.reshape(-1).to(torch.int32)
-    stream = torch.cuda.current_stream(device).cuda_stream
-
-    def run(x, routing, c_fc, c_proj):
-        out, _ = moe_general_routing_inputs(x, routing.probs.reshape(-1), token_indices, expert_indices,
-                                            c_fc.permute(1, 2, 0), None, c_proj.permute(1, 2, 0), None,
-                                            c_fc.shape[0], stream, ActivationType.SWIGLU)
-        return out
-
-    return run
-
-
-def sonicmoe_missing(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return "SonicMoE runs on CUDA devices only"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):
-        return f"SonicMoE's kernels are for sm90 and sm100 cards; this one is sm{major}{minor}"
-    if importlib.util.find_spec("sonicmoe") is None:
-        return ("sonic-moe is not installed (its metadata pins torch <= 2.9.1, so: pip install --no-deps "
-                "sonic-moe quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi "
-                "torch-c-dlpack-ext einops)")
-    return None
-
-
 def build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
     """SonicMoE's build: one forward and backward first, against the arm's on the same routing
     and weights (the output, dx and dprobs, which no weight layout changes), so a layout mistaken
@@ -503,44 +412,6 @@ def build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callabl
             raise ValueError(f"SonicMoE's {name} differs from the arm's by relative L2 {error:.3g} on the same "
                              "routing and weights: not the same layer")
     return _build(lambda routing, _: sonicmoe_experts(routing), sonicmoe_layout)(case, buffers, preset)
-
-
-def padded_bmm(routing) -> Callable:
-    """The experts as batched GEMMs over [E, C, ...], every expert padded to the largest one's
-    C rows (read on the host here, once, as padded implementations do per step)."""
-    counts = routing.offsets.diff().long()
-    capacity = max(int(counts.max()), 1)
-    slot = torch.arange(capacity, device=counts.device)
-    valid = slot[None, :] < counts[:, None]  # [E, C]
-    sorted_row = (routing.offsets[:-1, None].long() + slot[None, :]).clamp(max=max(routing.max_rows - 1, 0))
-    token = torch.where(valid, routing.token_of_row.long()[sorted_row], 0).reshape(-1)
-    source = torch.where(valid, routing.source_of_row.long()[sorted_row], 0).reshape(-1)
-    mask = valid.reshape(-1, 1)
-
-    def run(x, routing, w_gate, w_up, w_down):
-        num_experts = w_gate.shape[0]
-        x_pad = (x[token] * mask).view(num_experts, capacity, -1)
-        h = _swiglu(torch.bmm(x_pad, w_gate), torch.bmm(x_pad, w_up))
-        y = torch.bmm(h, w_down).view(num_experts * capacity, -1)
-        weight = torch.where(mask[:, 0], routing.probs.reshape(-1)[source], 0.0)
-        out = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-        return out.index_add(0, token, weight[:, None] * y.float()).to(x.dtype)
-
-    return run
-
-
-def _combine_backward_in_torch(grad_out, y_rows, probs, routing):
-    """The combine's backward in eager torch: grad_rows [max_rows, d], grad_probs fp32 [T, k]."""
-    rows = routing.row_id_map.long()
-    kept = rows >= 0
-    tokens = torch.arange(rows.numel(), device=rows.device) // routing.k
-    grad_slots = grad_out[tokens].float()
-    # dropped slots write one spare row past the end, cut off after (a mask would sync)
-    target = torch.where(kept, rows, routing.max_rows)
-    grad_rows = torch.empty(routing.max_rows + 1, grad_out.shape[1], device=grad_out.device, dtype=grad_out.dtype)
-    grad_rows.index_copy_(0, target, (grad_slots * probs.reshape(-1)[:, None]).to(grad_out.dtype))
-    dots = (grad_slots * y_rows[rows.clamp(min=0)].float()).sum(-1)
-    return grad_rows[:-1], torch.where(kept, dots, 0.0).view_as(probs)
 
 
 def _on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
@@ -598,8 +469,8 @@ def _build_combine_backward(kernel: bool) -> Callable[[BenchCase, Buffers, Prese
             x = buffers["x"]
             y_rows = x[routing.token_of_row.long().clamp(min=0)]  # any rows of the right shape
         if kernel:
-            return lambda: moe_kernels.combine_backward(grad_out, y_rows, probs, routing.row_id_map)
-        return lambda: _combine_backward_in_torch(grad_out, y_rows, probs, routing)
+            return lambda: launch.combine_backward(grad_out, y_rows, probs, routing.row_id_map)
+        return lambda: combine_backward_in_torch(grad_out, y_rows, probs, routing)
 
     return build
 
@@ -620,25 +491,6 @@ def _per_case(experts_build, combine_build):
     return build
 
 
-def _grouped_mm_missing(device: torch.device) -> str | None:
-    """torch._grouped_mm runs on every CUDA card of SM80 and up, but (torch's GroupedBlas.cpp)
-    only SM90 and SM100 take its CUTLASS kernels; any other card, the RTX's sm_120 among them,
-    takes its fallback: the offsets copied to the host (a sync each call) and one mm per
-    expert. That fallback is what an RTX user gets, so on such a card it is timed; the rtx
-    profile on a Hopper card would time the CUTLASS path instead, so there it is not."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if device.type != "cuda":
-        return "torch._grouped_mm's kernels are timed on CUDA devices only"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 8:
-        return f"torch._grouped_mm needs SM80 or newer; this device is sm_{major}{minor}"
-    if active_profile(device) == "rtx" and major != 12:
-        return ("the rtx profile stands in for the RTX card (sm_120), where torch._grouped_mm takes its fallback "
-                "(offsets read on the host, one mm per expert); this card would time its CUTLASS path instead")
-    return None
-
-
 EXPERT_CASES = ("fwd+bwd", "bwd")
 
 CONTENDERS = (
@@ -653,18 +505,18 @@ CONTENDERS = (
                    "route's routing kernels first)"),
     Contender("padded-bmm", "peer", _build(lambda routing, _: padded_bmm(routing)), cases=EXPERT_CASES,
               note="torch.bmm over every expert padded to the largest one's rows"),
-    Contender("grouped_mm", "peer", _build(lambda routing, _: grouped_mm_experts), unavailable=_grouped_mm_missing,
+    Contender("grouped_mm", "peer", _build(lambda routing, _: grouped_mm_experts), unavailable=grouped_mm_missing,
               cases=EXPERT_CASES,
               note="torch._grouped_mm for the three GEMMs on the same layout, gathers and combine in torch"),
     Contender("grouped_mm gate|up", "peer", _build(lambda routing, _: grouped_mm_gate_up, gate_up_layout),
-              unavailable=_grouped_mm_missing, cases=(*EXPERT_CASES, "layer"),
+              unavailable=grouped_mm_missing, cases=(*EXPERT_CASES, "layer"),
               note="transformers 5's layout: gate and up in one torch._grouped_mm, torch's silu * up"),
     Contender("grouped_mm gate|up compiled", "peer",
               _build(lambda routing, preset: compiled(grouped_mm_gate_up, preset), gate_up_layout),
-              unavailable=_grouped_mm_missing, cases=("fwd+bwd",),
+              unavailable=grouped_mm_missing, cases=("fwd+bwd",),
               note="the same under torch.compile(fullgraph=True): what a compiled model with those experts runs"),
     Contender("transformers grouped_mm", "peer", _build(lambda routing, _: transformers_experts(routing), gate_up_layout),
-              unavailable=_transformers_missing, cases=EXPERT_CASES,
+              unavailable=transformers_missing, cases=EXPERT_CASES,
               note="transformers' OLMoE experts, implementation grouped_mm, from the top-k ids (its sort included)"),
     # fwd+bwd alone: "bwd" runs the backward of one forward again and again (retain_graph),
     # which a compiled backward that donates its buffers refuses

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host time per call of the MoE experts' entry points (suite.arms.moe_kernels) and, on a GPU,
+"""Host time per call of the MoE experts' entry points (suite.arms.moe.launch) and, on a GPU,
 of the layers: the experts' forward+backward under autograd (alone, and per layer of eight
 chained into one backward, as a model's layers share one), the routing alone, and a whole
 MoEExperts forward+backward from its input (router, routing, experts), and its two parts (the
@@ -39,7 +39,8 @@ from tabulate import tabulate
 if not torch.cuda.is_available():  # the launch paths Triton's interpreter takes, before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from suite.arms import moe, moe_kernels as mk  # noqa: E402
+from suite.arms import moe  # noqa: E402
+from suite.arms.moe import launch as mk  # noqa: E402
 from suite.triton_support import KeptLaunches  # noqa: E402
 from suite.harness.timers import CudaTimer, host_us_per_call  # noqa: E402
 

@@ -16,7 +16,7 @@ checked against the default's outputs (a different reduction step changes fp32 r
 Other entries time a kernel's work other ways (EXPERIMENTS, outside the sums): the gate/up weight
 gradient as two one-output launches, and on x rows already in sorted order (what the gather in
 its loop costs); the row GEMMs (up, d_a, down, dx) on the pointer-fed kernels, where the arm
-feeds them through TMA descriptors (`_tma_gemms`); the TMA ones in Triton's warp-specialized
+feeds them through TMA descriptors (`tma_gemms`); the TMA ones in Triton's warp-specialized
 loop; and each GEMM as torch._grouped_mm (CUTLASS on sm90/sm100) does it,
 gathering x by token first where the kernel gathers in its loop; each checked against the
 kernel's outputs.
@@ -63,7 +63,7 @@ KERNELS = (
     ("dw_gate_up", (1, 2), 4),
     ("dw_gate_up_separate", (1, 1), 4),
     ("dw_gate_up_presorted", (1, 2), 4),
-    # the row GEMMs with every operand through pointers (the arm's TMA-fed ones where `_tma_gemms` holds)
+    # the row GEMMs with every operand through pointers (the arm's TMA-fed ones where `tma_gemms` holds)
     ("expert_up_pointers", (1, 2), 4),
     ("expert_down_pointers", (1, 1), 2),
     ("swiglu_backward_pointers", (1, 1), 2),
@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the weights as MoEExperts stores them, or as transposed views of [E, out, in] storage "
                              "(a transformers model's experts)")
     parser.add_argument("--tma", default="rule", choices=("rule", "always"),
-                        help="the arm's row GEMMs through TMA descriptors where its size rule (`_tma_gemms`) says, or "
+                        help="the arm's row GEMMs through TMA descriptors where its size rule (`tma_gemms`) says, or "
                              "at any size (to measure a layer the rule leaves on the pointer kernels; sm90)")
     parser.add_argument("--replays", type=_positive, default=20, help="graph replays per figure; the median is kept")
     parser.add_argument("--json", default=None, help="where to write the figures (default $OUT/moe_tune.json; a relative path goes under $OUT when set)")
@@ -126,7 +126,7 @@ def gemm_candidates(n_a: int, n_b: int, itemsize: int, limit: int) -> list[Any]:
     """The sweep's configs for a kernel with n_a A tiles and n_b B tiles a step, within `limit`
     bytes of shared memory (their estimate, scratch included) and one 128x256 fp32 tile of
     accumulators (more spills registers)."""
-    from suite.arms.moe_kernels import GemmConfig
+    from suite.arms.moe.config import GemmConfig
 
     configs = []
     for block_m, block_n, block_k, stages, warps, group_m in GEMM_CANDIDATES:
@@ -143,48 +143,36 @@ def layer_flops(kernel_flops: int, rows: int, d: int, f: int) -> int:
 @contextlib.contextmanager
 def gemm_config(config):
     """Every grouped GEMM launched inside takes `config`, its operand counts kept."""
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import config as moe_config
 
-    chosen = mk._gemm_config
-    def forced(kind, *args, **kwargs):
-        (n_a, n_b), _ = mk.GEMM_KINDS[kind]
+    def forced(kind, *args):
+        (n_a, n_b), _ = moe_config.GEMM_KINDS[kind]
         return dataclasses.replace(config, n_a=n_a, n_b=n_b)
 
-    mk._gemm_config = forced
-    try:
+    with moe_config.forced(gemm=forced):
         yield
-    finally:
-        mk._gemm_config = chosen
 
 
 @contextlib.contextmanager
 def combine_config(config):
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import config as moe_config
 
-    chosen = mk._combine_config
-    mk._combine_config = lambda n_tokens, d, device: config
-    try:
+    with moe_config.forced(combine=lambda n_tokens, d, device: config):
         yield
-    finally:
-        mk._combine_config = chosen
 
 
 def recorded_gemm_configs(fn: Callable[[], Any]) -> list[Any]:
     """The configs the arm picks for fn's GEMM launches."""
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import config as moe_config
 
-    chosen, seen = mk._gemm_config, []
+    seen = []
 
-    def record(*args, **kwargs):
-        config = chosen(*args, **kwargs)
-        seen.append(config)
-        return config
+    def record(*args):
+        seen.append(moe_config.choose_gemm_config(*args))
+        return seen[-1]
 
-    mk._gemm_config = record
-    try:
+    with moe_config.forced(gemm=record):
         fn()
-    finally:
-        mk._gemm_config = chosen
     return seen
 
 
@@ -196,7 +184,7 @@ def build(preset_name: str, device, layout: str = "stored"):
     import torch
 
     import gates
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import launch as mk
     from suite.arms.moe import route
 
     gate = gates.get("moe-bwd")
@@ -229,7 +217,7 @@ def build(preset_name: str, device, layout: str = "stored"):
 
     def pointers(kind, two, w_strides, w2_strides=None, **through):  # a rows GEMM's launch on the pointer kernel
         n_k, n_n = (d, f) if kind == "swiglu_grad" else (f, d)
-        return mk._rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, two, dtype,
+        return mk.rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides or w_strides, two, dtype,
                                device, **(through or {"tma": False}))
 
     made = {}  # torch._grouped_mm returns new tensors: the experiments leave theirs here
@@ -244,11 +232,11 @@ def build(preset_name: str, device, layout: str = "stored"):
 
     def swiglu_backward_grouped_mm():
         d_a = torch._grouped_mm(grad_rows, wd_t, offs=ends)
-        mk._swiglu_backward(d_a, g, u, offsets, dg_other, du_other)
+        mk.swiglu_backward(d_a, g, u, offsets, dg_other, du_other)
 
     def dw_gate_up_grouped_mm():
         torch.index_select(x, 0, sources, out=x_gathered)
-        grouped("dw_gate_up_grouped_mm", *mk._vendor_dw_gate_up(x_gathered, dg, du, offsets))
+        grouped("dw_gate_up_grouped_mm", *mk.vendor_dw_gate_up(x_gathered, dg, du, offsets))
 
     s_e, s_f, s_d = wd.stride()
     g_e, g_d, g_f = wg.stride()
@@ -256,18 +244,18 @@ def build(preset_name: str, device, layout: str = "stored"):
     kernels = {
         "expert_up": lambda: mk.expert_up(x, wg, wu, tor, offsets, out=a, gate_out=g, up_out=u),
         "expert_down": lambda: mk.expert_down(a, wd, offsets, out=y),
-        "dw_down": lambda: mk._weight_grad(a, None, grad_rows, offsets, dw_down),
+        "dw_down": lambda: mk.weight_grad(a, None, grad_rows, offsets, dw_down),
         "swiglu_backward": lambda: (
-            mk._grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, du),
-            mk._swiglu_backward(du, g, u, offsets, dg, du)),
-        "dx_rows": lambda: mk._grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
+            mk.grouped_rows("swiglu_grad", grad_rows, wd, (s_e, s_d, s_f), offsets, du),
+            mk.swiglu_backward(du, g, u, offsets, dg, du)),
+        "dx_rows": lambda: mk.grouped_rows("dx", dg, wg, (g_e, g_f, g_d), offsets, dx_rows, a2=du, w2=wu,
                                             w2_strides=(u_e, u_f, u_d)),
-        "dw_gate_up": lambda: mk._weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
+        "dw_gate_up": lambda: mk.weight_grad(x, tor, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
         # the gate and up weight gradients as two one-output launches at the dW_down kind's tile
-        "dw_gate_up_separate": lambda: (mk._weight_grad(x, tor, dg, offsets, dw_gate),
-                                        mk._weight_grad(x, tor, du, offsets, dw_up)),
+        "dw_gate_up_separate": lambda: (mk.weight_grad(x, tor, dg, offsets, dw_gate),
+                                        mk.weight_grad(x, tor, du, offsets, dw_up)),
         # the same kernel reading x's rows already in the sorted order (no gather in its loop)
-        "dw_gate_up_presorted": lambda: mk._weight_grad(x_sorted, None, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
+        "dw_gate_up_presorted": lambda: mk.weight_grad(x_sorted, None, dg, offsets, dw_gate, grad2=du, dw2=dw_up),
         "combine_backward": lambda: mk.combine_backward(grad_out, y, probs, row_map, grad_rows_out=grad_rows,
                                                         grad_probs_out=grad_probs),
         "expert_up_grouped_mm": up_grouped_mm,
@@ -278,16 +266,16 @@ def build(preset_name: str, device, layout: str = "stored"):
         "dx_rows_grouped_mm": lambda: grouped("dx_rows_grouped_mm", torch._grouped_mm(dg, wg.transpose(1, 2), offs=ends)
                                               .add_(torch._grouped_mm(du, wu.transpose(1, 2), offs=ends))),
         "dw_gate_up_grouped_mm": dw_gate_up_grouped_mm,
-        "expert_up_pointers": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(),
+        "expert_up_pointers": lambda: mk.up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(),
                                                     dtype, device, tma=False)(x, wg, wu, tor, offsets, a_ptr, g_ptr,
                                                                               u_ptr),
         "expert_down_pointers": lambda: pointers("rows", False, wd.stride())(a, a, wd, wd, offsets, y_ptr),
         "swiglu_backward_pointers": lambda: (
             pointers("swiglu_grad", False, (s_e, s_d, s_f))(grad_rows, grad_rows, wd, wd, offsets, du_ptr),
-            mk._swiglu_backward(du_ptr, g, u, offsets, dg_ptr, du_ptr)),
+            mk.swiglu_backward(du_ptr, g, u, offsets, dg_ptr, du_ptr)),
         "dx_rows_pointers": lambda: pointers("dx", True, (g_e, g_f, g_d), (u_e, u_f, u_d))(dg, du, wg, wu, offsets,
                                                                                             dx_ptr),
-        "expert_up_ws": lambda: mk._up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(), dtype,
+        "expert_up_ws": lambda: mk.up_launch(n_rows, n_experts, d, f, x.stride(0), wg.stride(), wu.stride(), dtype,
                                               device, warp_specialize=True)(x, wg, wu, tor, offsets, a_ws, g_ws, u_ws),
         "expert_down_ws": lambda: pointers("rows", False, wd.stride(), warp_specialize=True)(a, a, wd, wd, offsets,
                                                                                               y_ws),
@@ -331,15 +319,10 @@ def time_kernel(timer, fn: Callable[[], Any], replays: int) -> float:
 @contextlib.contextmanager
 def tma_rule(mode: str):
     """mode "always": the arm's row GEMMs through TMA descriptors whatever the layer's size."""
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import config as moe_config
 
-    rule = mk._tma_gemms
-    if mode == "always":
-        mk._tma_gemms = lambda *shape: True
-    try:
+    with moe_config.forced(tma=True) if mode == "always" else contextlib.nullcontext():
         yield
-    finally:
-        mk._tma_gemms = rule
 
 
 def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda figures: None) -> dict[str, Any]:
@@ -352,7 +335,7 @@ def tune_preset(name: str, args, timer, ceilings, device, kernel_done=lambda fig
 def _tune_preset(name: str, args, timer, ceilings, device, kernel_done) -> dict[str, Any]:
     import torch
 
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe import config as moe_config
     from suite.device_profile import smem_limit
 
     p, routing, kernels, outputs = build(name, device, args.layout)
@@ -411,9 +394,9 @@ def _tune_preset(name: str, args, timer, ceilings, device, kernel_done) -> dict[
     item = outputs["combine_backward"][0].element_size()
     nbytes = item * (tokens * d + 2 * tokens * k * d) + 12 * tokens * k
     fn, reference = kernels["combine_backward"], [t.clone() for t in outputs["combine_backward"]]
-    default = mk._combine_config(tokens, d, device)
+    default = moe_config.combine_config(tokens, d, device)
     entry = {"kernel": "combine_backward", "bytes": nbytes, "default": default.__dict__, "timings": []}
-    candidates = [default] + ([mk.CombineConfig(*c) for c in COMBINE_CANDIDATES] if args.sweep else [])
+    candidates = [default] + ([moe_config.CombineConfig(*c) for c in COMBINE_CANDIDATES] if args.sweep else [])
     for config in candidates:
         try:
             with combine_config(config):

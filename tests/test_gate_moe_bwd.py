@@ -131,7 +131,9 @@ def compiled_on_the_cpu(monkeypatch):
     timed, the peers' maths is."""
     from functools import partial
 
-    monkeypatch.setattr(moe_bwd, "COMPILED_AT", tuple(p.name for p in GATE.presets))
+    from gates import moe_peers
+
+    monkeypatch.setattr(moe_peers, "COMPILED_AT", tuple(p.name for p in GATE.presets))
     monkeypatch.setattr(torch, "compile", partial(torch.compile, backend="aot_eager"))
 
 

@@ -34,3 +34,46 @@ def test_the_library_imports_nothing_of_the_harness_the_gates_or_the_cli():
                 for path in _library_files() for name in _imports(path)
                 if any(name == side or name.startswith(side + ".") for side in HARNESS_SIDE)}
     assert not crossing, sorted(crossing)
+
+
+MAX_MODULE_LINES = 700
+SOURCES = ("suite", "gates", "scripts", "cli.py")
+
+
+def _sources() -> list[Path]:
+    files = []
+    for place in SOURCES:
+        path = ROOT / place
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def test_every_module_stays_within_its_size():
+    fat = {str(path.relative_to(ROOT)): lines for path in _sources() if path.parts[-2] != "scripts"
+           if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES}
+    assert not fat, f"split these along the data flow (at most {MAX_MODULE_LINES} lines): {fat}"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_outside_the_tests_uses_another_modules_private_names():
+    """A name with a leading underscore is its module's own: what another module needs is made
+    public, so a change to a private name cannot break a user elsewhere unseen."""
+    crossing = []
+    for path in _sources():
+        tree = ast.parse(path.read_text())
+        ours = {}  # names bound to the suite's or the gates' modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("suite", "gates"):
+                crossing += [f"{path.relative_to(ROOT)}: from {node.module} import {a.name}"
+                             for a in node.names if _private(a.name)]
+                ours.update({a.asname or a.name: node.module for a in node.names})
+            elif isinstance(node, ast.Import):
+                ours.update({(a.asname or a.name).split(".")[0]: a.name for a in node.names
+                             if a.name.split(".")[0] in ("suite", "gates")})
+        crossing += [f"{path.relative_to(ROOT)}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and _private(node.attr)
+                     and isinstance(node.value, ast.Name) and node.value.id in ours]
+    assert not crossing, sorted(set(crossing))

@@ -94,8 +94,10 @@ def test_eager_calls_skip_the_custom_ops(monkeypatch):
     def dispatched(*args):
         raise AssertionError("an eager call went through a custom op")
 
-    for name in ("_route_op", "_layout_op", "_experts_op"):
-        monkeypatch.setattr(moe, name, dispatched)
+    from suite.arms.moe import layer as experts_layer, routing
+
+    for module, name in ((routing, "_route_op"), (routing, "_layout_op"), (experts_layer, "_experts_op")):
+        monkeypatch.setattr(module, name, dispatched)
     module = layer(1.0)
     x, dy = inputs(9)
     out_and_grads(module, module, x, dy)
@@ -118,19 +120,19 @@ def test_opcheck_passes_for_each_op():
     slots = 9 * K
     for renormalize, capacity, z_loss in ((True, slots, True), (False, 3, False)):
         max_rows = min(slots, EXPERTS * capacity)
-        torch.library.opcheck(moe._route_op, (logits, K, renormalize, capacity, max_rows, z_loss))
-    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, slots, slots))
-    torch.library.opcheck(moe._layout_op, (r.expert_ids, EXPERTS, 3, EXPERTS * 3))
-    torch.library.opcheck(moe._experts_op, (x, probs, *weights, r.token_of_row, r.offsets, r.row_id_map))
-    out, a, g, u, y_rows = moe._experts_op(x.detach(), probs.detach(), *[w.detach() for w in weights],
+        torch.library.opcheck(torch.ops.suite.moe_route, (logits, K, renormalize, capacity, max_rows, z_loss))
+    torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, slots, slots))
+    torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, 3, EXPERTS * 3))
+    torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, *weights, r.token_of_row, r.offsets, r.row_id_map))
+    out, a, g, u, y_rows = torch.ops.suite.moe_experts(x.detach(), probs.detach(), *[w.detach() for w in weights],
                                            r.token_of_row, r.offsets, r.row_id_map)
     grad_out = torch.randn_like(out)
-    torch.library.opcheck(moe._experts_backward_op, (grad_out, x.detach(), probs.detach(), *[w.detach() for w in weights],
+    torch.library.opcheck(torch.ops.suite.moe_experts_backward, (grad_out, x.detach(), probs.detach(), *[w.detach() for w in weights],
                                                      a, g, u, y_rows, r.token_of_row, r.offsets, r.row_id_map))
-    probs, expert_ids, *_, lse, _ = moe._route_op(logits.detach(), K, True, slots, slots, True)
+    probs, expert_ids, *_, lse, _ = torch.ops.suite.moe_route(logits.detach(), K, True, slots, slots, True)
     grad_probs = torch.randn(9, K, device=DEVICE)
     for grad_z in (torch.tensor(0.5, device=DEVICE), None):
-        torch.library.opcheck(moe._route_backward_op, (grad_probs, grad_z, logits.detach(), lse, expert_ids, probs, True))
+        torch.library.opcheck(torch.ops.suite.moe_route_backward, (grad_probs, grad_z, logits.detach(), lse, expert_ids, probs, True))
 
 
 @pytest.mark.parametrize("lie", ["shape", "dtype"])
@@ -155,7 +157,7 @@ def test_opcheck_catches_a_fake_whose_output_lies(lie):
 
 
 def _route_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
-    return moe._route_op(logits, k, True, logits.shape[0] * k, logits.shape[0] * k, False)[0]
+    return torch.ops.suite.moe_route(logits, k, True, logits.shape[0] * k, logits.shape[0] * k, False)[0]
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

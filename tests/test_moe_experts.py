@@ -11,6 +11,9 @@ import torch
 
 from suite import triton_support
 from suite.arms import moe
+from suite.arms.moe import config, launch, layer
+from suite.arms.moe.kernels import rows_tma_kernel, up_tma_kernel
+from gates.moe_bwd import experts_truth, routing_truth
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
 T, D, F = 19, 40, 24
@@ -52,8 +55,8 @@ def truth_of(x, weights, logits, grad_out, k, capacity_factor=None):
     """[out, dx, dw_gate, dw_up, dw_down, dprobs, dlogits] of the closed-form float64 truth, on the
     routing `run` makes."""
     routing = moe.route(logits, k, capacity_factor=capacity_factor)
-    probs, wide = moe.routing_truth(logits, routing)
-    got = moe.experts_truth(x, dataclasses.replace(routing, probs=probs.detach()), *weights, grad_out)
+    probs, wide = routing_truth(logits, routing)
+    got = experts_truth(x, dataclasses.replace(routing, probs=probs.detach()), *weights, grad_out)
     (dlogits,) = torch.autograd.grad(probs, wide, got["dprobs"])
     return [*(got[name] for name in NAMES[:-1]), dlogits]
 
@@ -206,8 +209,8 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
 
 
 # the layer's paths: our pointer-fed kernels alone; the row GEMMs (up, down, d_a, dx) through
-# TMA descriptors (`_tma_gemms`); and those with d_a and the weight gradients through
-# torch._grouped_mm (`_vendor_gemms`: the H200 at the model presets) -> (TMA launches of a
+# TMA descriptors (`tma_gemms`); and those with d_a and the weight gradients through
+# torch._grouped_mm (`vendor_gemms`: the H200 at the model presets) -> (TMA launches of a
 # forward, of a backward; grouped_mm calls of a backward)
 PATHS = {"kernels": (0, 0, 0), "tma": (2, 2, 0), "tma+grads": (2, 1, 4)}
 
@@ -227,10 +230,17 @@ class PathCounts:
             forwards * tma_forward + backwards * tma_backward, backwards * grouped_mm)
 
 
+
+@pytest.fixture(autouse=True)
+def _paths_forced_here_stay_here():
+    """A plan kept under a forced path must not serve a later test of the same shape."""
+    yield
+    config.forget()
+
+
 def _force_path(monkeypatch, path: str) -> PathCounts:
     """Forces the path whatever the layer's size (the rules keep our pointer kernels at these
     test sizes)."""
-    mk = moe.moe_kernels
     counts = PathCounts()
     grouped_mm = getattr(torch, "_grouped_mm", None)
     if grouped_mm is not None:  # counted on every path: the kernels' must make no call
@@ -239,14 +249,14 @@ def _force_path(monkeypatch, path: str) -> PathCounts:
     launch = triton_support.Launcher.__call__
 
     def counted(self, grid, *args):
-        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+        if self.kernel in (up_tma_kernel, rows_tma_kernel):
             counts.tma.append(self.kernel)
         return launch(self, grid, *args)
 
     monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
-    monkeypatch.setattr(mk, "_tma_gemms", lambda *args: path != "kernels")
-    monkeypatch.setattr(mk, "_vendor_gemms", lambda *args: "grads" in path)
-    monkeypatch.setattr(mk, "_layer_plans", {})
+    monkeypatch.setattr(config, "tma_gemms", lambda *args: path != "kernels")
+    monkeypatch.setattr(config, "vendor_gemms", lambda *args: "grads" in path)
+    config.forget()  # plans kept per call shape hold the path
     return counts
 
 
@@ -335,7 +345,7 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=11, logit_shift=shift)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
-    monkeypatch.setattr(moe.moe_kernels, "layer_plan", lambda *args: None)
+    monkeypatch.setattr(launch, "layer_plan", lambda *args: None)
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
     for name, a, b in zip(NAMES, planned, checked):
         assert torch.equal(a, b), name
@@ -345,21 +355,20 @@ def test_the_layer_plan_gives_the_entry_points_bits(case, monkeypatch):
 @pytest.mark.parametrize("keep_graph", [False, True])
 @pytest.mark.parametrize("path", [p for p in PATHS if p != "kernels"])
 def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch):
-    """Where `_tma_gemms` feeds the row GEMMs through TMA descriptors, the pointer kernels' bits
-    (the same tiles and sums); where `_vendor_gemms` sends d_a and the weight gradients to
+    """Where `tma_gemms` feeds the row GEMMs through TMA descriptors, the pointer kernels' bits
+    (the same tiles and sums); where `vendor_gemms` sends d_a and the weight gradients to
     torch._grouped_mm (CUTLASS on an H200), their values (fp32 on the CPU, where torch's own
     grouped_mm runs them: the sums' order differs only). The layer and the entry points give
     each other's bits on every path."""
-    mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
     counts = _force_path(monkeypatch, path)
     if keep_graph:  # the backward then may not write into the saved activations
-        monkeypatch.setattr(moe, "_graph_kept", lambda: True)
+        monkeypatch.setattr(layer, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
     assert counts.times(path)
-    monkeypatch.setattr(mk, "layer_plan", lambda *args: None)
+    monkeypatch.setattr(launch, "layer_plan", lambda *args: None)
     checked = run(moe.experts, *inputs, k, capacity_factor)[1]
     assert counts.times(path, 2)
     for name, want, a, b in zip(NAMES, kernels, planned, checked):
@@ -375,7 +384,6 @@ def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     """A weight view whose rows are not 16-byte multiples, or a gate and up stored the two ways,
     is planned on the pointer kernels; one whose pointer is misaligned falls back to them as it
     launches: the same bits."""
-    mk = moe.moe_kernels
     num_experts, k, capacity_factor, shift = CASES["top2"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=4)
     want = run(moe.experts, x, weights, logits, grad_out, k)[1]
@@ -386,7 +394,7 @@ def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     assert len(counts.tma) == 2  # up and dx; down and d_a read w_down through pointers
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     w_up = torch.zeros(*weights[1].shape[:2], weights[1].shape[2] + 1)[..., :-1].copy_(weights[1])  # rows of 100 B
-    assert isinstance(mk._up_launch(64, num_experts, D, F, D, weights[0].stride(), w_up.stride(), torch.float32,
+    assert isinstance(launch.up_launch(64, num_experts, D, F, D, weights[0].stride(), w_up.stride(), torch.float32,
                                     torch.device("cpu")), triton_support.PlannedLaunch)
     w_up_stored_out_in = weights[1].transpose(1, 2).contiguous().transpose(1, 2)
     for w_up in (w_up, w_up_stored_out_in):
@@ -415,45 +423,43 @@ def test_weights_stored_out_in_go_through_descriptors_as_stored():
 
 
 def test_grouped_mm_and_tma_are_taken_on_sm90_in_bf16_at_measured_sizes(monkeypatch):
-    mk = moe.moe_kernels
     capability = [(9, 0)]
-    monkeypatch.setattr(mk, "interpreted", lambda: False)
+    monkeypatch.setattr(config, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     monkeypatch.setenv("SUITE_PROFILE", "none")
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
     olmoe = (65536, 64, 2048, 1024)  # rows, experts, d, f
-    assert mk._vendor_gemms(*olmoe, bf16, cuda)
-    assert mk._vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
+    assert config.vendor_gemms(*olmoe, bf16, cuda)
+    assert config.vendor_gemms(65536, 128, 2048, 768, bf16, cuda)  # qwen3-30b-a3b, the smallest measured
     mixtral = (16384, 8, 4096, 14336)
-    assert mk._vendor_gemms(*mixtral, bf16, cuda)
-    assert not mk._vendor_gemms(*olmoe, torch.float16, cuda)
-    assert not mk._vendor_gemms(*olmoe, bf16, torch.device("cpu"))
-    assert not mk._vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
-    assert not mk._vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
-    assert not mk._vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
-    assert mk._vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small, the least d measured
-    assert not mk._vendor_gemms(8192, 16, 1024, 768, bf16, cuda)  # no dim below, less work than any measured
-    assert not mk._vendor_gemms(65536, 64, 8192, 128, bf16, cuda)  # f under any measured
-    assert all(mk._tma_gemms(*layer, bf16, cuda)
+    assert config.vendor_gemms(*mixtral, bf16, cuda)
+    assert not config.vendor_gemms(*olmoe, torch.float16, cuda)
+    assert not config.vendor_gemms(*olmoe, bf16, torch.device("cpu"))
+    assert not config.vendor_gemms(65536, 64, 2044, 1024, bf16, cuda)  # rows of 4088 bytes
+    assert not config.vendor_gemms(32768, 64, 1024, 512, bf16, cuda)  # a train-step OLMoE layer: not measured
+    assert not config.vendor_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer
+    assert config.vendor_gemms(16384, 16, 1024, 2816, bf16, cuda)  # top2-small, the least d measured
+    assert not config.vendor_gemms(8192, 16, 1024, 768, bf16, cuda)  # no dim below, less work than any measured
+    assert not config.vendor_gemms(65536, 64, 8192, 128, bf16, cuda)  # f under any measured
+    assert all(config.tma_gemms(*layer, bf16, cuda)
                for layer in (olmoe, mixtral, (65536, 128, 2048, 768), (16384, 16, 1024, 2816)))
-    assert not mk._tma_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer: host time counts more
-    assert not mk._tma_gemms(32768, 64, 1024, 512, bf16, cuda)
+    assert not config.tma_gemms(16, 16, 1024, 2816, bf16, cuda)  # the host-probe layer: host time counts more
+    assert not config.tma_gemms(32768, 64, 1024, 512, bf16, cuda)
     for other in ((12, 0), (8, 0), (10, 0)):  # torch's grouped_mm syncs and loops, or has erred, there
         capability[0] = other  # and TMA, where there is one, is not measured
-        assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._tma_gemms(*olmoe, bf16, cuda)
+        assert not config.vendor_gemms(*olmoe, bf16, cuda) and not config.tma_gemms(*olmoe, bf16, cuda)
     capability[0] = (9, 0)
     monkeypatch.setenv("SUITE_PROFILE", "rtx")  # the RTX card's tiles, and what it takes
-    assert not mk._vendor_gemms(*olmoe, bf16, cuda) and not mk._tma_gemms(*olmoe, bf16, cuda)
+    assert not config.vendor_gemms(*olmoe, bf16, cuda) and not config.tma_gemms(*olmoe, bf16, cuda)
 
 
 def test_grouped_mm_operands_need_16_byte_rows_and_pointers():
-    mk = moe.moe_kernels
     rows = torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert mk._grouped_mm_ready(rows, rows.t(), torch.zeros(2, 16, 8, dtype=torch.bfloat16).transpose(1, 2))
-    assert not mk._grouped_mm_ready(torch.zeros(8 * 16 + 1, dtype=torch.bfloat16)[1:].view(8, 16))  # 2 bytes in
-    assert not mk._grouped_mm_ready(rows.as_strided((4, 16), (8, 1)))  # rows that overlap
-    assert not mk._grouped_mm_ready(torch.zeros(8, 12, dtype=torch.bfloat16))  # rows of 24 bytes
-    assert not mk._grouped_mm_ready(torch.zeros(8, 16, dtype=torch.bfloat16)[:, ::2])  # no unit stride
+    assert config.grouped_mm_ready(rows, rows.t(), torch.zeros(2, 16, 8, dtype=torch.bfloat16).transpose(1, 2))
+    assert not config.grouped_mm_ready(torch.zeros(8 * 16 + 1, dtype=torch.bfloat16)[1:].view(8, 16))  # 2 bytes in
+    assert not config.grouped_mm_ready(rows.as_strided((4, 16), (8, 1)))  # rows that overlap
+    assert not config.grouped_mm_ready(torch.zeros(8, 12, dtype=torch.bfloat16))  # rows of 24 bytes
+    assert not config.grouped_mm_ready(torch.zeros(8, 16, dtype=torch.bfloat16)[:, ::2])  # no unit stride
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -10,16 +10,16 @@ import torch
 
 from scriptload import load_script
 from suite import triton_support
-from suite.arms import moe_kernels
+from suite.arms.moe import launch
 
 
 def test_the_probe_times_every_entry_point_and_restores_the_launch(tmp_path, capsys):
     probe = load_script("moe_host_probe")
-    launch, kept = moe_kernels.PlannedLaunch.__call__, triton_support.KeptLaunches.__call__
+    planned, kept = launch.PlannedLaunch.__call__, triton_support.KeptLaunches.__call__
     out = tmp_path / "probe.json"
     assert probe.main(["--tokens", "4", "--hidden", "32", "--ffn", "48", "--experts", "3", "--calls", "3",
                        "--json", str(out)]) == 0
-    assert moe_kernels.PlannedLaunch.__call__ is launch and triton_support.KeptLaunches.__call__ is kept
+    assert launch.PlannedLaunch.__call__ is planned and triton_support.KeptLaunches.__call__ is kept
     result = json.loads(out.read_text())
     calls = [row["call"] for row in result["rows"]]
     assert calls[:7] == ["expert_up", "expert_down", "combine", "combine_backward", "expert_down_backward",

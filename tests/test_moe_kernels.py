@@ -8,12 +8,14 @@ bf16 there, so bf16 runs too, at bf16 tolerance).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
-from suite.arms import moe_kernels as mk
+from suite.arms.moe import config
+from suite.arms.moe import launch as mk
 from suite.device_profile import RTX_SMEM_BYTES
 from suite.harness.parity import poisoned_allocations
 
@@ -271,18 +273,19 @@ def test_a_non_contiguous_input_is_named_as_such():
 def test_a_kept_tile_follows_the_profile(monkeypatch):
     # tiles are kept per call shape (host time), so the key must hold SUITE_PROFILE, whose
     # shared-memory limit the choice reads
-    monkeypatch.setattr(mk, "interpreted", lambda: False)
-    monkeypatch.setattr(mk, "smem_limit", lambda device: RTX_SMEM_BYTES if mk.os.environ.get("SUITE_PROFILE") == "rtx" else 232448)
-    monkeypatch.setattr(mk, "_gemm_configs", {})
+    monkeypatch.setattr(config, "interpreted", lambda: False)
+    monkeypatch.setattr(config, "smem_limit",
+                        lambda device: RTX_SMEM_BYTES if os.environ.get("SUITE_PROFILE") == "rtx" else 232448)
+    config.forget()
     args = ("rows", 1024, 2816, torch.bfloat16, torch.device("cpu"))
     monkeypatch.setenv("SUITE_PROFILE", "none")
-    hopper = mk._gemm_config(*args)
-    assert mk._gemm_config(*args) is hopper  # kept
+    hopper = config.gemm_config(*args)
+    assert config.gemm_config(*args) is hopper  # kept
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    rtx = mk._gemm_config(*args)
+    rtx = config.gemm_config(*args)
     assert rtx.smem_bytes <= RTX_SMEM_BYTES < hopper.smem_bytes
     monkeypatch.setenv("SUITE_PROFILE", "none")
-    assert mk._gemm_config(*args) is hopper
+    assert config.gemm_config(*args) is hopper
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -394,15 +397,14 @@ def test_grouped_tile_order_gives_the_same_bits(monkeypatch, group_m):
     weights = make_weights(torch.float32)
     grad_out = torch.randn(T, D, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     plain = layer(layout, *weights, grad_out)
-    chosen = mk._gemm_config
+    chosen = config.choose_gemm_config
     configs = []
 
     def grouped(*args):
         configs.append(dataclasses.replace(chosen(*args), group_m=group_m))
         return configs[-1]
 
-    monkeypatch.setattr(mk, "_gemm_config", grouped)
-    with poisoned_allocations():  # a tile the grouped order skipped would stay NaN
+    with config.forced(gemm=grouped), poisoned_allocations():  # a tile the grouped order skipped would stay NaN
         assert all(torch.equal(a, b) for a, b in zip(plain, layer(layout, *weights, grad_out)))
     assert len(configs) == 6 and all(c.group_m == group_m for c in configs)  # every GEMM launch
 
@@ -415,30 +417,30 @@ SHAPE_CLASSES = [(8, 768), (64, 1024), (512, 2048), (4096, 14336), (1024, 24), (
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows_per_expert, n", SHAPE_CLASSES)
-@pytest.mark.parametrize("kind", sorted(mk.GEMM_KINDS))
+@pytest.mark.parametrize("kind", sorted(config.GEMM_KINDS))
 @pytest.mark.parametrize("weight_elems", [0, 1 << 26])
 def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype, rows_per_expert, n, kind, weight_elems):
     monkeypatch.setenv("SUITE_PROFILE", "rtx")
-    cfg = mk._gemm_config(kind, rows_per_expert, n, dtype, torch.device("cuda", 0), weight_elems)
+    cfg = config.gemm_config(kind, rows_per_expert, n, dtype, torch.device("cuda", 0), weight_elems)
     assert cfg.smem_bytes <= RTX_SMEM_BYTES
     assert cfg.num_stages >= 2  # every class still pipelines on the RTX card
-    assert (cfg.n_a, cfg.n_b) == mk.GEMM_KINDS[kind][0]
+    assert (cfg.n_a, cfg.n_b) == config.GEMM_KINDS[kind][0]
 
 
 def test_the_h200_takes_the_measured_tiles_unshrunk(monkeypatch):
     """Off the rtx profile, a many-rows bf16 layer gets GEMM_KINDS' tiles as measured (its
     sweep's winners fit the H200's shared memory, so nothing may shrink them)."""
     monkeypatch.setenv("SUITE_PROFILE", "none")
-    monkeypatch.setattr(mk, "smem_limit", lambda device: 232448)
-    for kind, (_, (block_m, block_n, block_k, stages, warps, group_m)) in mk.GEMM_KINDS.items():
-        cfg = mk._gemm_config(kind, 1024, 4096, torch.bfloat16, torch.device("cuda", 0))
+    monkeypatch.setattr(config, "smem_limit", lambda device: 232448)
+    for kind, (_, (block_m, block_n, block_k, stages, warps, group_m)) in config.GEMM_KINDS.items():
+        cfg = config.gemm_config(kind, 1024, 4096, torch.bfloat16, torch.device("cuda", 0))
         assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.num_warps, cfg.group_m) == (
             block_m, block_n, block_k, stages, warps, group_m), kind
 
 
 GPU_SHAPES = [(512, 1024, 768, 16, 2), (4096, 2048, 1408, 8, 2)]  # decode-like and prefill-like
-ALL_KERNELS = {"_up_kernel", "_rows_gemm_kernel", "_swiglu_backward_kernel", "_combine_kernel", "_combine_bwd_kernel",
-               "_weight_grad_kernel"}
+ALL_KERNELS = {"up_kernel", "rows_gemm_kernel", "swiglu_backward_kernel", "combine_kernel", "combine_bwd_kernel",
+               "weight_grad_kernel"}
 
 
 def run_every_kernel(tokens, d, f, experts, k):

@@ -11,7 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gates.moe_bwd import experts_truth
 from suite.arms import moe
+from suite.arms.moe import routing as routing_module
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -261,7 +263,7 @@ def rel_l2(value, truth):
 def test_truth_is_the_brute_force_sum(capacity_factor):
     x, w_gate, w_up, w_down, logits, _ = make_experts(num_tokens=10, num_experts=3, d=4, f=6)
     routing = moe.route(logits, 2, capacity_factor=capacity_factor)
-    truth = moe.experts_truth(x, routing, w_gate, w_up, w_down)["out"]
+    truth = experts_truth(x, routing, w_gate, w_up, w_down)["out"]
     assert truth.dtype == torch.float64
     torch.testing.assert_close(truth, brute_experts(x, routing, w_gate, w_up, w_down), rtol=1e-12, atol=1e-12)
 
@@ -274,7 +276,7 @@ def test_reference_matches_the_float64_truth(dtype, bound, k, capacity_factor):
     weights = (w_gate, w_up, w_down)
     got = run_experts(moe.experts_reference, x, routing, weights, dout)
     names = ("out", "dx", "dw_gate", "dw_up", "dw_down", "dprobs")
-    truth = [moe.experts_truth(x, routing, *weights, dout)[name] for name in names]
+    truth = [experts_truth(x, routing, *weights, dout)[name] for name in names]
     for name, g, t in zip(names, got, truth):
         want_dtype = torch.float32 if name == "dprobs" else dtype
         assert g.dtype == want_dtype and t.dtype == torch.float64 and g.shape == t.shape, name
@@ -468,7 +470,7 @@ def test_route_kernels_lay_out_what_the_torch_routing_does(num_tokens, num_exper
 
 
 def test_route_falls_back_to_torch_where_the_kernels_cannot_run(monkeypatch):
-    monkeypatch.setattr(moe.moe_route_kernels, "runs_on", lambda t: False)
+    monkeypatch.setattr(routing_module, "runs_on", lambda t: False)
     logits = random_logits(12, 5, seed=3)
     fallen_back = moe.route(logits, 2, capacity_factor=1.0)
     monkeypatch.undo()

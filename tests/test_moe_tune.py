@@ -70,13 +70,13 @@ def test_a_config_that_writes_nan_is_not_a_match(tune):
 
 def _tma_launches(monkeypatch) -> list:
     """-> the TMA kernels launched, as they launch."""
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe.kernels import rows_tma_kernel, up_tma_kernel
 
     tma_launches = []
     launch = triton_support.Launcher.__call__
 
     def counted(self, grid, *args):
-        if self.kernel in (mk._up_tma_kernel, mk._rows_tma_kernel):
+        if self.kernel in (up_tma_kernel, rows_tma_kernel):
             tma_launches.append(self.kernel)
         return launch(self, grid, *args)
 
@@ -97,8 +97,8 @@ class _InlineTimer:
 
 
 def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys):
-    from suite.arms import moe_kernels as mk
-    from suite.arms.moe_kernels import CombineConfig, GemmConfig
+    from suite.arms.moe import config, kernels
+    from suite.arms.moe.config import CombineConfig, GemmConfig
 
     # the row GEMMs through TMA descriptors, as on an H200 at the model presets: the pointer
     # kernels' experiments then check the TMA kernels' bits
@@ -123,8 +123,8 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
     combine = figures["kernels"][-1]["timings"]
     assert len(combine) == 2 and combine[1]["config"] == CombineConfig(4, 16, 4).__dict__
     assert combine[1]["rel_diff"] < 1e-6  # fp32, other column chunks for the dot
-    assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
-    assert mk._tma_gemms(1, 1, 1, 1, torch.float32, torch.device("cpu")) is False  # the rule back after it
+    assert {kernels.up_tma_kernel, kernels.rows_tma_kernel} <= set(tma_launches)
+    assert config.tma_gemms(1, 1, 1, 1, torch.float32, torch.device("cpu")) is False  # the rule back after it
     tune.print_table(figures)
     assert "sum of kernels" in capsys.readouterr().out
 
@@ -132,7 +132,7 @@ def test_a_tiny_preset_runs_every_kernel_and_the_sweep(tune, monkeypatch, capsys
 def test_out_in_weights_run_the_tma_kernels_with_the_pointer_kernels_bits(tune, monkeypatch):
     """--layout out_in: the weights as transposed views of [E, out, in] storage, which the TMA
     kernels read in their stored order, checked against the pointer kernels on the same views."""
-    from suite.arms import moe_kernels as mk
+    from suite.arms.moe.kernels import rows_tma_kernel, up_tma_kernel
 
     tma_launches = _tma_launches(monkeypatch)
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
@@ -143,11 +143,11 @@ def test_out_in_weights_run_the_tma_kernels_with_the_pointer_kernels_bits(tune, 
     assert figures["layout"] == "out_in" and [e["kernel"] for e in figures["kernels"]] == kernels
     for entry in figures["kernels"][3:]:
         assert [t["rel_diff"] for t in entry["timings"]] == [0.0], entry
-    assert {mk._up_tma_kernel, mk._rows_tma_kernel} <= set(tma_launches)
+    assert {up_tma_kernel, rows_tma_kernel} <= set(tma_launches)
 
 
 def test_the_tma_rule_holds_unless_told_always(tune, monkeypatch):
-    """--tma rule (the default) leaves a layer below `_tma_gemms`'s size on the pointer kernels."""
+    """--tma rule (the default) leaves a layer below `tma_gemms`'s size on the pointer kernels."""
     tma_launches = _tma_launches(monkeypatch)
     ceilings = SimpleNamespace(gemm_bf16_tflops=1.0, copy_gbps=1.0)
     args = tune.parse_args(["--replays", "2", "--kernel=expert_up", "--kernel=dx_rows"])

@@ -23,13 +23,8 @@ import suite.files.atomic as atomic_mod
 import suite.harness.results as results_mod
 import suite.harness.store as store_mod
 from suite.errors import ExitCode, UsageError
-from suite.harness.render import (
-    exit_code_meaning,
-    render_junit,
-    render_markdown,
-    render_pytest_benchmark,
-    to_json,
-)
+from suite.harness.render import exit_code_meaning, render_markdown, to_json
+from suite.harness.render_ci import render_junit, render_pytest_benchmark
 from suite.harness.results import GateResult, RunReport, SkippedGate, load_report, slugify
 from suite.harness.store import REPORT_FILES, list_reports, write_report
 

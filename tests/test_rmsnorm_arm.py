@@ -476,11 +476,11 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
     recorded = record_compiled(monkeypatch)
     x, weight, dy = make((1024, n), torch.bfloat16)  # rows enough for the tallest tile
     _blocks_and_autograd(x, weight, dy)
-    expected = {"_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_reduce_dw_partials_kernel"}
+    expected = {"rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "reduce_dw_partials_kernel"}
     if n > arm.MAX_FUSED_N:
-        expected.add("_rms_norm_bwd_row_dot_kernel")
+        expected.add("rms_norm_bwd_row_dot_kernel")
     assert {name for name, _ in recorded} == expected
-    assert len({id(c) for name, c in recorded if name == "_rms_norm_bwd_kernel"}) == 2  # folded, two-stage
+    assert len({id(c) for name, c in recorded if name == "rms_norm_bwd_kernel"}) == 2  # folded, two-stage
     assert_fit_rtx(recorded)
 
 
@@ -496,7 +496,7 @@ def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
     arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
     _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
     arm.reduce_dw_partials(partials, weight.dtype)
-    assert [name for name, _ in kernels].count("_rms_norm_bwd_kernel") == 2
+    assert [name for name, _ in kernels].count("rms_norm_bwd_kernel") == 2
     assert_fit_rtx(kernels, arch=120)
 
 

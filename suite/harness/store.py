@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from suite.files import atomic
-from suite.harness.render import render_junit, render_markdown, render_pytest_benchmark, to_json
+from suite.harness.render import render_markdown, to_json
+from suite.harness.render_ci import render_junit, render_pytest_benchmark
 from suite.harness.results import RunReport, slugify
 
 REPORT_FILES = ("report.json", "report.md", "junit.xml", "benchmark.json")

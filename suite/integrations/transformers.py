@@ -144,10 +144,10 @@ def use_suite_experts(model: nn.Module) -> int:
             raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
     weights = found[0][1].gate_up_proj
     if not torch.cuda.is_available() and not triton_support.runs_on(weights):
-        raise IntegrationError(f"use_suite_experts: this machine has no CUDA GPU, and the suite's Triton kernels run "
-                               f"on a CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
-                               f"imported (tests, tiny models), or leave the model's experts as they are; the model "
-                               f"was left unchanged")
+        raise IntegrationError("use_suite_experts: this machine has no CUDA GPU, and the suite's Triton kernels run "
+                               "on a CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+                               "imported (tests, tiny models), or leave the model's experts as they are; the model "
+                               "was left unchanged")
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     else:

@@ -1,9 +1,9 @@
-"""Mixture-of-experts: top-k routing into an expert-sorted layout, and the experts' eager reference.
+"""Routing: router logits [T, E] into an expert-sorted layout, the `Routing` every expert
+kernel reads.
 
-Routing (`route`) turns router logits [T, E] into a `Routing`: softmax in fp32, the top k
-experts of each token (chosen on the logits, ties to the lower expert id), their probabilities
-renormalised over the k when asked. On the GPU that is two launches of
-`suite.arms.moe_route_kernels` and its backward one; `route_reference` is the same routing in
+`route` takes softmax in fp32, the top k experts of each token (chosen on the logits, ties to
+the lower expert id), their probabilities renormalised over the k when asked. On the GPU that is
+two launches of `route_kernels` and its backward one; `route_reference` is the same routing in
 torch ops, what the gate judges the kernels against (and what `route` runs where the kernels
 cannot). `routing_from_topk` lays out a top-k choice someone else made (a model's own router).
 Each (token t, slot s) pair is one row, flat index t * k + s. The rows are laid out
@@ -15,19 +15,8 @@ device without a host sync, so routing can sit inside a captured or overlapped s
 The kernels index memory with the routing's integers, so a `Routing` is valid by construction
 (`route`, `routing_from_topk`) or checked when built by hand (`Routing(...)`,
 `dataclasses.replace`): on the CPU a ValueError naming the field, on a GPU a device-side
-assert with the same message, never a read out of bounds.
-
-The experts are SwiGLU FFNs, weights w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]:
-
-    out[t] = sum over kept slots s of probs[t, s] * FFN_e(x[t]),  e = expert_ids[t, s]
-    FFN_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
-
-with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager
-autograd reference (gradients for x, the weights and probs, hence the logits);
-`experts_truth` (with `routing_truth` for the logits) is the same layer in closed form in
-float64, apart from any autograd: what the gate and the tests judge errors against. `experts`
-is the same layer on the Triton kernels of `suite.arms.moe_kernels` (forward and backward, no
-host sync), and `MoEExperts` the module: router, top-k routing and experts, either impl.
+assert with the same message, never a read out of bounds. Under torch.compile the kernels run
+as custom ops (no graph break).
 """
 
 from __future__ import annotations
@@ -39,11 +28,10 @@ from fractions import Fraction
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.autograd.function import once_differentiable
 
-from suite.arms import moe_kernels, moe_route_kernels
+from suite.arms.moe import route_kernels
+from suite.triton_support import runs_on
 
 # Row indices and flat (token, slot) indices are stored as int32.
 _MAX_ROWS = 2**31 - 1
@@ -222,7 +210,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_capacity_factor(fn: str, capacity_factor) -> None:
+def check_capacity_factor(fn: str, capacity_factor) -> None:
     if capacity_factor is None:
         return
     if isinstance(capacity_factor, Fraction):  # MoEExperts' exact factor: ints (dynamo cannot compare a Fraction)
@@ -235,7 +223,7 @@ def _check_capacity_factor(fn: str, capacity_factor) -> None:
         raise ValueError(f"{fn}: capacity_factor must be a positive number or None, got {capacity_factor!r}")
 
 
-def _check_route_args(fn: str, logits, k, capacity_factor) -> None:
+def check_route_args(fn: str, logits, k, capacity_factor) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{fn}: logits must be a tensor [tokens, experts], got {type(logits).__name__}")
     if logits.dim() != 2 or logits.shape[1] == 0:
@@ -249,13 +237,13 @@ def _check_route_args(fn: str, logits, k, capacity_factor) -> None:
         raise ValueError(f"{fn}: k must be in 1..{num_experts} (the experts), got {k}")
     if logits.shape[0] * k > _MAX_ROWS:
         raise ValueError(f"{fn}: T * k = {logits.shape[0] * k} rows do not fit the int32 row indices")
-    _check_capacity_factor(fn, capacity_factor)
+    check_capacity_factor(fn, capacity_factor)
 
 
 def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_factor: float | None = None,
           z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None) -> Routing:
     """Top-k routing of router logits [T, E] into the expert-sorted layout (see `Routing`), on
-    the GPU in two launches (suite.arms.moe_route_kernels) and its backward in one; where the
+    the GPU in two launches (route_kernels) and its backward in one; where the
     kernels cannot run (a CPU without Triton's interpreter), `route_reference`'s torch ops.
 
     z_loss: also the router z-loss (Routing.z_loss), which a training loop adds to its loss
@@ -263,14 +251,14 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     jitter_eps: multiply the logits by noise uniform in [1 - eps, 1 + eps] first (from
     `generator`, else torch's global generator; a generator object stops torch.compile's graph),
     as `MoEExperts` does to the router's input."""
-    _check_route_args("route", logits, k, capacity_factor)
+    check_route_args("route", logits, k, capacity_factor)
     if jitter_eps is not None:
         logits = jittered(logits, jitter_eps, generator, "route")
     num_tokens, num_experts = logits.shape
-    if num_tokens == 0 or not moe_route_kernels.runs_on(logits):
+    if num_tokens == 0 or not runs_on(logits):
         return _route_in_torch(logits, k, renormalize, capacity_factor, z_loss)
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
-    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
+    max_rows = row_bound(num_tokens, k, num_experts, capacity)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     run = _route_op if torch.compiler.is_compiling() else _RouteFunction.apply
     probs, expert_ids, offsets, row_id_map, source_of_row, token_of_row, routed_counts, _, z = run(
@@ -286,7 +274,7 @@ def route_reference(logits: torch.Tensor, k: int, renormalize: bool = True, capa
                     z_loss: bool = False) -> Routing:
     """`route` in torch ops under autograd: what the gate judges the routing kernels against.
     The same choice (the top k logits, ties to the lower id) and the same layout, exactly."""
-    _check_route_args("route_reference", logits, k, capacity_factor)
+    check_route_args("route_reference", logits, k, capacity_factor)
     return _route_in_torch(logits, k, renormalize, capacity_factor, z_loss)
 
 
@@ -304,7 +292,7 @@ def _route_in_torch(logits, k, renormalize, capacity_factor, z_loss) -> Routing:
     return routing
 
 
-def _max_rows(num_tokens: int, k: int, num_experts: int, capacity: int | None) -> int:
+def row_bound(num_tokens: int, k: int, num_experts: int, capacity: int | None) -> int:
     return num_tokens * k if capacity is None else min(num_tokens * k, num_experts * capacity)
 
 
@@ -333,7 +321,7 @@ def _route_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _route_grads(ctx, grad_probs, grad_z, backward, saved=None) -> torch.Tensor | None:
+def route_grads(ctx, grad_probs, grad_z, backward, saved=None) -> torch.Tensor | None:
     """dlogits by `backward` from what the routing saved (ctx.saved_tensors unless given)."""
     logits, lse, expert_ids, probs = ctx.saved_tensors if saved is None else saved
     grad_z = grad_z if ctx.z_loss else None
@@ -349,14 +337,14 @@ class _RouteFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, k, renormalize, capacity, max_rows, z_loss):
-        output = moe_route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
+        output = route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
         _route_setup(ctx, (logits, k, renormalize, capacity, max_rows, z_loss), output)
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_probs, *grads):
-        return _route_grads(ctx, grad_probs, grads[-1], moe_route_kernels.route_backward), None, None, None, None, None
+        return route_grads(ctx, grad_probs, grads[-1], route_kernels.route_backward), None, None, None, None, None
 
 
 def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
@@ -383,13 +371,13 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
         raise ValueError(f"{fn}: top_k_index is on {top_k_index.device}, top_k_weights on {top_k_weights.device}")
     if not _is_int(num_experts) or num_experts < 1:
         raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
-    _check_capacity_factor(fn, capacity_factor)
+    check_capacity_factor(fn, capacity_factor)
     if top_k_index.numel():
         lowest, highest = torch.aminmax(top_k_index)
         _require(lowest.ge(0) & highest.lt(num_experts),
                  f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
     return _layout(top_k_index.to(torch.int32).contiguous(), top_k_weights.float(), num_experts, capacity_factor,
-                   fused=moe_route_kernels.runs_on(top_k_index))
+                   fused=runs_on(top_k_index))
 
 
 def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None,
@@ -401,9 +389,9 @@ def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, cap
     if num_slots > _MAX_ROWS:
         raise ValueError(f"routing: T * k = {num_slots} rows do not fit the int32 row indices")
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
-    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
+    max_rows = row_bound(num_tokens, k, num_experts, capacity)
     if fused and num_tokens:
-        index = _layout_op if torch.compiler.is_compiling() else moe_route_kernels.layout
+        index = _layout_op if torch.compiler.is_compiling() else route_kernels.layout
         indices = index(expert_ids, num_experts, num_slots if capacity is None else capacity, max_rows)
     else:
         indices = _layout_indices(expert_ids, num_experts, capacity)
@@ -420,7 +408,7 @@ def _layout_indices(expert_ids: torch.Tensor, num_experts: int, capacity: int | 
     in torch ops: the reference of the layout kernel."""
     num_tokens, k = expert_ids.shape
     num_slots = num_tokens * k
-    max_rows = _max_rows(num_tokens, k, num_experts, capacity)
+    max_rows = row_bound(num_tokens, k, num_experts, capacity)
     device = expert_ids.device
     # Flat rows t * k + s are already in (token, slot) order, so a stable sort by expert alone
     # gives the layout: expert-major, then (token, slot) ascending.
@@ -450,226 +438,6 @@ def _layout_indices(expert_ids: torch.Tensor, num_experts: int, capacity: int | 
     return tuple(t.to(torch.int32) for t in (offsets, row_id_map, source_of_row, token_of_row, routed_counts))
 
 
-def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
-    if not isinstance(routing, Routing):
-        raise TypeError(f"experts: routing must be a Routing from route() or routing_from_topk(), got "
-                        f"{type(routing).__name__}")
-    _check_expert_tensors("experts", x, routing.num_tokens, routing.num_experts, w_gate, w_up, w_down)
-
-
-def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) -> None:
-    """x [num_tokens, d] and the weights w_gate/w_up [E, d, f], w_down [E, f, d] of the routing's E."""
-    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
-    if w_gate.dim() != 3:
-        raise ValueError(f"{fn}: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
-    weight_experts, d, f = w_gate.shape
-    if x.dim() != 2 or x.shape[1] != d:
-        raise ValueError(f"{fn}: x must be [tokens, {d}], got shape {tuple(x.shape)}")
-    if x.shape[0] != num_tokens:
-        raise ValueError(f"{fn}: x has {x.shape[0]} tokens but the routing has {num_tokens}")
-    if num_experts != weight_experts:
-        raise ValueError(f"{fn}: the routing has {num_experts} experts but the weights {weight_experts}")
-    if w_up.shape != (weight_experts, d, f) or w_down.shape != (weight_experts, f, d):
-        raise ValueError(
-            f"{fn}: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
-            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
-        )
-
-
-def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each expert's kept (tokens, slots), tokens ascending. Finding them reads the layout on the
-    host (a sync): for setting up a reference or a benchmark once, not for a training step."""
-    chosen = routing.expert_ids.long()
-    kept = routing.kept
-    return [torch.nonzero((chosen == e) & kept, as_tuple=True) for e in range(routing.num_experts)]
-
-
-def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> torch.Tensor:
-    """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
-    weighted sum in fp32 (float64 when x is float64); autograd gives every gradient.
-
-    rows: `expert_rows(routing)`, found once by the caller; then the call itself never syncs
-    (a benchmark can capture it in a CUDA graph)."""
-    _check_experts_args(x, routing, w_gate, w_up, w_down)
-    wide = torch.promote_types(x.dtype, torch.float32)
-    out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
-    for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
-        # route() picks an expert at most once a token, so `tokens` has no repeats and index_add_
-        # below adds each row once: the sum's order is the expert order, run to run (a top-k
-        # from routing_from_topk that names an expert twice for one token adds in any order)
-        v = x[tokens]
-        hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
-        y = hidden.to(x.dtype) @ w_down[e]
-        weight = routing.probs[tokens, slots].to(wide)
-        out = out.index_add(0, tokens, weight[:, None] * y.to(wide))
-    return out.to(x.dtype)
-
-
-def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> dict[str, torch.Tensor]:
-    """The layer in closed form in float64, apart from any autograd, one expert at a time (its
-    temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
-    "dw_down" and "dprobs". What gate moe-bwd and the tests judge errors against."""
-    x, probs = x.double(), routing.probs.detach().double()
-    chosen, kept = routing.expert_ids.long(), routing.kept
-    out = torch.zeros_like(x)
-    grads = grad_out is not None
-    if grads:
-        grad_out = grad_out.double()
-        dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
-        dws = [torch.zeros(w.shape, dtype=torch.float64, device=x.device) for w in (w_gate, w_up, w_down)]
-    for e in range(routing.num_experts):
-        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
-        wg, wu, wd = w_gate[e].double(), w_up[e].double(), w_down[e].double()
-        v = x[tokens]
-        g, u = v @ wg, v @ wu
-        sig = torch.sigmoid(g)
-        h = g * sig * u
-        y = h @ wd
-        p = probs[tokens, slots][:, None]
-        out.index_add_(0, tokens, p * y)
-        if grads:
-            dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
-            dy = grad_out[tokens] * p
-            dh = dy @ wd.T
-            dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
-            dws[0][e], dws[1][e], dws[2][e] = v.T @ dg, v.T @ du, h.T @ dy
-            dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
-    if not grads:
-        return {"out": out}
-    return {"out": out, "dx": dx, "dw_gate": dws[0], "dw_up": dws[1], "dw_down": dws[2], "dprobs": dprobs}
-
-
-def routing_truth(logits: torch.Tensor, routing: Routing, renormalize: bool = True):
-    """(probs, wide_logits) in float64: the routing's chosen probabilities recomputed from the
-    logits (the choice held fixed), differentiable to wide_logits, a float64 leaf:
-    `torch.autograd.grad(probs, wide_logits, dprobs)` is the logits' gradient."""
-    wide = logits.detach().double().requires_grad_()
-    probs = torch.softmax(wide, dim=-1).gather(1, routing.expert_ids.long())
-    if renormalize:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs, wide
-
-
-def _plan(x, probs, w_gate, w_up, w_down, token_of_row) -> moe_kernels.LayerPlan | None:
-    return moe_kernels.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
-
-
-def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, eager=False):
-    """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
-    routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
-    never read. Through the call shape's kept LayerPlan (`_plan`) where there is one; eager
-    (not a custom op): a, g and u share one allocation."""
-    if plan is not None:
-        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=eager)
-    a, g, u = moe_kernels.expert_up(x, w_gate, w_up, token_of_row, offsets)
-    y_rows = moe_kernels.expert_down(a, w_down, offsets)
-    return moe_kernels.combine(y_rows, row_id_map, probs), a, g, u, y_rows
-
-
-def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                      row_id_map, reuse_saved=False):
-    """-> (dx, dprobs, dw_gate, dw_up, dw_down). reuse_saved: a, g, u and y_rows are dead after
-    this call, and the plan may write into them."""
-    grad_out = grad_out.contiguous()
-    if plan is not None and grad_out.dtype == plan.dtype:
-        return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                             row_id_map, reuse_saved)
-    grad_rows, grad_probs = moe_kernels.combine_backward(grad_out, y_rows, probs, row_id_map)
-    dg, du, dw_down = moe_kernels.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
-    dx_rows, dw_gate, dw_up = moe_kernels.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
-    # each token's k slots summed in slot order, so dx repeats its bits run to run
-    dx = moe_kernels.combine(dx_rows, row_id_map, top_k=probs.shape[1])
-    return dx, grad_probs, dw_gate, dw_up, dw_down
-
-
-# whether the running backward keeps its graph; where torch lacks the query, assume it does
-_graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
-
-
-def _experts_eager_backward(plan, grad_out, saved):
-    """_experts_backward inside an autograd Function's backward, `saved` its experts' tensors.
-    The saved activations die with this backward unless the graph is kept (retain_graph,
-    create_graph): only when they die may it write its temporaries into them."""
-    return _experts_backward(plan, grad_out, *saved, reuse_saved=not _graph_kept())
-
-
-class _ExpertsFunction(torch.autograd.Function):
-    """Eager calls: the kernels behind autograd without the custom op's dispatch (about 20 us a
-    call of host time; scripts/moe_host_probe.py measures the entry points)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
-        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
-                                       eager=True)
-        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        return *_experts_eager_backward(ctx.plan, grad_out, ctx.saved_tensors), None, None, None
-
-
-def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
-    """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
-    autograd the gradients for x, the three weights and routing.probs (hence the logits).
-    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout. Under
-    torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
-    _check_experts_args(x, routing, w_gate, w_up, w_down)
-    probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    args = (x.contiguous(), probs, w_gate, w_up, w_down, routing.token_of_row, routing.offsets, routing.row_id_map)
-    if torch.compiler.is_compiling():
-        return _experts_op(*args)[0]
-    return _ExpertsFunction.apply(*args)
-
-
-class _LayerFunction(torch.autograd.Function):
-    """MoEExperts' eager forward on the kernels: the routing's and the experts' launches behind
-    one autograd node, with no Routing made between them (one node's dispatch instead of two).
-    The same kernels on the same buffers as route() then experts(), so the same bits."""
-
-    @staticmethod
-    def forward(ctx, logits, x, w_gate, w_up, w_down, k, renormalize, capacity, max_rows, z_loss):
-        probs, expert_ids, offsets, row_id_map, _, token_of_row, _, lse, z = moe_route_kernels.route_forward(
-            logits, k, renormalize, capacity, max_rows, z_loss)
-        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)
-        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
-                                       eager=True)
-        ctx.save_for_backward(logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *saved, token_of_row, offsets,
-                              row_id_map)
-        ctx.renormalize, ctx.z_loss = renormalize, z_loss
-        ctx.set_materialize_grads(False)
-        return out, z
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_z):
-        logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
-        dx = dw_gate = dw_up = dw_down = grad_probs = None
-        if grad_out is not None:
-            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_eager_backward(
-                ctx.plan, grad_out, (x, probs, w_gate, w_up, w_down, *rest))
-        dlogits = _route_grads(ctx, grad_probs, grad_z, moe_route_kernels.route_backward,
-                               saved=(logits, lse, expert_ids, probs))
-        return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
-
-
-def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
-    """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
-    MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
-    _check_route_args("MoEExperts", logits, k, capacity_factor)
-    num_tokens, num_experts = logits.shape
-    _check_expert_tensors("MoEExperts", x, num_tokens, num_experts, w_gate, w_up, w_down)
-    capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
-    logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    return _LayerFunction.apply(logits, x.contiguous(), w_gate, w_up, w_down, k, renormalize,
-                                num_tokens * k if capacity is None else capacity,
-                                _max_rows(num_tokens, k, num_experts, capacity), z_loss)
-
-
 # ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
 
 
@@ -677,7 +445,7 @@ def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor
 def _route_op(logits: torch.Tensor, k: int, renormalize: bool, capacity: int, max_rows: int, z_loss: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
         torch.Tensor]:
-    *routing, z = moe_route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
+    *routing, z = route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
     return *routing, logits.new_zeros((), dtype=torch.float32) if z is None else z
 
 
@@ -697,7 +465,7 @@ def _(logits, k, renormalize, capacity, max_rows, z_loss):
 def _route_backward_op(grad_probs: torch.Tensor, grad_z: Optional[torch.Tensor], logits: torch.Tensor,
                        lse: torch.Tensor, expert_ids: torch.Tensor, probs: torch.Tensor,
                        renormalize: bool) -> torch.Tensor:
-    return moe_route_kernels.route_backward(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize)
+    return route_kernels.route_backward(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize)
 
 
 @_route_backward_op.register_fake
@@ -706,7 +474,7 @@ def _(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize):
 
 
 def _route_op_backward(ctx, grad_probs, *grads):
-    return _route_grads(ctx, grad_probs, grads[-1], _route_backward_op), None, None, None, None, None
+    return route_grads(ctx, grad_probs, grads[-1], _route_backward_op), None, None, None, None, None
 
 
 _route_op.register_autograd(_route_op_backward, setup_context=_route_setup)
@@ -715,120 +483,10 @@ _route_op.register_autograd(_route_op_backward, setup_context=_route_setup)
 @torch.library.custom_op("suite::moe_layout", mutates_args=())
 def _layout_op(expert_ids: torch.Tensor, num_experts: int, capacity: int, max_rows: int) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return moe_route_kernels.layout(expert_ids, num_experts, capacity, max_rows)
+    return route_kernels.layout(expert_ids, num_experts, capacity, max_rows)
 
 
 @_layout_op.register_fake
 def _(expert_ids, num_experts, capacity, max_rows):
     return tuple(expert_ids.new_empty(n, dtype=torch.int32)
                  for n in (num_experts + 1, expert_ids.numel(), max_rows, max_rows, num_experts))
-
-
-@torch.library.custom_op("suite::moe_experts", mutates_args=())
-def _experts_op(x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                token_of_row: torch.Tensor, offsets: torch.Tensor, row_id_map: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _experts_forward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), x, probs, w_gate, w_up, w_down,
-                            token_of_row, offsets, row_id_map)
-
-
-@_experts_op.register_fake
-def _(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-    rows, (_, d, f) = token_of_row.shape[0], w_gate.shape
-    return (x.new_empty(x.shape[0], d), x.new_empty(rows, f), x.new_empty(rows, f), x.new_empty(rows, f),
-            x.new_empty(rows, d))
-
-
-@torch.library.custom_op("suite::moe_experts_backward", mutates_args=())
-def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor,
-                         w_up: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                         y_rows: torch.Tensor, token_of_row: torch.Tensor, offsets: torch.Tensor,
-                         row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                            torch.Tensor]:
-    return _experts_backward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), grad_out, x, probs, w_gate, w_up,
-                             w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map)
-
-
-@_experts_backward_op.register_fake
-def _(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
-    return (x.new_empty(x.shape), probs.new_empty(probs.shape), w_gate.new_empty(w_gate.shape),
-            w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
-
-
-def _experts_setup(ctx, inputs, output):
-    x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map = inputs
-    ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *output[1:], token_of_row, offsets, row_id_map)
-    ctx.mark_non_differentiable(*output[1:])
-    # the saved activations never get a gradient: no zeros made for them each backward
-    ctx.set_materialize_grads(False)
-
-
-def _experts_op_backward(ctx, grad_out, *_grad_saved):
-    if grad_out is None:
-        return None, None, None, None, None, None, None, None
-    return *_experts_backward_op(grad_out, *ctx.saved_tensors), None, None, None
-
-
-_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_setup)
-
-
-EXPERTS_IMPLS = ("fused", "eager")
-
-
-class MoEExperts(nn.Module):
-    """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
-    an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
-    "eager": `experts_reference`. forward(x [..., d]) -> out of x's shape and dtype."""
-
-    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
-                 capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
-                 z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None,
-                 device=None, dtype=None):
-        super().__init__()
-        if impl not in EXPERTS_IMPLS:
-            raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
-        if jitter_eps is not None:
-            jittered(torch.empty(0), jitter_eps, fn="MoEExperts")  # checks eps now, not at the first step
-        # z_loss: each forward leaves the router z-loss in last_z_loss, for the loop to add to its
-        # loss; jitter_eps: the router's input times noise in [1 - eps, 1 + eps] while training
-        self.z_loss, self.jitter_eps, self.generator = z_loss, jitter_eps, generator
-        self.last_z_loss: torch.Tensor | None = None
-        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
-        _check_capacity_factor("MoEExperts", capacity_factor)
-        self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
-        # exact, and a constant to torch.compile (a float attribute turns symbolic under dynamic=True)
-        self._capacity = None if capacity_factor is None else Fraction(repr(float(capacity_factor)))
-        factory = dict(device=device, dtype=dtype)
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
-        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
-        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
-        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size, **factory))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        # fan-in scaling, so each matmul keeps its input's scale
-        for weight, fan_in in ((self.w_gate, self.hidden_size), (self.w_up, self.hidden_size), (self.w_down, self.ffn_size)):
-            nn.init.normal_(weight, std=fan_in**-0.5)
-        self.router.reset_parameters()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, self.hidden_size)
-        router_input = tokens
-        if self.training and self.jitter_eps is not None:
-            router_input = jittered(tokens, self.jitter_eps, self.generator)
-        logits = self.router(router_input)
-        if (self.impl == "fused" and tokens.shape[0] and not torch.compiler.is_compiling()
-                and moe_route_kernels.runs_on(logits)):
-            # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
-            # backward through it or the next forward, as the output does
-            out, self.last_z_loss = fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
-                                                 self.renormalize, self._capacity, self.z_loss)
-            return out.view(x.shape)
-        routing = route(logits, self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
-        self.last_z_loss = routing.z_loss
-        run = experts if self.impl == "fused" else experts_reference
-        return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
-
-    def extra_repr(self) -> str:
-        return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")

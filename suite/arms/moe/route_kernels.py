@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from suite.triton_support import interprets, launch_kept, next_pow2, runs_on
+from suite.triton_support import interprets, launch_kept, next_pow2
 
 # Programs of a routing launch, at most: each layout program reads every program's counts
 # (programs x E each), so their number is held down and a program loops over its tokens.

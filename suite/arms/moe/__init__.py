@@ -1,0 +1,30 @@
+"""Mixture-of-experts: top-k routing into an expert-sorted layout, then SwiGLU experts on
+Triton kernels, forward and backward, beside their eager references. The modules read in the
+order data flows through a layer:
+
+    routing        Routing, route / route_reference, routing_from_topk (a model's own top-k)
+    route_kernels  the routing's Triton kernels: top-k and the layout, and their backward
+    layer          experts / experts_reference over a Routing, MoEExperts (router + routing + experts)
+    launch         the experts' launchers: each GEMM, SwiGLU backward and combine, a layer's plan
+    config         the launch choices (tiles, TMA or grouped_mm paths), once per call shape
+    kernels        the experts' Triton bodies
+
+    routing = route(logits, k)                        # or routing_from_topk(top_k_index, weights, E)
+    out = experts(x, routing, w_gate, w_up, w_down)   # autograd: x, the weights, the probs (hence logits)
+"""
+
+from suite.arms.moe.layer import EXPERTS_IMPLS, MoEExperts, expert_rows, experts, experts_reference, fused_layer
+from suite.arms.moe.routing import (
+    Routing,
+    expert_capacity,
+    jittered,
+    route,
+    route_reference,
+    router_z_loss,
+    routing_from_topk,
+    trusted_routing,
+)
+
+__all__ = ["EXPERTS_IMPLS", "MoEExperts", "Routing", "expert_capacity", "expert_rows", "experts", "experts_reference",
+           "fused_layer", "jittered", "route", "route_reference", "router_z_loss", "routing_from_topk",
+           "trusted_routing"]

@@ -1,0 +1,323 @@
+"""The experts: SwiGLU FFNs over a `Routing`, weights w_gate [E, d, f], w_up [E, d, f],
+w_down [E, f, d]:
+
+    out[t] = sum over kept slots s of probs[t, s] * FFN_e(x[t]),  e = expert_ids[t, s]
+    FFN_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
+
+with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager autograd
+reference (gradients for x, the weights and probs, hence the logits); `experts` is the same
+layer on the Triton kernels of `launch` (forward and backward, no host sync), behind autograd in
+eager calls and as custom ops under torch.compile; `MoEExperts` is the module: router, top-k
+routing and experts, either impl. The float64 truth the gate judges against is the gate's
+(gates/moe_bwd.py).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from suite.arms.moe import launch, route_kernels
+from suite.arms.moe.routing import (
+    Routing,
+    check_capacity_factor,
+    check_route_args,
+    expert_capacity,
+    jittered,
+    row_bound,
+    route,
+    route_grads,
+)
+from suite.triton_support import runs_on
+
+
+def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
+    if not isinstance(routing, Routing):
+        raise TypeError(f"experts: routing must be a Routing from route() or routing_from_topk(), got "
+                        f"{type(routing).__name__}")
+    _check_expert_tensors("experts", x, routing.num_tokens, routing.num_experts, w_gate, w_up, w_down)
+
+
+def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) -> None:
+    """x [num_tokens, d] and the weights w_gate/w_up [E, d, f], w_down [E, f, d] of the routing's E."""
+    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
+    if w_gate.dim() != 3:
+        raise ValueError(f"{fn}: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
+    weight_experts, d, f = w_gate.shape
+    if x.dim() != 2 or x.shape[1] != d:
+        raise ValueError(f"{fn}: x must be [tokens, {d}], got shape {tuple(x.shape)}")
+    if x.shape[0] != num_tokens:
+        raise ValueError(f"{fn}: x has {x.shape[0]} tokens but the routing has {num_tokens}")
+    if num_experts != weight_experts:
+        raise ValueError(f"{fn}: the routing has {num_experts} experts but the weights {weight_experts}")
+    if w_up.shape != (weight_experts, d, f) or w_down.shape != (weight_experts, f, d):
+        raise ValueError(
+            f"{fn}: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
+            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
+        )
+
+
+def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert's kept (tokens, slots), tokens ascending. Finding them reads the layout on the
+    host (a sync): for setting up a reference or a benchmark once, not for a training step."""
+    chosen = routing.expert_ids.long()
+    kept = routing.kept
+    return [torch.nonzero((chosen == e) & kept, as_tuple=True) for e in range(routing.num_experts)]
+
+
+def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> torch.Tensor:
+    """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
+    weighted sum in fp32 (float64 when x is float64); autograd gives every gradient.
+
+    rows: `expert_rows(routing)`, found once by the caller; then the call itself never syncs
+    (a benchmark can capture it in a CUDA graph)."""
+    _check_experts_args(x, routing, w_gate, w_up, w_down)
+    wide = torch.promote_types(x.dtype, torch.float32)
+    out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
+    for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
+        # route() picks an expert at most once a token, so `tokens` has no repeats and index_add_
+        # below adds each row once: the sum's order is the expert order, run to run (a top-k
+        # from routing_from_topk that names an expert twice for one token adds in any order)
+        v = x[tokens]
+        hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
+        y = hidden.to(x.dtype) @ w_down[e]
+        weight = routing.probs[tokens, slots].to(wide)
+        out = out.index_add(0, tokens, weight[:, None] * y.to(wide))
+    return out.to(x.dtype)
+
+
+def _plan(x, probs, w_gate, w_up, w_down, token_of_row) -> launch.LayerPlan | None:
+    return launch.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+
+
+def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, eager=False):
+    """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
+    routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
+    never read. Through the call shape's kept LayerPlan (`launch.layer_plan`) where there is one; eager
+    (not a custom op): a, g and u share one allocation."""
+    if plan is not None:
+        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=eager)
+    a, g, u = launch.expert_up(x, w_gate, w_up, token_of_row, offsets)
+    y_rows = launch.expert_down(a, w_down, offsets)
+    return launch.combine(y_rows, row_id_map, probs), a, g, u, y_rows
+
+
+def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
+                      row_id_map, reuse_saved=False):
+    """-> (dx, dprobs, dw_gate, dw_up, dw_down). reuse_saved: a, g, u and y_rows are dead after
+    this call, and the plan may write into them."""
+    grad_out = grad_out.contiguous()
+    if plan is not None and grad_out.dtype == plan.dtype:
+        return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
+                             row_id_map, reuse_saved)
+    grad_rows, grad_probs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
+    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
+    # each token's k slots summed in slot order, so dx repeats its bits run to run
+    dx = launch.combine(dx_rows, row_id_map, top_k=probs.shape[1])
+    return dx, grad_probs, dw_gate, dw_up, dw_down
+
+
+# whether the running backward keeps its graph; where torch lacks the query, assume it does
+_graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
+
+
+def _experts_eager_backward(plan, grad_out, saved):
+    """_experts_backward inside an autograd Function's backward, `saved` its experts' tensors.
+    The saved activations die with this backward unless the graph is kept (retain_graph,
+    create_graph): only when they die may it write its temporaries into them."""
+    return _experts_backward(plan, grad_out, *saved, reuse_saved=not _graph_kept())
+
+
+class _ExpertsFunction(torch.autograd.Function):
+    """Eager calls: the kernels behind autograd without the custom op's dispatch (about 20 us a
+    call of host time; scripts/moe_host_probe.py measures the entry points)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
+        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
+                                       eager=True)
+        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        return *_experts_eager_backward(ctx.plan, grad_out, ctx.saved_tensors), None, None, None
+
+
+def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+    """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
+    autograd the gradients for x, the three weights and routing.probs (hence the logits).
+    x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout. Under
+    torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
+    _check_experts_args(x, routing, w_gate, w_up, w_down)
+    probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
+    args = (x.contiguous(), probs, w_gate, w_up, w_down, routing.token_of_row, routing.offsets, routing.row_id_map)
+    if torch.compiler.is_compiling():
+        return _experts_op(*args)[0]
+    return _ExpertsFunction.apply(*args)
+
+
+class _LayerFunction(torch.autograd.Function):
+    """MoEExperts' eager forward on the kernels: the routing's and the experts' launches behind
+    one autograd node, with no Routing made between them (one node's dispatch instead of two).
+    The same kernels on the same buffers as route() then experts(), so the same bits."""
+
+    @staticmethod
+    def forward(ctx, logits, x, w_gate, w_up, w_down, k, renormalize, capacity, max_rows, z_loss):
+        probs, expert_ids, offsets, row_id_map, _, token_of_row, _, lse, z = route_kernels.route_forward(
+            logits, k, renormalize, capacity, max_rows, z_loss)
+        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)
+        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
+                                       eager=True)
+        ctx.save_for_backward(logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *saved, token_of_row, offsets,
+                              row_id_map)
+        ctx.renormalize, ctx.z_loss = renormalize, z_loss
+        ctx.set_materialize_grads(False)
+        return out, z
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_z):
+        logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
+        dx = dw_gate = dw_up = dw_down = grad_probs = None
+        if grad_out is not None:
+            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_eager_backward(
+                ctx.plan, grad_out, (x, probs, w_gate, w_up, w_down, *rest))
+        dlogits = route_grads(ctx, grad_probs, grad_z, route_kernels.route_backward,
+                               saved=(logits, lse, expert_ids, probs))
+        return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
+
+
+def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
+    """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
+    MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
+    check_route_args("MoEExperts", logits, k, capacity_factor)
+    num_tokens, num_experts = logits.shape
+    _check_expert_tensors("MoEExperts", x, num_tokens, num_experts, w_gate, w_up, w_down)
+    capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    return _LayerFunction.apply(logits, x.contiguous(), w_gate, w_up, w_down, k, renormalize,
+                                num_tokens * k if capacity is None else capacity,
+                                row_bound(num_tokens, k, num_experts, capacity), z_loss)
+
+
+# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
+
+
+@torch.library.custom_op("suite::moe_experts", mutates_args=())
+def _experts_op(x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                token_of_row: torch.Tensor, offsets: torch.Tensor, row_id_map: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _experts_forward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), x, probs, w_gate, w_up, w_down,
+                            token_of_row, offsets, row_id_map)
+
+
+@_experts_op.register_fake
+def _(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
+    rows, (_, d, f) = token_of_row.shape[0], w_gate.shape
+    return (x.new_empty(x.shape[0], d), x.new_empty(rows, f), x.new_empty(rows, f), x.new_empty(rows, f),
+            x.new_empty(rows, d))
+
+
+@torch.library.custom_op("suite::moe_experts_backward", mutates_args=())
+def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor,
+                         w_up: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
+                         y_rows: torch.Tensor, token_of_row: torch.Tensor, offsets: torch.Tensor,
+                         row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    return _experts_backward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), grad_out, x, probs, w_gate, w_up,
+                             w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map)
+
+
+@_experts_backward_op.register_fake
+def _(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
+    return (x.new_empty(x.shape), probs.new_empty(probs.shape), w_gate.new_empty(w_gate.shape),
+            w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
+
+
+def _experts_setup(ctx, inputs, output):
+    x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map = inputs
+    ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *output[1:], token_of_row, offsets, row_id_map)
+    ctx.mark_non_differentiable(*output[1:])
+    # the saved activations never get a gradient: no zeros made for them each backward
+    ctx.set_materialize_grads(False)
+
+
+def _experts_op_backward(ctx, grad_out, *_grad_saved):
+    if grad_out is None:
+        return None, None, None, None, None, None, None, None
+    return *_experts_backward_op(grad_out, *ctx.saved_tensors), None, None, None
+
+
+_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_setup)
+
+
+EXPERTS_IMPLS = ("fused", "eager")
+
+
+class MoEExperts(nn.Module):
+    """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
+    an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
+    "eager": `experts_reference`. forward(x [..., d]) -> out of x's shape and dtype."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
+                 capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
+                 z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None,
+                 device=None, dtype=None):
+        super().__init__()
+        if impl not in EXPERTS_IMPLS:
+            raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
+        if jitter_eps is not None:
+            jittered(torch.empty(0), jitter_eps, fn="MoEExperts")  # checks eps now, not at the first step
+        # z_loss: each forward leaves the router z-loss in last_z_loss, for the loop to add to its
+        # loss; jitter_eps: the router's input times noise in [1 - eps, 1 + eps] while training
+        self.z_loss, self.jitter_eps, self.generator = z_loss, jitter_eps, generator
+        self.last_z_loss: torch.Tensor | None = None
+        self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
+        check_capacity_factor("MoEExperts", capacity_factor)
+        self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
+        # exact, and a constant to torch.compile (a float attribute turns symbolic under dynamic=True)
+        self._capacity = None if capacity_factor is None else Fraction(repr(float(capacity_factor)))
+        factory = dict(device=device, dtype=dtype)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, **factory)
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_size, hidden_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # fan-in scaling, so each matmul keeps its input's scale
+        for weight, fan_in in ((self.w_gate, self.hidden_size), (self.w_up, self.hidden_size), (self.w_down, self.ffn_size)):
+            nn.init.normal_(weight, std=fan_in**-0.5)
+        self.router.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, self.hidden_size)
+        router_input = tokens
+        if self.training and self.jitter_eps is not None:
+            router_input = jittered(tokens, self.jitter_eps, self.generator)
+        logits = self.router(router_input)
+        if (self.impl == "fused" and tokens.shape[0] and not torch.compiler.is_compiling()
+                and runs_on(logits)):
+            # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
+            # backward through it or the next forward, as the output does
+            out, self.last_z_loss = fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
+                                                 self.renormalize, self._capacity, self.z_loss)
+            return out.view(x.shape)
+        routing = route(logits, self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
+        self.last_z_loss = routing.z_loss
+        run = experts if self.impl == "fused" else experts_reference
+        return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
