@@ -67,17 +67,18 @@ def host_skips(history: list[tuple[float, float]], latest: tuple[float, float], 
     return False
 
 
-def host_run(values: list[tuple[float, float]]) -> list[bool]:
+def host_run(values: list[tuple[float, float]], window: int = WINDOW, min_history: int = MIN_HISTORY) -> list[bool]:
     history, skips = [], []
     for latest in values:
-        skip = host_skips(history, latest)
+        skip = host_skips(history, latest, min_history=min_history, window=window)
         skips.append(skip)
         if not skip:
             history.append(latest)
     return skips
 
 
-def scenario_values(kind: str, steps: int, seed: int) -> list[tuple[float, float]]:
+def scenario_values(kind: str, steps: int, seed: int, window: int = WINDOW,
+                    min_history: int = MIN_HISTORY) -> list[tuple[float, float]]:
     """(loss, grad norm) per step: noise of 1% around (2, 1), and the scenario's event."""
     gen = torch.Generator().manual_seed(seed)
     noise = (torch.randn(steps, 2, generator=gen, dtype=torch.float64) * 0.01).tolist()
@@ -99,13 +100,13 @@ def scenario_values(kind: str, steps: int, seed: int) -> list[tuple[float, float
     elif kind == "resume":  # a spike soon after the restart: only a restored window can judge it
         values[at + 5] = (values[at + 5][0] + 100 * 0.01, values[at + 5][1])
     elif kind == "early-spike":
-        values[MIN_HISTORY // 2] = (50.0, values[MIN_HISTORY // 2][1])
+        values[min_history // 2] = (50.0, values[min_history // 2][1])
     elif kind == "threshold":  # between 6 sigma biased and 6 sigma unbiased: only a wrong std skips it
-        window = [v[0] for v in values[max(0, at - WINDOW):at]]
-        mean, n = statistics.fmean(window), len(window)
-        unbiased = math.sqrt(sum((v - mean) ** 2 for v in window) / (n - 1))
+        kept = [v[0] for v in values[max(0, at - window):at]]
+        mean, n = statistics.fmean(kept), len(kept)
+        unbiased = math.sqrt(sum((v - mean) ** 2 for v in kept) / (n - 1))
         values[at] = (mean + 5.985 * unbiased, values[at][1])
-        assert 6.0 < 5.985 * unbiased / math.sqrt(sum((v - mean) ** 2 for v in window) / n)
+        assert 6.0 < 5.985 * unbiased / math.sqrt(sum((v - mean) ** 2 for v in kept) / n)
     return values
 
 
@@ -136,7 +137,8 @@ def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
         noise = torch.randn((sets, *shape), generator=gen)
         buffers[f"grads/{name}"] = ((direction + noise) * 1e-3).to(device)
     for index, kind in enumerate(SCENARIOS):
-        buffers[f"values/{kind}"] = torch.tensor(scenario_values(kind, steps, seed + index), dtype=torch.float64,
+        buffers[f"values/{kind}"] = torch.tensor(scenario_values(kind, steps, seed + index, *_band(preset)),
+                                                 dtype=torch.float64,
                                                  device=device)
     return buffers
 
@@ -181,9 +183,15 @@ def make_optimizer(kind: str, params: dict[str, torch.Tensor]) -> torch.optim.Op
                              **implementation)
 
 
-def _reference_run(kind: str, mode: str, buffers: Buffers, scenario: str) -> Outputs:
+def _band(preset: Preset) -> tuple[int, int]:
+    """(window, min_history) of the preset: the arm's defaults unless a preset asks for a short
+    window (tiny: the ring still wraps, in fewer steps)."""
+    return preset.params.get("window", WINDOW), preset.params.get("min_history", MIN_HISTORY)
+
+
+def _reference_run(kind: str, mode: str, buffers: Buffers, scenario: str, band: tuple[int, int]) -> Outputs:
     values = buffers[f"values/{scenario}"].tolist()
-    skips = host_run(values)
+    skips = host_run(values, *band)
     params = fresh_params(buffers)
     optimizer = make_optimizer(kind, params)
     if mode == "captured":
@@ -233,11 +241,11 @@ def counted_host_reads(device: torch.device) -> Iterator[list[int]]:
             setattr(torch.Tensor, name, original)
 
 
-Factory = Callable[[torch.optim.Optimizer], SkipStepOptimizer]
+Factory = Callable[..., SkipStepOptimizer]  # (optimizer, rolling_interval_length=, min_history=)
 
 
 def _arm_run(kind: str, mode: str, buffers: Buffers, scenario: str, wrap: Factory,
-             monitor: Callable[[SkipStepOptimizer], StabilityMonitor]) -> Outputs:
+             monitor: Callable[[SkipStepOptimizer], StabilityMonitor], band: tuple[int, int]) -> Outputs:
     values = buffers[f"values/{scenario}"]
     steps = values.shape[0]
     params = fresh_params(buffers)
@@ -245,7 +253,9 @@ def _arm_run(kind: str, mode: str, buffers: Buffers, scenario: str, wrap: Factor
 
     def build() -> SkipStepOptimizer:
         inner = make_optimizer(kind, params)
-        return wrap(CapturedOptimizer(inner) if mode == "captured" else inner)
+        window, min_history = band
+        return wrap(CapturedOptimizer(inner) if mode == "captured" else inner, rolling_interval_length=window,
+                    min_history=min_history)
 
     optimizer = build()
     watcher = monitor(optimizer)
@@ -305,13 +315,15 @@ def _scenarios(preset: Preset) -> tuple[str, ...]:
 
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
     device = buffers["values/drift"].device
-    return _outputs(lambda kind, mode, scenario: _reference_run(kind, mode, buffers, scenario), device, preset)
+    return _outputs(lambda kind, mode, scenario: _reference_run(kind, mode, buffers, scenario, _band(preset)), device,
+                    preset)
 
 
 def _arm_with(wrap: Factory = SkipStepOptimizer, monitor=StabilityMonitor) -> Callable[[Buffers, Preset], Outputs]:
     def arm(buffers: Buffers, preset: Preset) -> Outputs:
         device = buffers["values/drift"].device
-        return _outputs(lambda kind, mode, scenario: _arm_run(kind, mode, buffers, scenario, wrap, monitor),
+        band = _band(preset)
+        return _outputs(lambda kind, mode, scenario: _arm_run(kind, mode, buffers, scenario, wrap, monitor, band),
                         device, preset)
 
     return arm
@@ -443,8 +455,9 @@ BENCHES = tuple(
 )
 
 PRESETS = (
-    Preset("tiny", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS)), where="any",
-           note="every scenario, 300 steps, eager"),
+    # a window of 32 over 80 steps: every scenario, and the ring wraps, in a quarter of the steps
+    Preset("tiny", dict(layers=2, d=16, steps=80, grad_sets=80, window=32, min_history=8, scenarios=list(SCENARIOS)),
+           where="any", note="every scenario, 80 steps, window 32, eager"),
     Preset("small", dict(layers=2, d=16, steps=300, grad_sets=300, scenarios=list(SCENARIOS), captured=True),
            where="cuda", in_all=False, memory_bytes=1 << 30,
            note="tiny on a GPU in eager and captured mode, capturable AdamW too, host reads by sync debug mode "

@@ -21,6 +21,7 @@ stamp verifies and ignores temporaries (the next save removes them).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import itertools
@@ -28,6 +29,7 @@ import json
 import math
 import numbers
 import os
+import stat
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -436,12 +438,32 @@ def _read_once(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], di
 
 
 def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    if not (root / META).exists():
+    """Every file of the directory opened at once, then read through those handles: an
+    overwrite that swaps the directory meanwhile (and removes the old one) cannot mix its files
+    with ours, nor take one away halfway."""
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"{root} is not a directory") from None
+    held: dict[str, int] = {}
+    try:
+        for name in os.listdir(dir_fd):
+            with contextlib.suppress(FileNotFoundError):  # removed since the listing
+                held[name] = os.open(name, os.O_RDONLY | os.O_NONBLOCK, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    try:
+        return _judge_files(root, held, verify, keep)
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def _judge_files(root: Path, held: dict[str, int], verify: bool, keep: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    if META not in held:
         raise CheckpointError(f"{root} has no {META}: not a whole checkpoint (a save that did not finish?)")
     try:
-        meta = jsonfile.load(root / META)
+        meta = jsonfile.load(root / META, fd=held[META])
     except jsonfile.Unreadable as exc:
         raise CheckpointError(f"{root / META} is not a checkpoint stamp: {exc}") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
@@ -459,29 +481,32 @@ def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], d
         raise CheckpointError(f"{root / META} does not name {STATE} and {TENSORS}: not a checkpoint stamp")
     if meta.get("stamp_sha256") != stamp_digest(meta):
         raise CheckpointError(f"{root / META} does not match its own hash: the stamp was edited after the save")
-    present = {p.name for p in root.iterdir()}
-    stray = sorted(present - set(files) - {META})
+    stray = sorted(set(held) - set(files) - {META})
     if stray:
         raise CheckpointError(f"{root} holds {stray[0]}, which its stamp does not name")
     contents: dict[str, Any] = {}
     for name, entry in files.items():
         path = root / name
-        if not path.is_file():
+        if name not in held or not stat.S_ISREG(os.fstat(held[name]).st_mode):
             raise CheckpointError(f"{root} lacks {name}, which its stamp names")
-        size = path.stat().st_size
+        fd = held[name]
+        size = os.fstat(fd).st_size
         chunk_bytes = entry.get("chunk_bytes", 0)  # 0: format 1, one sha256 over the bytes
         # a load hashes the very bytes it decodes; a verify reads the state too, to check what it names
         if size == entry["bytes"] and (keep or (verify and name == STATE)):
             try:
-                data, size, digest = (_read_tensors if name == TENSORS else _read_hashed)(path, size, chunk_bytes)
+                if name == TENSORS:
+                    data, size, digest = _read_tensors(path, size, chunk_bytes, fd)
+                else:
+                    data, size, digest = _read_hashed(path, size, chunk_bytes, fd)
             except CheckpointError:
                 # the stamp is judged first: a changed file is named as such, not by what changed
-                if file_sha256(path, chunk_bytes) != entry["sha256"]:
+                if file_sha256(path, chunk_bytes, fd) != entry["sha256"]:
                     raise CheckpointError(f"{path} does not match its sha256 in {META}: the file changed after "
                                           "it was written") from None
                 raise
         elif size == entry["bytes"] and verify:
-            digest = file_sha256(path, chunk_bytes)
+            digest = file_sha256(path, chunk_bytes, fd)
         if size != entry["bytes"]:
             raise CheckpointError(f"{path} is {size} bytes, its stamp says {entry['bytes']}: cut short or "
                                   "written to after the save")
@@ -492,18 +517,18 @@ def _read_files(root: Path, verify: bool, keep: bool) -> tuple[dict[str, Any], d
         if keep or (verify and name == STATE):
             contents[name] = data
     if STATE in contents:
-        contents[STATE] = _state_structure(root, contents, keep)
+        contents[STATE] = _state_structure(root, contents, keep, held[TENSORS])
     return meta, contents
 
 
-def _state_structure(root: Path, contents: dict[str, Any], keep: bool) -> Any:
+def _state_structure(root: Path, contents: dict[str, Any], keep: bool, tensors_fd: int) -> Any:
     """The state's JSON structure, checked to name only tensors the tensors file holds (a load
     would otherwise fail after a verify said the checkpoint was whole)."""
     try:
         structure = json.loads(contents[STATE].numpy().tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{root / STATE} is not the state's JSON: {exc}") from None
-    held = set(contents[TENSORS]) if keep else _tensor_names(root / TENSORS)
+    held = set(contents[TENSORS]) if keep else _tensor_names(root / TENSORS, tensors_fd)
     missing = sorted(set(_tensor_refs(structure)) - held)
     if missing:
         raise CheckpointError(f"{root / STATE} names tensor {missing[0]!r}, which {TENSORS} does not hold: the "
@@ -517,14 +542,23 @@ def _hasher(pool: ThreadPoolExecutor, chunk_bytes: int):
     return ChunkedSha256(pool, chunk_bytes) if chunk_bytes else hashlib.sha256()
 
 
-def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor, int, str]:
+def _opened(path: Path, fd: int | None, buffering: int = -1):
+    """`path` opened for reading, or the file already open as `fd`, from its start."""
+    if fd is None:
+        return open(path, "rb", buffering=buffering)
+    fh = os.fdopen(os.dup(fd), "rb", buffering=buffering)
+    fh.seek(0)
+    return fh
+
+
+def _read_hashed(path: Path, size: int, chunk_bytes: int, fd: int | None = None) -> tuple[torch.Tensor, int, str]:
     """(the file's bytes as a uint8 tensor, how many there were, their stamp's sha256): read in
     pieces, hashed as they arrive while the next are read (hashing leaves the GIL). A file that
     grew or shrank since its size was taken reads as another size, and so fails the size check."""
     data = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
     view = memoryview(data.numpy())
     read = 0
-    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+    with _opened(path, fd, 0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         digest = _hasher(pool, chunk_bytes)
         while read < size and (n := fh.readinto(view[read:read + CHUNK_BYTES])):
             digest.update(view[read:read + n])
@@ -534,9 +568,10 @@ def _read_hashed(path: Path, size: int, chunk_bytes: int) -> tuple[torch.Tensor,
         return data, read, digest.hexdigest()
 
 
-def file_sha256(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> str:
-    """The sha256 a stamp holds for the file at `path` (chunk_bytes 0: format 1's, over the bytes)."""
-    with open(path, "rb") as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+def file_sha256(path: Path, chunk_bytes: int = HASH_CHUNK_BYTES, fd: int | None = None) -> str:
+    """The sha256 a stamp holds for the file at `path` (or open as `fd`; chunk_bytes 0: format
+    1's, over the bytes)."""
+    with _opened(path, fd) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         digest = _hasher(pool, chunk_bytes)
         while piece := fh.read(CHUNK_BYTES):
             digest.update(memoryview(piece))
@@ -551,7 +586,8 @@ def _count(value: Any) -> bool:
     return type(value) is int and 0 <= value < 1 << 63
 
 
-def _read_tensors(path: Path, size: int, chunk_bytes: int) -> tuple[dict[str, torch.Tensor], int, str]:
+def _read_tensors(path: Path, size: int, chunk_bytes: int,
+                  fd: int | None = None) -> tuple[dict[str, torch.Tensor], int, str]:
     """(a safetensors file's tensors, how many bytes it held, their stamp's sha256): the header
     read and validated first, then each tensor's bytes read straight into memory of its own in
     file order, hashed as they arrive while the next are read. No buffer of the whole file, so
@@ -564,7 +600,7 @@ def _read_tensors(path: Path, size: int, chunk_bytes: int) -> tuple[dict[str, to
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
 
-    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+    with _opened(path, fd, 0) as fh, ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
         digest = _hasher(pool, chunk_bytes)
         head = fh.read(8)
         if len(head) < 8:
@@ -593,13 +629,13 @@ def _read_tensors(path: Path, size: int, chunk_bytes: int) -> tuple[dict[str, to
         return tensors, read, digest.hexdigest()
 
 
-def _tensor_names(path: Path) -> set[str]:
+def _tensor_names(path: Path, fd: int | None = None) -> set[str]:
     """The tensor names a safetensors file's header lists (its size verified by the caller)."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path} is not a safetensors file this suite wrote: {why}")
 
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
+    with _opened(path, fd) as fh:
+        size = os.fstat(fh.fileno()).st_size
         length = int.from_bytes(fh.read(8), "little")
         if length > size - 8:
             raise bad(f"its header claims {length} bytes of {size - 8}")

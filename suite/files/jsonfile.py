@@ -29,11 +29,13 @@ class NotUtf8(NotJson):
     pass
 
 
-def read_bytes(path: str | os.PathLike, limit: int = MAX_BYTES) -> bytes:
-    """The bytes of the regular file at `path`, refusing anything else (a device, a FIFO, a
-    directory) and anything over `limit` bytes, without blocking on open."""
+def read_bytes(path: str | os.PathLike, limit: int = MAX_BYTES, fd: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (or already open as `fd`, read from its start),
+    refusing anything else (a device, a FIFO, a directory) and anything over `limit` bytes,
+    without blocking on open."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO's open would wait for a writer
+        # a FIFO's open would wait for a writer; a dup leaves the caller's fd open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if fd is None else os.dup(fd)
     except IsADirectoryError:
         raise Unreadable("it is a directory, not a file") from None
     except OSError as exc:
@@ -44,16 +46,18 @@ def read_bytes(path: str | os.PathLike, limit: int = MAX_BYTES) -> bytes:
             kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
                 "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file"
             raise Unreadable(f"it is {kind}, not a regular file")
+        fh.seek(0)
         data = fh.read(limit + 1)  # a file that grows past its size is caught by the bound too
     if len(data) > limit:
         raise Unreadable(f"it is larger than {limit >> 20} MiB, more than any file of the suite")
     return data
 
 
-def load(path: str | os.PathLike, limit: int = MAX_BYTES) -> Any:
-    """The JSON document at `path` (UTF-8). Unreadable says what is wrong: not a regular file,
-    too large, not UTF-8 (with the byte), not JSON (with the place), nested too deeply."""
-    data = read_bytes(path, limit)
+def load(path: str | os.PathLike, limit: int = MAX_BYTES, fd: int | None = None) -> Any:
+    """The JSON document at `path` (UTF-8; or open as `fd`). Unreadable says what is wrong: not a
+    regular file, too large, not UTF-8 (with the byte), not JSON (with the place), nested too
+    deeply."""
+    data = read_bytes(path, limit, fd)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
