@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from gates.graph_capture import transformer_shapes as _shapes  # its medium: 403 M params
 from gates.optimizer_runs import flat_params, fresh_params, set_saved_grads
 from suite.arms import checkpoint as ck
+from suite.arms import checkpoint_files as ck_files
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.files import atomic
@@ -154,8 +155,8 @@ def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes
     half-written was returned; 0 where not. Kills alternate between a save into a new directory
     beside the old and an overwrite of the old, each at points spread over its whole write."""
     results = []
-    chunk = ck.CHUNK_BYTES
-    ck.CHUNK_BYTES = chunk_bytes  # many points inside each file
+    chunk = ck_files.CHUNK_BYTES
+    ck_files.CHUNK_BYTES = chunk_bytes  # many points inside each file
     try:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
@@ -179,7 +180,7 @@ def crash_checks(kills: int, save: Save, load: Load, latest: Latest, chunk_bytes
                     results.append(_survived(root, load, latest))
                     reset()
     finally:
-        ck.CHUNK_BYTES = chunk
+        ck_files.CHUNK_BYTES = chunk
     return torch.tensor(results, dtype=torch.int8)
 
 

@@ -17,13 +17,13 @@ from suite.arms.checkpoint import (
     META,
     STATE,
     CheckpointError,
-    ChunkedSha256,
     stamp_digest,
     latest_checkpoint,
     load_checkpoint,
     read_stamp,
     save_checkpoint,
 )
+from suite.arms.checkpoint_files import ChunkedSha256
 from suite.errors import UsageError
 
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gates.checkpoint as gc
+from suite.arms import checkpoint_files as ck_files
 from gatecheck import arm_result, sabotaged_result
 from suite.errors import UsageError
 from suite.harness import parity
@@ -42,7 +43,7 @@ def test_the_kills_cover_every_stage_of_a_save(tmp_path, monkeypatch):
     stages = {p.split(":")[0] for p in points}
     assert {gc.ck.TENSORS, gc.ck.STATE, gc.ck.META, "staging created", "staged synced", "renamed",
             "parent synced"} <= stages
-    monkeypatch.setattr(gc.ck, "CHUNK_BYTES", 256)  # the crash test's chunks
+    monkeypatch.setattr(ck_files, "CHUNK_BYTES", 256)  # the crash test's chunks
     crash_points = gc._points(lambda at: gc.ck.save_checkpoint(tmp_path / "d", gc._state(1.0, 20000), 1, at=at))
     inside = [p for p in crash_points if p.startswith(gc.ck.STATE) and p.endswith("bytes")]
     assert len(inside) >= 60 and len(crash_points) >= 70  # most kills land inside a file
@@ -75,8 +76,8 @@ def test_the_tensors_file_is_safetensors_with_every_dtype_and_its_stamp_hashes_i
         assert torch.equal(loaded[name].view(torch.uint8), t.view(torch.uint8)) if t.dim() else \
             torch.equal(loaded[name], t)
     assert entry == {"bytes": (tmp_path / "t.safetensors").stat().st_size,
-                     "sha256": _chunked_sha256(tmp_path / "t.safetensors", gc.ck.HASH_CHUNK_BYTES),
-                     "chunk_bytes": gc.ck.HASH_CHUNK_BYTES}
+                     "sha256": _chunked_sha256(tmp_path / "t.safetensors", ck_files.HASH_CHUNK_BYTES),
+                     "chunk_bytes": ck_files.HASH_CHUNK_BYTES}
     with pytest.raises(UsageError, match="complex64"):
         gc.ck.write_tensors(tmp_path / "c", {"c": torch.zeros(2, dtype=torch.complex64)}, lambda point: None)
 
@@ -101,19 +102,19 @@ def test_views_strided_tied_and_every_dtype_come_back_bit_for_bit(tmp_path):
 def test_host_copies_arrive_in_order_and_the_hash_backlog_stays_bounded(tmp_path, monkeypatch):
     tensors = {f"t{i}": torch.full((i + 1, 3), float(i)) for i in range(7)}
     for ahead in (1, 2, 10):
-        views = list(gc.ck._host_views(tensors, ahead))
+        views = list(ck_files._host_views(tensors, ahead))
         assert [bytes(v) for v in views] == [t.numpy().tobytes() for t in tensors.values()]
     # written in 16-byte pieces, hashed in 24-byte chunks that span them, one chunk waiting at
     # most: the digest is still the file's, and reading it back (a load, a verify) agrees
-    monkeypatch.setattr(gc.ck, "CHUNK_BYTES", 16)
-    monkeypatch.setattr(gc.ck, "HASH_CHUNK_BYTES", 24)
-    monkeypatch.setattr(gc.ck, "HASH_BACKLOG", 1)
+    monkeypatch.setattr(ck_files, "CHUNK_BYTES", 16)
+    monkeypatch.setattr(ck_files, "HASH_CHUNK_BYTES", 24)
+    monkeypatch.setattr(ck_files, "HASH_BACKLOG", 1)
     path = tmp_path / "t.safetensors"
     entry = gc.ck.write_tensors(path, tensors, lambda point: None)
     assert entry["sha256"] == _chunked_sha256(path, 24) and entry["chunk_bytes"] == 24
     assert gc.ck.file_sha256(path, 24) == entry["sha256"]
-    assert gc.ck._read_hashed(path, path.stat().st_size, 24)[2] == entry["sha256"]
-    got, size, digest = gc.ck._read_tensors(path, path.stat().st_size, 24)
+    assert ck_files.read_hashed(path, path.stat().st_size, 24)[2] == entry["sha256"]
+    got, size, digest = ck_files.read_tensors(path, path.stat().st_size, 24)
     assert digest == entry["sha256"] and size == path.stat().st_size
     assert list(got) == list(tensors) and all(torch.equal(got[name], t) for name, t in tensors.items())
 
@@ -177,7 +178,7 @@ def _tensors_file(path, header: bytes, body: bytes = b""):
 def test_the_reader_refuses_a_header_that_does_not_describe_its_bytes(header, body, tmp_path):
     path = _tensors_file(tmp_path / "t", header, body)
     with pytest.raises(gc.ck.CheckpointError, match="not a safetensors file this suite wrote"):
-        gc.ck._read_tensors(path, path.stat().st_size, 0)
+        ck_files.read_tensors(path, path.stat().st_size, 0)
 
 
 def test_a_changed_header_is_named_by_the_stamp_first(tmp_path):

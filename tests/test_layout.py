@@ -77,3 +77,46 @@ def test_no_module_outside_the_tests_uses_another_modules_private_names():
                      if isinstance(node, ast.Attribute) and _private(node.attr)
                      and isinstance(node.value, ast.Name) and node.value.id in ours]
     assert not crossing, sorted(set(crossing))
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _top_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The suite modules `path` imports outside its functions (TYPE_CHECKING blocks included):
+    `from pkg import name` counts as pkg.name where that is a module."""
+    found = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.If):
+            body += node.body + node.orelse
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("suite"):
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                      for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("suite")}
+    return found & modules
+
+
+def test_the_suites_modules_import_one_another_without_a_circle():
+    files = sorted((ROOT / "suite").rglob("*.py"))
+    modules = {_module_name(path) for path in files}
+    graph = {_module_name(path): _top_level_imports(path, modules) for path in files}
+    # a package's __init__ re-exporting its modules is no circle: they import their siblings, not it
+    graph = {name: {m for m in deps if not name.startswith(m + ".")} for name, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph.get(name, ())):
+            assert state.get(dep) != 1, f"import circle: {' -> '.join(trail[trail.index(dep):] + [dep])}"
+            if dep not in state:
+                visit(dep, trail + [dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])

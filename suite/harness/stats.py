@@ -4,14 +4,11 @@ bootstrap CI of the median ratio, verdicts, the criteria's decisions, round orde
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
 from suite.harness.results import Ceilings, Comparison, Verdict
-
-if TYPE_CHECKING:
-    from suite.harness.timing import TimingPolicy
 
 
 def noise_floor(aa_log_ratios: Sequence[float], quantile: float, min_floor: float) -> float:
@@ -82,13 +79,14 @@ def compare(
     other_ms: Sequence[float],
     arm_ms: Sequence[float],
     floor_log: float,
-    policy: TimingPolicy,
+    n_boot: int,
+    ci_level: float,
     rng: np.random.Generator,
 ) -> Comparison:
     """Speedup of the arm = median over rounds of other/arm, with its bootstrap CI and verdict."""
     ratios = np.asarray(other_ms, dtype=float) / np.asarray(arm_ms, dtype=float)
     median = float(np.median(ratios))
-    low, high = bootstrap_ci(ratios, policy.n_boot, policy.ci_level, rng)
+    low, high = bootstrap_ci(ratios, n_boot, ci_level, rng)
     return Comparison(against=against, speedup=median, ci_low=low, ci_high=high,
                       verdict=judge(median, low, high, floor_log), noise_floor=math.expm1(floor_log))
 

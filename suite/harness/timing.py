@@ -383,7 +383,7 @@ class _Bench:
             rng = np.random.default_rng(policy.seed)  # same figures and seed, same intervals
             self.comparisons = [
                 compare(name, self.series[name], self.series[self.arm_name], floors.get(name, self.floor_log),
-                        policy, rng)
+                        policy.n_boot, policy.ci_level, rng)
                 for name in self.fns if name != self.arm_name
             ]
             # more rounds only for what can fail (an aim cannot)
@@ -405,7 +405,8 @@ class _Bench:
             floor = self.floor_log
             if against in self.aa:
                 floor = max(floor, noise_floor(self.aa[against], self.policy.floor_quantile, self.policy.min_floor))
-            cmp = compare(against, self.series[against], self.series[c.name], floor, self.policy, rng)
+            cmp = compare(against, self.series[against], self.series[c.name], floor, self.policy.n_boot,
+                          self.policy.ci_level, rng)
             found.append(Recommendation(contender=c.name, **cmp.model_dump()))
         return found
 
