@@ -588,20 +588,15 @@ PERF = PerfCriterion(
     not_slower_than=("reference",),
     min_speedup={("olmoe", "fwd+bwd"): 8.0},
     min_speedup_over={
-        # against torch._grouped_mm, judged where it is available and within the noise floor:
-        # at least as fast on olmoe and qwen3-30b-a3b and 0.9x on mixtral (8 wide experts:
-        # cuBLAS-class GEMMs with no gather); the same bars on top2-small and on the backward
-        # alone, except mixtral's backward alone: 0.8x, below the 0.856-0.876x of two H200 runs,
-        # each mode (its gate/up weight gradient, about half the GEMM ceiling, holds it there;
-        # see docs/arms/moe.md)
+        # against torch._grouped_mm where it is available: as fast on olmoe, qwen3-30b-a3b and
+        # top2-small, 0.9x on mixtral (8 wide experts: cuBLAS-class GEMMs with no gather), 0.8x
+        # for mixtral's backward alone (docs/tuning.md, "MoE: the bench's bars")
         **{(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
            for name in MODEL_PRESETS for case in EXPERT_CASES},
         ("mixtral", "bwd"): {"grouped_mm": 0.8},
-        # the combine backward at 80% of copy bandwidth: of a copy of its own bytes timed beside
-        # it (the copy ceiling is measured on 2 GB, and at top2-small's 84 MB a copy itself
-        # reaches 79.7% of that; the ceiling's fraction is still reported). A device-time claim,
-        # so graph replays: called alone, eagerly, a 28 us combine is bound by its dispatch; in
-        # a training loop it runs inside the experts' backward, which max_eager_over_graph holds
+        # the combine backward at 80% of a copy of its own bytes timed beside it (a small copy
+        # falls short of the 2 GB ceiling's rate itself), in graph replays: a device-time claim,
+        # since alone and eager the combine is bound by its dispatch (docs/tuning.md)
         **{(name, "combine-bwd", "graph"): {"copy": 0.8} for name in MODEL_PRESETS},
     },
     # the aims of issue 28, at fwd+bwd of the model presets, against the strongest peers a user

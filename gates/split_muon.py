@@ -94,7 +94,7 @@ def _preset(name: str, d: int, layers: int, where: str = "cuda", steps: int = 12
 PRESETS = (
     _preset("tiny", 16, 2, where="any", note="seconds, on the CPU too: the gate and the saboteurs"),
     _preset("d1024", 1024, 24, note="24 layers, d=1024: QKV [1536, 1024], gate/up [8192, 1024]"),
-    # not in `suite run` (every gate): its 49 s on the H200 would take the run past 4 minutes
+    # not in `suite run` (every gate): its parity alone takes most of a minute on the H200
     _preset("d2048", 2048, 24, in_all=False,
             note="24 layers, d=2048: QKV [3072, 2048] (q 2048, kv 512), gate/up [16384, 2048]"),
 )
@@ -396,9 +396,8 @@ GATE = Gate(
         ("d2048", "split-step"): 0.9,
         ("d1024", "ns-batched"): 1.5,
     }, max_over_reference_busy={
-        # Batched Newton-Schulz keeps the GPU busy for almost all of the eager step (33.8 of 35.3 ms
-        # at d1024 on the H200), so no capture can give 1.8x; what it must do is come within 5% of
-        # the eager step's device time.
+        # batched Newton-Schulz keeps the GPU busy for almost all of the eager step, so a capture
+        # cannot win much; it must come within 5% of the eager step's device time (docs/tuning.md)
         ("d1024", "split-captured"): 1.05,
         ("d2048", "split-captured"): 1.05,
     }),

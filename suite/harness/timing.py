@@ -93,8 +93,8 @@ class TimingPolicy:
     # most the device work a call still has queued when it returns to the host (its tail), so a
     # contender whose call takes lead_in_below_ms or more and whose tail is under idle_tail_share
     # of it times without the lead-in, which doubled the cost of the slowest contenders'
-    # timings (split-muon's one-by-one step, 195 ms a call). A captured step launched in one
-    # graph keeps it: its tail is the whole step, and an idle start added 7% there.
+    # timings. A captured step launched in one graph keeps it: its tail is the whole step
+    # (docs/judging.md gives the figures).
     lead_in_below_ms: float = 5.0
     idle_tail_share: float = 0.0025
     warmup_tolerance: float = 0.02  # steady when two consecutive batch medians differ by <= this
@@ -319,8 +319,8 @@ class _Bench:
         self.judged = list(dict.fromkeys(name for name, *_ in self.demands
                                          if name in fns and name not in (self.ref_name, self.arm_name)))
         shared = (self.ref_name, self.arm_name, *self.judged)
-        # one timed call each sizes the warm-up batches (10 timings of 5-call windows of a 200 ms
-        # eager reference spent 10 s a batch); the warm medians then size the rounds
+        # one timed call each sizes the warm-up batches (a slow eager reference timed in full
+        # batches of full windows spent seconds a batch); the warm medians then size the rounds
         first_ms = {name: self.timer.time_calls(fns[name], 1, flush_l2=self.flush_l2, window=1)[0] for name in fns}
         batch_size, warm_windows = round_shape(policy, first_ms, self.window, mode, shared)
         self.warmup_calls, warm_ms = len(fns), {}
