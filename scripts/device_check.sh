@@ -7,7 +7,7 @@
 #   bash scripts/device_check.sh tests [pytest args]
 #   bash scripts/device_check.sh suite run            (any suite command line)
 #   bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe   (a probe script)
-#   bash scripts/device_check.sh plan scripts/plans/open-issues.txt
+#   bash scripts/device_check.sh plan scripts/gpu-check.plan     (the check every change needs)
 # A plan installs once, then runs its lines in order, each "SECONDS MODE ARGS..." under its own
 # timeout (# starts a comment), and prints one line per step last: a call that runs out of time
 # still returns every step that finished.
