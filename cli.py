@@ -615,9 +615,10 @@ def env(device: DeviceOpt = "auto", as_json: JsonOpt = False) -> None:
     rows = []
     for gate in gates.select("all"):
         missing = [f"{c.name}: {r}" for c in gate.contenders if (r := c.unavailable(settings.device))]
-        can_gate = (settings.device.type == "cuda" or not gate.needs_cuda) and gate.missing() is None
-        if gate.missing() is not None:
-            missing.insert(0, gate.missing())
+        lacks = gate.missing()  # an optional extra not installed
+        can_gate = (settings.device.type == "cuda" or not gate.needs_cuda) and lacks is None
+        if lacks is not None:
+            missing.insert(0, lacks)
         elif not can_gate:
             missing.insert(0, "CUDA (the gate needs a GPU)")
         can_bench = bool(gate.benches) and (settings.device.type == "cuda" or all(b.modes == ("wall",) for b in gate.benches))

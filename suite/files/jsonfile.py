@@ -1,10 +1,8 @@
 """Reading the suite's own JSON files (reports, baselines, buffer manifests, checkpoint stamps)
-from paths a person or a script passes: a bounded read of a regular file, and a parse whose
-failures (nesting too deep included) come back as one line.
-
-`suite report /dev/zero` read until the machine ran out of memory, a FIFO hung the command,
-and a deeply nested document raised RecursionError from json or pydantic. Each caller turns
-`Unreadable` into its own error (a usage error, bad buffers, a checkpoint that is not whole).
+from paths a person or a script passes: a bounded read of a regular file (a device would be read
+until memory runs out, a FIFO would hang), and a parse whose failures, nesting too deep included,
+come back as one line. Each caller turns `Unreadable` into its own error (a usage error, bad
+buffers, a checkpoint that is not whole).
 """
 
 from __future__ import annotations
