@@ -36,7 +36,8 @@ from suite.arms import checkpoint_files as ck_files
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
 from suite.files import atomic
-from suite.harness.gate import BenchCase, Bitwise, Buffers, Contender, Gate, Outputs, PerfCriterion, Preset, Saboteur
+from suite.harness.criteria import NotSlowerThan, SpeedupOver
+from suite.harness.gate import BenchCase, Bitwise, Buffers, Contender, Gate, Outputs, Preset, Saboteur
 
 ADAMW_LR, MUON_LR, WEIGHT_DECAY = 3e-4, 0.02, 0.01
 
@@ -480,6 +481,6 @@ GATE = Gate(
     saboteurs=SABOTEURS,
     contenders=CONTENDERS,
     benches=BENCHES,
-    perf=PerfCriterion(not_slower_than=("torch.save + fsync",), not_slower_modes=("wall",),
-                       min_speedup_over={(size, SAVE): {"disk: one write + fsync": 0.8} for size in ("small", "medium")}),
+    criteria=(NotSlowerThan("torch.save + fsync", modes=("wall",)),
+              SpeedupOver(0.8, "disk: one write + fsync", presets=("small", "medium"), cases=(SAVE,))),
 )

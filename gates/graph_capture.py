@@ -21,6 +21,7 @@ import torch
 from gates.optimizer_runs import ADAMW_LR, MUON_LR, SCENARIOS, WEIGHT_DECAY, Wrap, param_names, train
 from suite.arms.graph import CapturedOptimizer
 from suite.arms.muon import Muon
+from suite.harness.criteria import BusyBound, NotSlowerThan
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -28,7 +29,6 @@ from suite.harness.gate import (
     Contender,
     Gate,
     Outputs,
-    PerfCriterion,
     Preset,
     Saboteur,
 )
@@ -216,11 +216,11 @@ GATE = Gate(
     saboteurs=SABOTEURS,
     contenders=CONTENDERS,
     benches=BENCHES,
-    perf=PerfCriterion(
-        not_slower_than=("reference",),
+    criteria=(
+        NotSlowerThan(),
         # with batched Newton-Schulz the eager step keeps the GPU busy for most of its time, so the
         # demand that holds on any machine: the captured step within 5% of the eager one's device
         # time (docs/tuning.md)
-        max_over_reference_busy={("medium", "muon-step"): 1.05},
+        BusyBound(1.05, presets=("medium",), cases=("muon-step",)),
     ),
 )

@@ -49,6 +49,7 @@ from gates.moe_peers import (
     transformers_experts,
     transformers_missing,
 )
+from suite.harness.criteria import EagerOverGraph, NotSlowerThan, SpeedupOver, Target
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -56,7 +57,6 @@ from suite.harness.gate import (
     Contender,
     Gate,
     Outputs,
-    PerfCriterion,
     Preset,
     Saboteur,
     Tolerance,
@@ -584,29 +584,27 @@ BENCHES = (
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
 STRONGEST_PEERS = ("grouped_mm gate|up", "grouped_mm gate|up compiled", "transformers grouped_mm", "sonicmoe")
 
-PERF = PerfCriterion(
-    not_slower_than=("reference",),
-    min_speedup={("olmoe", "fwd+bwd"): 8.0},
-    min_speedup_over={
-        # against torch._grouped_mm where it is available: as fast on olmoe, qwen3-30b-a3b and
-        # top2-small, 0.9x on mixtral (8 wide experts: cuBLAS-class GEMMs with no gather), 0.8x
-        # for mixtral's backward alone (docs/tuning.md, "MoE: the bench's bars")
-        **{(name, case): {"grouped_mm": 0.9 if name == "mixtral" else 1.0}
-           for name in MODEL_PRESETS for case in EXPERT_CASES},
-        ("mixtral", "bwd"): {"grouped_mm": 0.8},
-        # the combine backward at 80% of a copy of its own bytes timed beside it (a small copy
-        # falls short of the 2 GB ceiling's rate itself), in graph replays: a device-time claim,
-        # since alone and eager the combine is bound by its dispatch (docs/tuning.md)
-        **{(name, "combine-bwd", "graph"): {"copy": 0.8} for name in MODEL_PRESETS},
-    },
-    # the aims of issue 28, at fwd+bwd of the model presets, against the strongest peers a user
-    # can run instead (transformers 5's grouped_mm experts, eager and compiled; SonicMoE): ahead
-    # of each by 10% at olmoe and qwen3-30b-a3b, level at mixtral. Reported met or missed; the
-    # bars above are what fails a run
-    speedup_targets={(name, "fwd+bwd"): {peer: 1.0 if name == "mixtral" else 1.1 for peer in STRONGEST_PEERS}
-                     for name in COMPILED_AT},
+CRITERIA = (
+    NotSlowerThan(),
+    SpeedupOver(8.0, presets=("olmoe",), cases=("fwd+bwd",)),
+    # against torch._grouped_mm where it is available: as fast on olmoe, qwen3-30b-a3b and
+    # top2-small, 0.9x on mixtral (8 wide experts: cuBLAS-class GEMMs with no gather), 0.8x for
+    # mixtral's backward alone (docs/tuning.md, "MoE: the bench's bars")
+    SpeedupOver(1.0, "grouped_mm", presets=tuple(p for p in MODEL_PRESETS if p != "mixtral"), cases=EXPERT_CASES),
+    SpeedupOver(0.9, "grouped_mm", presets=("mixtral",), cases=("fwd+bwd",)),
+    SpeedupOver(0.8, "grouped_mm", presets=("mixtral",), cases=("bwd",)),
+    # the combine backward at 80% of a copy of its own bytes timed beside it (a small copy falls
+    # short of the 2 GB ceiling's rate itself), in graph replays: a device-time claim, since alone
+    # and eager the combine is bound by its dispatch (docs/tuning.md)
+    SpeedupOver(0.8, "copy", presets=MODEL_PRESETS, cases=("combine-bwd",), modes=("graph",)),
+    # the aims at fwd+bwd of the model presets against the strongest peers a user can run
+    # instead (transformers 5's grouped_mm experts, eager and compiled; SonicMoE): ahead of each
+    # by 10% at olmoe and qwen3-30b-a3b, level at mixtral. Reported met or missed; the bars
+    # above are what fails a run
+    *(Target(1.0 if name == "mixtral" else 1.1, peer, presets=(name,), cases=("fwd+bwd",))
+      for name in COMPILED_AT for peer in STRONGEST_PEERS),
     # host dispatch must not eat the win
-    max_eager_over_graph={(name, case): 1.1 for name in MODEL_PRESETS for case in EXPERT_CASES},
+    EagerOverGraph(1.1, presets=MODEL_PRESETS, cases=EXPERT_CASES),
 )
 
 
@@ -639,6 +637,6 @@ GATE = Gate(
     saboteurs=SABOTEURS,
     contenders=CONTENDERS,
     benches=BENCHES,
-    perf=PERF,
+    criteria=CRITERIA,
     host_probe="host-probe",
 )

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from suite.errors import CouldNotRun
+from suite.harness.criteria import NotSlowerThan
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
@@ -34,7 +35,6 @@ from suite.harness.gate import (
     Contender,
     Gate,
     Outputs,
-    PerfCriterion,
     Preset,
     Saboteur,
     Tolerance,
@@ -527,7 +527,7 @@ GATE = Gate(
     contenders=CONTENDERS,
     benches=BENCHES,
     # the other arms' verdicts are the recommendation table's: they are switched on by hand
-    perf=PerfCriterion(not_slower_than=("stock",)),
+    criteria=(NotSlowerThan("stock"),),
     nondeterministic="a model's own CUDA ops (embedding and attention backward, grouped_mm) may use atomics",
     missing=missing,
 )

@@ -374,7 +374,7 @@ def test_a_slow_rate_keeps_three_figures_and_a_fast_one_is_whole():
 
 
 def test_a_missed_target_is_shown_but_fails_no_case():
-    """An aim (PerfCriterion.speedup_targets) missed: the Markdown says so beside the passing
+    """An aim (a criteria.Target) missed: the Markdown says so beside the passing
     bars, the JUnit case stays green, and the bench keeps its pass."""
     from suite.harness.results import CriterionCheck
 

@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from suite.harness.gate import BenchCase, PerfCriterion, Preset
+from suite.harness.criteria import (
+    BusyBound,
+    CeilingFraction,
+    EagerOverGraph,
+    NotSlowerThan,
+    SpeedupOver,
+    Target,
+)
+from suite.harness.gate import BenchCase, Preset
 from suite.harness import render, stats, timers, timing
 from suite.harness.results import Ceilings
 from suite.harness.stats import bootstrap_ci, copy_size, judge, noise_floor, round_order, steady
@@ -87,7 +95,7 @@ def make_contenders(*peers: str, unavailable: dict[str, str] | None = None) -> l
     return rows
 
 
-NOT_SLOWER = PerfCriterion(not_slower_than=("reference",))
+NOT_SLOWER = (NotSlowerThan(),)
 
 
 def bench(dists, criterion=NOT_SLOWER, *, case=None, contenders=None, ceilings=None,
@@ -238,7 +246,7 @@ EXACT = {"reference": (1.0, 0.0), "arm": (0.5, 0.0)}  # arm: exactly 0.5 ms per 
 def test_copy_ceiling_fraction_boundary(need, passed):
     """400 MB in 0.5 ms = 800 GB/s = 0.8 of 1000 GB/s, judged within the noise floor (0.5%
     here): 0.8 and 0.803 pass, 0.81 fails."""
-    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): need})
+    criterion = (NotSlowerThan(), CeilingFraction(need, presets=("small",), cases=("fwd",)))
     result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
     arm = next(t for t in result.contenders if t.name == "arm")
     assert arm.gbps == pytest.approx(800.0) and arm.ceiling_fraction == pytest.approx(0.8)
@@ -251,10 +259,10 @@ def test_copy_ceiling_fraction_boundary(need, passed):
 def test_a_ceiling_fraction_inside_the_noise_is_decided_by_more_rounds():
     """A noisy arm whose fraction sits a little under the bar: neither a clear pass nor a clear
     fail on ten rounds, so rounds are added; a fraction far under the bar fails at once."""
-    criterion = PerfCriterion(min_ceiling_fraction={("small", "fwd"): 0.81})
+    criterion = (CeilingFraction(0.81, presets=("small",), cases=("fwd",)),)
     result, _ = bench({"reference": (1.0, 0.001), "arm": (0.5, 0.08)}, criterion, ceilings=CEILINGS)
     assert result.rounds > POLICY.min_rounds
-    far = PerfCriterion(min_ceiling_fraction={("small", "fwd"): 0.95})
+    far = (CeilingFraction(0.95, presets=("small",), cases=("fwd",)),)
     result, _ = bench({"reference": (1.0, 0.001), "arm": (0.5, 0.01)}, far, ceilings=CEILINGS)
     assert result.rounds == POLICY.min_rounds and not result.passed and not result.ambiguous
 
@@ -262,7 +270,7 @@ def test_a_ceiling_fraction_inside_the_noise_is_decided_by_more_rounds():
 @pytest.mark.parametrize("need, passed", [(0.6, True), (0.61, False)])
 def test_gemm_ceiling_fraction_boundary(need, passed):
     # 150 GFLOP in 0.5 ms = 300 TFLOP/s = 0.6 of 500 TFLOP/s
-    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): need})
+    criterion = (NotSlowerThan(), CeilingFraction(need, presets=("small",), cases=("fwd",)))
     case = make_case(flops=lambda preset: 150_000_000_000, ceiling="gemm")
     result, _ = bench(EXACT, criterion, case=case, ceilings=CEILINGS)
     arm = next(t for t in result.contenders if t.name == "arm")
@@ -273,7 +281,7 @@ def test_gemm_ceiling_fraction_boundary(need, passed):
 @pytest.mark.parametrize("least, passed", [(2.0, True), (2.009, True), (2.02, False)])
 def test_min_speedup_boundary(least, passed):
     """The arm is exactly 2x: a least of 2.0 passes, 2.009 too (within the 0.5% floor), 2.02 fails."""
-    criterion = PerfCriterion(min_speedup={("small", "fwd"): least})
+    criterion = (SpeedupOver(least, presets=("small",), cases=("fwd",)),)
     result, _ = bench(EXACT, criterion)
     check = next(c for c in result.criteria if c.name.startswith("speedup over reference"))
     assert check.passed is passed and "2.000x" in check.detail and not check.ambiguous
@@ -286,7 +294,7 @@ def test_min_speedup_over_a_peer_boundary(bar, passed):
     arm at exactly 0.8x of the peer passes 0.8 and 0.803 and fails 0.81; the reference's own
     criterion is untouched."""
     dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
-    criterion = PerfCriterion(not_slower_than=("reference",), min_speedup_over={("small", "fwd"): {"peer": bar}})
+    criterion = (NotSlowerThan(), SpeedupOver(bar, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
     check = next(c for c in result.criteria if c.name == f"speedup over peer >= {bar:g}x")
     assert check.passed is passed and "0.800x" in check.detail
@@ -294,14 +302,14 @@ def test_min_speedup_over_a_peer_boundary(bar, passed):
 
 
 def test_a_bar_against_a_peer_replaces_not_slower_for_it_where_declared():
-    """not_slower_than names the peer for every case; a bar keyed to one (preset, case) is that
+    """NotSlowerThan names the peer for every case; a bar for one (preset, case) is that
     case's claim against it instead: judged alone, the arm at 0.8x passes a 0.75 bar there."""
     dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
-    criterion = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("small", "fwd"): {"peer": 0.75}})
+    criterion = (NotSlowerThan(), NotSlowerThan("peer"), SpeedupOver(0.75, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
     assert [c.name for c in result.criteria if "peer" in c.name] == ["speedup over peer >= 0.75x"]
     assert result.passed
-    elsewhere = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("other", "fwd"): {"peer": 0.75}})
+    elsewhere = (NotSlowerThan(), NotSlowerThan("peer"), SpeedupOver(0.75, "peer", presets=("other",), cases=("fwd",)))
     result, _ = bench(dists, elsewhere, contenders=make_contenders("peer"))
     assert [c.name for c in result.criteria if "peer" in c.name] == ["not slower than peer"]
     assert not result.passed
@@ -312,10 +320,10 @@ def test_rounds_extend_only_for_the_demands_judged():
     replaces not-slower for it, that bar is decided at once and no round is added for the
     claim that is no longer made."""
     dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.001)}
-    tied = PerfCriterion(not_slower_than=("reference", "peer"))
+    tied = (NotSlowerThan(), NotSlowerThan("peer"))
     result, _ = bench(dists, tied, contenders=make_contenders("peer"))
     assert result.rounds > POLICY.min_rounds
-    barred = PerfCriterion(not_slower_than=("reference", "peer"), min_speedup_over={("small", "fwd"): {"peer": 0.75}})
+    barred = (NotSlowerThan(), NotSlowerThan("peer"), SpeedupOver(0.75, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, barred, contenders=make_contenders("peer"))
     assert result.rounds == POLICY.min_rounds and result.passed
 
@@ -326,7 +334,7 @@ def test_a_judged_peer_is_timed_twice_and_its_own_noise_floors_its_comparison():
     against the wider floor; a peer not judged keeps the reference's."""
     dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.05), "bystander": (0.5, 0.05)}
     log: list = []
-    result, _ = bench(dists, PerfCriterion(not_slower_than=("reference", "peer")),
+    result, _ = bench(dists, (NotSlowerThan(), NotSlowerThan("peer")),
                       contenders=make_contenders("peer", "bystander"), log=log)
     assert list(result.peer_aa_log_ratios) == ["peer"] and len(result.peer_aa_log_ratios["peer"]) == result.rounds
     turns = sum(entry[:2] == ("calls", "peer") for entry in log) - 2  # less its sizing call and warm-up batch
@@ -339,16 +347,16 @@ def test_a_judged_peer_is_timed_twice_and_its_own_noise_floors_its_comparison():
 
 def test_a_slower_arm_still_fails_against_a_noisy_peer():
     dists = {"reference": (1.0, 0.001), "arm": (0.65, 0.05), "peer": (0.5, 0.05)}
-    result, _ = bench(dists, PerfCriterion(not_slower_than=("reference", "peer")), contenders=make_contenders("peer"))
+    result, _ = bench(dists, (NotSlowerThan(), NotSlowerThan("peer")), contenders=make_contenders("peer"))
     check = next(c for c in result.criteria if c.name == "not slower than peer")
     assert against(result, "peer").verdict == "slower" and not check.passed and not result.passed
 
 
 def test_min_speedup_over_one_is_not_slower_a_tie_passes():
-    """Bar 1.0 is "not slower than the peer": a tie within the noise passes, as not_slower_than
+    """Bar 1.0 is "not slower than the peer": a tie within the noise passes, as NotSlowerThan
     would, instead of running to the round cap for a CI that straddles 1."""
     dists = {"reference": (1.0, 0.01), "arm": (0.5, 0.01), "peer": (0.5, 0.01)}
-    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 1.0}})
+    criterion = (SpeedupOver(1.0, "peer", presets=("small",), cases=("fwd",)),)
     result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
     assert result.passed and not result.ambiguous and result.rounds == POLICY.min_rounds
 
@@ -356,7 +364,7 @@ def test_min_speedup_over_one_is_not_slower_a_tie_passes():
 def test_min_speedup_over_a_peer_that_failed_here_is_not_judged_so_no_pass():
     """The target is the peer: one declared unavailable on this device skips the check, one
     that failed its first call leaves the bar unjudged, which must not read as met."""
-    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"broken": 1.0}})
+    criterion = (SpeedupOver(1.0, "broken", presets=("small",), cases=("fwd",)),)
     timer = FailingTimer(EXACT, {"broken"})
     result = measure_bench(make_case(), "eager", make_contenders("broken"), PRESET, criterion, None, POLICY, timer)
     check = next(c for c in result.criteria if c.name.startswith("speedup over broken"))
@@ -365,7 +373,7 @@ def test_min_speedup_over_a_peer_that_failed_here_is_not_judged_so_no_pass():
 
 
 def test_min_speedup_over_an_unavailable_peer_is_skipped_and_named():
-    criterion = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 1.0}})
+    criterion = (SpeedupOver(1.0, "peer", presets=("small",), cases=("fwd",)),)
     result, _ = bench(EXACT, criterion, contenders=make_contenders(unavailable={"peer": "no such kernel here"}))
     check = next(c for c in result.criteria if c.name.startswith("speedup over peer"))
     assert check.passed and "no such kernel here" in check.detail
@@ -395,14 +403,14 @@ def test_a_ceilings_figure_is_the_steady_median_after_a_first_call_and_warm_up()
 
 
 def test_ceiling_fraction_without_ceilings_fails():
-    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "fwd"): 0.1})
+    criterion = (NotSlowerThan(), CeilingFraction(0.1, presets=("small",), cases=("fwd",)))
     result, _ = bench(EXACT, criterion, ceilings=None)
     assert not result.criteria[1].passed and "no ceilings" in result.criteria[1].detail
     assert next(t for t in result.contenders if t.name == "arm").ceiling_fraction is None
 
 
 def test_ceiling_fraction_for_another_case_is_not_checked():
-    criterion = PerfCriterion(not_slower_than=("reference",), min_ceiling_fraction={("small", "bwd"): 0.99})
+    criterion = (NotSlowerThan(), CeilingFraction(0.99, presets=("small",), cases=("bwd",)))
     result, _ = bench(EXACT, criterion, ceilings=CEILINGS)
     assert len(result.criteria) == 1 and result.passed
 
@@ -411,7 +419,7 @@ def test_ceiling_fraction_for_another_case_is_not_checked():
 
 
 def test_unavailable_peer_is_listed_and_not_timed():
-    criterion = PerfCriterion(not_slower_than=("reference", "liger"))
+    criterion = (NotSlowerThan(), NotSlowerThan("liger"))
     contenders = make_contenders(unavailable={"liger": "liger-kernel is not installed"})
     result, timer = bench(EXACT, criterion, contenders=contenders)
     liger = next(t for t in result.contenders if t.name == "liger")
@@ -484,7 +492,7 @@ def test_a_drift_of_the_host_falls_on_every_contender_of_a_round_alike():
     timer = DriftingTimer({"reference": (1.0, 0.001), "arm": (0.1, 0.0), "twin": (0.1, 0.0)},
                           host_bound={"arm", "twin"}, switch=0.02)
     result = measure_bench(make_case(), "eager", make_contenders("twin"), PRESET,
-                           PerfCriterion(not_slower_than=("twin",)), None, POLICY, timer)
+                           (NotSlowerThan("twin"),), None, POLICY, timer)
     twin = against(result, "twin")
     assert twin.verdict == "same", twin
     assert 1 - result.noise_floor <= twin.ci_low <= twin.ci_high <= 1 + result.noise_floor
@@ -556,7 +564,7 @@ def test_warm_up_runs_until_two_batch_medians_agree():
     timer = ScriptedTimer([4.0, 3.0, 2.0, 1.5, 1.0, 1.01, 9.0])
     case = make_case(modes=("eager",), window=4, l2="warm")
     policy = TimingPolicy(warmup_cap_s=60.0, long_call_ms=1e9, round_budget_ms=1e9)
-    result = measure_bench(case, "eager", make_contenders(), PRESET, PerfCriterion(), None, policy, timer)
+    result = measure_bench(case, "eager", make_contenders(), PRESET, (), None, policy, timer)
     # 2 contenders x (1 sizing call + 5 batches x 10 timings x 4 calls a window)
     assert result.warmup_calls == 2 * (1 + 5 * 10 * 4)
     assert timer.windows == {1, 4} and result.window == 4 and result.mode == "eager"  # 1: the sizing call
@@ -566,7 +574,7 @@ def test_warm_up_runs_until_two_batch_medians_agree():
 def test_warm_up_stops_at_the_cap():
     timer = ScriptedTimer([1.0, 2.0] * 100_000)  # never steady
     policy = TimingPolicy(warmup_cap_s=0.05)
-    result = measure_bench(make_case(), "graph", make_contenders(), PRESET, PerfCriterion(), None,
+    result = measure_bench(make_case(), "graph", make_contenders(), PRESET, (), None,
                            policy, timer)
     assert 2 * 2 * 10 <= result.warmup_calls < 2 * 200_000 * 10
 
@@ -608,7 +616,7 @@ def test_a_slow_peer_times_one_call_a_window_beside_a_fast_arm():
 
 def test_a_slow_contender_shrinks_the_round_and_the_report_says_so():
     timer = FakeTimer({"reference": (40.0, 0.01), "arm": (20.0, 0.01)})
-    result = measure_bench(make_case(window=5), "eager", make_contenders(), PRESET, PerfCriterion(), None,
+    result = measure_bench(make_case(window=5), "eager", make_contenders(), PRESET, (), None,
                            TimingPolicy(warmup_cap_s=0.0), timer)
     assert result.calls_per_round == 3 and result.window == 1
     assert {entry[3] for entry in timer.log if entry[0] == "calls"} == {1}  # sized by the first call
@@ -624,7 +632,7 @@ class BusyTimer(FakeTimer):
 
 def test_a_busy_bound_without_a_busy_time_fails_rather_than_divides_by_zero():
     case = make_case(modes=("eager",), gpu_busy=True, l2="warm")
-    criterion = PerfCriterion(max_over_reference_busy={(PRESET.name, "fwd"): 1.05})
+    criterion = (BusyBound(1.05, presets=(PRESET.name,), cases=("fwd",)),)
     timer = BusyTimer({"reference": (10.0, 0.01), "arm": (5.0, 0.01)})
     timer.busy = {"reference": 0.0, "arm": 0.0}  # a profile that saw no kernel
     result = measure_bench(case, "eager", make_contenders(), PRESET, criterion, None, POLICY, timer)
@@ -635,7 +643,7 @@ def test_a_busy_bound_without_a_busy_time_fails_rather_than_divides_by_zero():
 def test_a_capture_must_come_within_the_bound_of_the_eager_steps_device_time(arm_ms, passed):
     # the eager reference: 10 ms of wall time, 5 of them busy on the device
     case = make_case(modes=("eager",), gpu_busy=True, l2="warm")
-    criterion = PerfCriterion(max_over_reference_busy={(PRESET.name, "fwd"): 1.05})
+    criterion = (BusyBound(1.05, presets=(PRESET.name,), cases=("fwd",)),)
     timer = BusyTimer({"reference": (10.0, 0.01), "arm": (arm_ms, 0.01)})
     result = measure_bench(case, "eager", make_contenders(), PRESET, criterion, None, POLICY, timer)
     check, = result.criteria
@@ -649,23 +657,44 @@ def test_a_capture_must_come_within_the_bound_of_the_eager_steps_device_time(arm
 def test_unknown_criterion_name_is_refused_when_the_gate_is_declared():
     import toygate
 
+    def declare(*criteria):
+        return dataclasses.replace(toygate.BENCH_GATE, criteria=criteria)
+
     with pytest.raises(ValueError, match="nope"):
-        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(not_slower_than=("reference", "nope")))
-    with pytest.raises(ValueError, match="huge"):
-        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("huge", "sum"): 2.0}))
-    for over in ({"nobody": 1.0}, {"arm": 1.0}):  # an unknown contender, or the arm itself
-        with pytest.raises(ValueError, match=f"{next(iter(over))} \\(not a contender timed"):
-            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup_over={("tiny", "sum"): over}))
-        with pytest.raises(ValueError, match=f"{next(iter(over))} \\(not a contender timed"):
-            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(speedup_targets={("tiny", "sum"): over}))
-    with pytest.raises(ValueError, match="not timed in mode 'grpah'"):
-        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(min_speedup={("tiny", "sum", "grpah"): 2.0}))
-    for table in ("max_over_reference_busy", "max_eager_over_graph"):
-        with pytest.raises(ValueError, match="fwd"):
-            dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(**{table: {("tiny", "fwd"): 1.1}}))
+        declare(NotSlowerThan("nope"))
+    with pytest.raises(ValueError, match="no preset 'huge'"):
+        declare(SpeedupOver(2.0, presets=("huge",), cases=("sum",)))
+    for peer in ("nobody", "arm"):  # an unknown contender, or the arm itself
+        with pytest.raises(ValueError, match=f"{peer} \\(not a contender timed"):
+            declare(SpeedupOver(1.0, peer, presets=("tiny",), cases=("sum",)))
+        with pytest.raises(ValueError, match=f"{peer} \\(not a contender timed"):
+            declare(Target(1.0, peer, presets=("tiny",), cases=("sum",)))
+    with pytest.raises(ValueError, match="timed in mode 'grpah'"):
+        declare(SpeedupOver(2.0, presets=("tiny",), cases=("sum",), modes=("grpah",)))
+    for criterion in (BusyBound(1.1, presets=("tiny",), cases=("fwd",)),
+                      EagerOverGraph(1.1, presets=("tiny",), cases=("fwd",))):
+        with pytest.raises(ValueError, match="no bench case 'fwd'"):
+            declare(criterion)
     # the toy's one case is timed with the host's clock: no graph replays to bound eager calls by
     with pytest.raises(ValueError, match="both the graph and the eager mode"):
-        dataclasses.replace(toygate.BENCH_GATE, perf=PerfCriterion(max_eager_over_graph={("tiny", "sum"): 1.1}))
+        declare(EagerOverGraph(1.1, presets=("tiny",), cases=("sum",)))
+    # a bound or a ceiling names the cases it holds for; everywhere would be a guess
+    for criterion in (BusyBound(1.1), CeilingFraction(0.5), EagerOverGraph(1.1)):
+        with pytest.raises(ValueError, match="name the cases"):
+            declare(criterion)
+    # two bars of one kind against one peer at one place: which holds would be a guess
+    with pytest.raises(ValueError, match="both apply at one place"):
+        declare(SpeedupOver(0.9, cases=("sum",)), SpeedupOver(0.8, presets=("tiny",), cases=("sum",)))
+    declare(SpeedupOver(0.9, presets=("tiny",), cases=("sum",)), NotSlowerThan())  # the bar replaces it there
+
+
+def test_a_criterion_applies_on_each_combination_of_what_it_names():
+    criterion = SpeedupOver(0.9, "peer", presets=("a", "b"), cases=("fwd",), modes=("graph",))
+    assert criterion.applies("a", "fwd", "graph") and criterion.applies("b", "fwd", "graph")
+    assert not criterion.applies("c", "fwd", "graph") and not criterion.applies("a", "bwd", "graph")
+    assert not criterion.applies("a", "fwd", "eager")
+    assert NotSlowerThan().applies("any", "case", "wall")
+    assert not EagerOverGraph(1.1, cases=("fwd",)).applies("a", "fwd", "graph")  # judged on the eager bench
 
 
 def _eager_over(graph_ms: float, graph_floor: float, eager: tuple[float, float], bound: float = 1.1,
@@ -676,7 +705,7 @@ def _eager_over(graph_ms: float, graph_floor: float, eager: tuple[float, float],
 
     graph = make_bench("fwd", mode="graph", reference_ms=2 * graph_ms, arm_ms=graph_ms, noise_floor=graph_floor)
     graph.contenders = [c.model_copy(update={"method": method}) if c.role == "arm" else c for c in graph.contenders]
-    criterion = PerfCriterion(max_eager_over_graph={("small", "fwd"): bound})
+    criterion = (EagerOverGraph(bound, presets=("small",), cases=("fwd",)),)
     timer = FakeTimer({"reference": (3 * graph_ms, eager[1]), "arm": eager})
     result = measure_bench(make_case(), "eager", make_contenders(), PRESET, criterion, None, policy, timer,
                            graph=graph)
@@ -711,7 +740,7 @@ def test_an_undecided_eager_over_graph_adds_rounds_then_stays_ambiguous():
     from factories import make_bench
 
     graph = make_bench("fwd", mode="graph", reference_ms=2.0, arm_ms=1.0, noise_floor=0.005)
-    criterion = PerfCriterion(max_eager_over_graph={("small", "fwd"): 1.1})
+    criterion = (EagerOverGraph(1.1, presets=("small",), cases=("fwd",)),)
     timer = FakeTimer({"reference": (3.0, 0.001), "arm": (1.16, 0.6)})
     result = measure_bench(make_case(), "eager", make_contenders(), PRESET, criterion, None, POLICY, timer,
                            progress=messages.append, graph=graph)
@@ -727,7 +756,7 @@ def test_a_graph_mode_that_timed_no_replays_cannot_vouch_for_eager():
 
 
 def test_an_eager_bound_with_no_graph_figures_fails_rather_than_goes_unjudged():
-    criterion = PerfCriterion(max_eager_over_graph={("small", "fwd"): 1.1})
+    criterion = (EagerOverGraph(1.1, presets=("small",), cases=("fwd",)),)
     result = measure_bench(make_case(), "eager", make_contenders(), PRESET, criterion, None, POLICY,
                            FakeTimer(EXACT))
     check, = result.criteria
@@ -737,7 +766,7 @@ def test_an_eager_bound_with_no_graph_figures_fails_rather_than_goes_unjudged():
 def test_unavailable_arm_is_refused():
     contenders = [Timed("reference", "reference", FakeFn("reference")), Timed("arm", "arm", None, "no triton")]
     with pytest.raises(ValueError, match="no triton"):
-        measure_bench(make_case(), "graph", contenders, PRESET, PerfCriterion(), None, POLICY,
+        measure_bench(make_case(), "graph", contenders, PRESET, (), None, POLICY,
                       FakeTimer(EXACT))
 
 
@@ -881,8 +910,8 @@ def test_eager_mode_times_windows_of_back_to_back_calls_without_a_flush():
 
 
 def test_criteria_can_name_one_mode():
-    criterion = PerfCriterion(not_slower_than=("reference",), not_slower_modes=("graph",),
-                              min_ceiling_fraction={("small", "fwd", "graph"): 0.99})
+    criterion = (NotSlowerThan(modes=("graph",)),
+                 CeilingFraction(0.99, presets=("small",), cases=("fwd",), modes=("graph",)))
     graph, _ = bench(EXACT, criterion, ceilings=CEILINGS, mode="graph")
     eager, _ = bench(EXACT, criterion, ceilings=CEILINGS, mode="eager")
     assert [c.name for c in graph.criteria] == ["not slower than reference", "copy ceiling fraction >= 0.99"]
@@ -892,7 +921,7 @@ def test_criteria_can_name_one_mode():
 
 
 def test_a_named_contender_not_timed_in_a_case_is_not_judged_there():
-    criterion = PerfCriterion(not_slower_than=("reference", "peer-of-another-case"))
+    criterion = (NotSlowerThan(), NotSlowerThan("peer-of-another-case"))
     result, _ = bench(EXACT, criterion)
     assert [c.name for c in result.criteria] == ["not slower than reference"]
 
@@ -951,7 +980,7 @@ class FailingTimer(FakeTimer):
 
 
 def test_a_peer_that_fails_its_first_call_is_reported_not_fatal():
-    criterion = PerfCriterion(not_slower_than=("reference", "broken"))
+    criterion = (NotSlowerThan(), NotSlowerThan("broken"))
     timer = FailingTimer({**EXACT, "fine": (0.7, 0.0)}, {"broken"})
     result = measure_bench(make_case(), "eager", make_contenders("broken", "fine"), PRESET, criterion, None,
                            POLICY, timer)
@@ -1056,32 +1085,32 @@ def test_a_speedup_target_is_reported_met_or_missed_and_never_fails_the_bench(ai
     """An issue's aim against a peer is judged like a bar and reported, but a miss leaves the
     bench passed (its figures can still be a baseline); the bars beside it still decide."""
     dists = {**EXACT, "peer": (0.4, 0.0)}  # arm 0.5 ms, peer 0.4 ms: 0.8x
-    criterion = PerfCriterion(not_slower_than=("reference",), speedup_targets={("small", "fwd"): {"peer": aim}})
+    criterion = (NotSlowerThan(), Target(aim, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, criterion, contenders=make_contenders("peer"))
     check = next(c for c in result.criteria if c.name == f"target: speedup over peer >= {aim:g}x")
     assert check.target and check.passed is met and "0.800x" in check.detail
     assert result.passed and not result.ambiguous
-    slow_ref = PerfCriterion(not_slower_than=("reference",), min_speedup={("small", "fwd"): 3.0},
-                             speedup_targets={("small", "fwd"): {"peer": 0.5}})
+    slow_ref = (NotSlowerThan(), SpeedupOver(3.0, presets=("small",), cases=("fwd",)),
+                Target(0.5, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, slow_ref, contenders=make_contenders("peer"))
     assert not result.passed and next(c for c in result.criteria if c.target).passed
 
 
 def test_a_bar_outranks_an_aim_against_the_same_peer_and_aims_add_no_rounds():
     dists = {"reference": (1.0, 0.001), "arm": (0.5, 0.05), "peer": (0.5, 0.001)}
-    both = PerfCriterion(min_speedup_over={("small", "fwd"): {"peer": 0.75}},
-                         speedup_targets={("small", "fwd"): {"peer": 1.1}})
+    both = (SpeedupOver(0.75, "peer", presets=("small",), cases=("fwd",)),
+            Target(1.1, "peer", presets=("small",), cases=("fwd",)))
     result, _ = bench(dists, both, contenders=make_contenders("peer"))
     assert [c.name for c in result.criteria if "peer" in c.name] == ["speedup over peer >= 0.75x"]
     # tied with the peer within the noise: a 1.0 aim stays undecided, which adds no round
-    aim = PerfCriterion(speedup_targets={("small", "fwd"): {"peer": 1.05}})
+    aim = (Target(1.05, "peer", presets=("small",), cases=("fwd",)),)
     result, _ = bench(dists, aim, contenders=make_contenders("peer"))
     check = next(c for c in result.criteria if c.target)
     assert result.rounds == POLICY.min_rounds and result.passed and not result.ambiguous and not check.passed
 
 
 def test_an_aim_against_an_unavailable_peer_is_not_met():
-    criterion = PerfCriterion(speedup_targets={("small", "fwd"): {"peer": 1.0}})
+    criterion = (Target(1.0, "peer", presets=("small",), cases=("fwd",)),)
     result, _ = bench(EXACT, criterion, contenders=make_contenders(unavailable={"peer": "no such kernel here"}))
     check = next(c for c in result.criteria if c.target)
     assert not check.passed and "no such kernel here" in check.detail and result.passed

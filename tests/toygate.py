@@ -11,12 +11,12 @@ import dataclasses
 
 import torch
 
+from suite.harness.criteria import NotSlowerThan
 from suite.harness.gate import (
     BenchCase,
     Bitwise,
     Contender,
     Gate,
-    PerfCriterion,
     Preset,
     Saboteur,
     Tolerance,
@@ -101,5 +101,5 @@ BENCH_GATE = Gate(
     benches=(BenchCase("sum", "row sums of a 64-row matrix", bytes=lambda p: 64 * p.params["n"] * 4,
                        ceiling="none", modes=("wall",), window=5, calls_per_round=3, setup=True,
                        recommend=True),),
-    perf=PerfCriterion(not_slower_than=("reference",)),
+    criteria=(NotSlowerThan(),),
 )

@@ -15,6 +15,8 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 
 from suite.errors import UsageError
+from suite.harness.criteria import Criterion
+from suite.harness.criteria import problems as criteria_problems
 from suite.harness.results import CeilingKind, Check, Role, TimingMode
 
 Buffers = dict[str, torch.Tensor]
@@ -134,63 +136,6 @@ class Contender:
         return self.cases is None or case.name in self.cases
 
 
-# (preset, case) applies to every mode the case times; (preset, case, mode) to that mode alone
-CriterionKey = tuple[str, str] | tuple[str, str, str]
-
-
-@dataclass(frozen=True)
-class PerfCriterion:
-    """When a bench passes: never slower than the named contenders beyond the noise floor (in
-    `not_slower_modes`, or every mode), at least the given fraction of the case's measured
-    ceiling, at least the given speedup over the reference, and at most the given multiple of
-    the reference's device-busy time (`gpu_busy` cases: a captured step must recover the host's
-    share of the eager one, whatever that share is on this machine)."""
-
-    not_slower_than: tuple[str, ...] = ()
-    not_slower_modes: tuple[TimingMode, ...] | None = None
-    min_ceiling_fraction: Mapping[CriterionKey, float] = field(default_factory=dict)
-    min_speedup: Mapping[CriterionKey, float] = field(default_factory=dict)
-    # the arm's speedup over a named peer at least this, where a target is a fraction of a peer
-    # ("at least 0.9x of grouped_mm on mixtral"): key -> {contender: least}; in that (preset,
-    # case, mode) it replaces not_slower_than for that peer
-    min_speedup_over: Mapping[CriterionKey, Mapping[str, float]] = field(default_factory=dict)
-    # an aim, not a bar: the speedup over a named peer that an issue asks the arm to reach, judged
-    # like min_speedup_over and reported as met or missed, but a miss leaves the bench passed, so
-    # a run that misses it is still a baseline; a peer with a bar in that key is judged by the bar
-    speedup_targets: Mapping[CriterionKey, Mapping[str, float]] = field(default_factory=dict)
-    max_over_reference_busy: Mapping[CriterionKey, float] = field(default_factory=dict)
-    # the arm's eager-call median at most this multiple of its graph-replay median, for a case
-    # timed both ways (host dispatch must not eat a kernel's win); keyed (preset, case)
-    max_eager_over_graph: Mapping[CriterionKey, float] = field(default_factory=dict)
-
-    def eager_bound(self, preset: str, case: str) -> float | None:
-        return self.max_eager_over_graph.get((preset, case))
-
-    def busy_bound(self, preset: str, case: str, mode: str) -> float | None:
-        return _lookup(self.max_over_reference_busy, preset, case, mode)
-
-    def ceiling_fraction(self, preset: str, case: str, mode: str) -> float | None:
-        return _lookup(self.min_ceiling_fraction, preset, case, mode)
-
-    def speedup(self, preset: str, case: str, mode: str) -> float | None:
-        return _lookup(self.min_speedup, preset, case, mode)
-
-    def speedups_over(self, preset: str, case: str, mode: str) -> Mapping[str, float]:
-        return _lookup(self.min_speedup_over, preset, case, mode) or {}
-
-    def targets_over(self, preset: str, case: str, mode: str) -> Mapping[str, float]:
-        bars = self.speedups_over(preset, case, mode)
-        return {name: aim for name, aim in (_lookup(self.speedup_targets, preset, case, mode) or {}).items()
-                if name not in bars}
-
-    def not_slower(self, mode: str) -> tuple[str, ...]:
-        return self.not_slower_than if self.not_slower_modes is None or mode in self.not_slower_modes else ()
-
-
-def _lookup(table: Mapping[CriterionKey, float], preset: str, case: str, mode: str) -> float | None:
-    return table.get((preset, case, mode), table.get((preset, case)))
-
-
 @dataclass(frozen=True)
 class Gate:
     name: str
@@ -213,7 +158,7 @@ class Gate:
     saboteurs: tuple[Saboteur, ...] = ()
     contenders: tuple[Contender, ...] = ()
     benches: tuple[BenchCase, ...] = ()
-    perf: PerfCriterion = field(default_factory=PerfCriterion)
+    criteria: tuple[Criterion, ...] = ()  # suite.harness.criteria: what a bench must show
     # a preset (tiny shape) on which every contender's host time per call is measured
     host_probe: str | None = None
     nondeterministic: str | None = None  # why the arm may differ run to run, if it may
@@ -260,7 +205,7 @@ class Gate:
         for c in self.contenders:
             if c.baseline is not None and (c.baseline not in names or c.baseline == c.name):
                 raise ValueError(f"{where}: contender {c.name!r} has baseline {c.baseline!r}, not another contender")
-        presets, cases = {p.name for p in self.presets}, {b.name for b in self.benches}
+        presets = {p.name for p in self.presets}
         for case in self.benches:
             if case.presets is not None and not set(case.presets) <= presets:
                 raise ValueError(f"{where}: bench case {case.name!r} names presets the gate lacks: {case.presets}")
@@ -273,23 +218,8 @@ class Gate:
                     raise ValueError(f"{where}: bench case {case.name!r} needs exactly one {role} contender")
             if case.window < 1 or case.cold_calls < 1:
                 raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
-        perf = self.perf
-        by_case = {b.name: b for b in self.benches}
-        unknown = [n for n in perf.not_slower_than if n not in names]
-        for key in [*perf.min_ceiling_fraction, *perf.min_speedup, *perf.max_over_reference_busy,
-                    *perf.max_eager_over_graph, *perf.min_speedup_over, *perf.speedup_targets]:
-            if key[0] not in presets or key[1] not in cases:
-                unknown.append(str(key))
-            elif len(key) == 3 and key[1] in by_case and key[2] not in by_case[key[1]].modes:
-                unknown.append(f"{key}: case {key[1]!r} is not timed in mode {key[2]!r}")
-        for key, over in [*perf.min_speedup_over.items(), *perf.speedup_targets.items()]:  # a peer, not the arm
-            case = by_case.get(key[1])
-            peers = {c.name for c in self.contenders_for(case) if c.role != "arm"} if case else set()
-            unknown += [f"{key}: {n} (not a contender timed in {key[1]!r} other than the arm)"
-                        for n in over if n not in peers]
-        for key in perf.max_eager_over_graph:  # judged only on a case timed both ways
-            if len(key) != 2 or (key[1] in by_case and not {"graph", "eager"} <= set(by_case[key[1]].modes)):
-                raise ValueError(f"{where}: max_eager_over_graph {key} needs a (preset, case) key whose case "
-                                 "is timed in both the graph and the eager mode")
+        modes_of = {b.name: b.modes for b in self.benches}
+        peers_of = {b.name: {c.name for c in self.contenders_for(b) if c.role != "arm"} for b in self.benches}
+        unknown = criteria_problems(self.criteria, presets, modes_of, peers_of)
         if unknown:  # a typo found at import, not after minutes of timing
             raise ValueError(f"{where}: the criterion names what the gate does not have: {', '.join(unknown)}")

@@ -188,7 +188,7 @@ class CriterionCheck(Record):
     passed: bool
     detail: str
     ambiguous: bool = False  # not passed because timing could not decide, not because it lost
-    target: bool = False  # an aim (PerfCriterion.speedup_targets): passed says met, and a miss fails nothing
+    target: bool = False  # an aim (criteria.Target): passed says met, and a miss fails nothing
 
 
 class BenchResult(Record):

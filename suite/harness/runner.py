@@ -467,7 +467,7 @@ class Runner:
                                          min_rounds=min(policy.min_rounds, case.max_rounds))
         timer = WallTimer(device) if mode == "wall" else CudaTimer(device)
         return measure_bench(
-            case, mode, timed, preset, gate.perf, self._ceilings, policy, timer,
+            case, mode, timed, preset, gate.criteria, self._ceilings, policy, timer,
             progress=self.progress.detail, rotation=len(sets),
             host_probe=self._probe_name(gate) if host_us else None, graph=graph if mode == "eager" else None,
         )

@@ -18,24 +18,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from suite.harness.gate import BenchCase, PerfCriterion, Preset
-from suite.harness.stats import (
-    Decision,
-    compare,
-    copy_size,
-    median_ratio,
-    noise_floor,
-    reaches,
-    round_order,
-    stays_within,
-    steady,
-    throughput,
-)
+from suite.harness.criteria import Criterion, Rounds, applicable
+from suite.harness.gate import BenchCase, Preset
+from suite.harness.stats import compare, copy_size, noise_floor, round_order, steady, throughput
 from suite.harness.timers import CudaTimer, Timer
 from suite.harness.results import (
     BenchResult,
     Ceilings,
-    Comparison,
     ContenderTiming,
     CriterionCheck,
     Recommendation,
@@ -170,16 +159,12 @@ def round_shape(
     return max(policy.min_calls_per_round, min(policy.calls_per_round, fit)), windows
 
 
-def _fmt_ratio(c: Comparison) -> str:
-    return f"{c.speedup:.3f}x (CI {c.ci_low:.3f}-{c.ci_high:.3f})"
-
-
 def measure_bench(
     case: BenchCase,
     mode: TimingMode,
     contenders: list[Timed],
     preset: Preset,
-    criterion: PerfCriterion,
+    criteria: Sequence[Criterion],
     ceilings: Ceilings | None,
     policy: TimingPolicy,
     timer: Timer,
@@ -189,7 +174,7 @@ def measure_bench(
     graph: BenchResult | None = None,
 ) -> BenchResult:
     """Time the arm against the reference and the available peers in one mode, and judge
-    `criterion` for it. `rotation` says how many input sets the eager calls cycle through;
+    the `criteria` that apply to it. `rotation` says how many input sets the eager calls cycle through;
     `graph`, in eager mode, is the same case's graph-mode result, which an eager-over-graph
     bound judges the arm's eager calls against.
 
@@ -197,7 +182,7 @@ def measure_bench(
     The steps, in order: cold calls, capture (graph mode), warm-up, the device's busy time
     (cases that ask for it), rounds until every criterion is decided, the figures, the checks.
     """
-    bench = _Bench(case, mode, contenders, preset, criterion, policy, timer, progress or (lambda message: None),
+    bench = _Bench(case, mode, contenders, preset, criteria, policy, timer, progress or (lambda message: None),
                    ceilings, graph)
     bench.cold_calls()
     if mode == "graph":
@@ -206,7 +191,7 @@ def measure_bench(
     bench.measure_busy()
     bench.rounds()
     timings = bench.figures()
-    checks = [claim.check() for claim in bench.claims]
+    checks = bench.checks()
     ambiguous = any(check.ambiguous and not check.target for check in checks)
     nbytes, flops = case.bytes(preset), case.flops(preset)
     return BenchResult(
@@ -221,32 +206,15 @@ def measure_bench(
         duration_s=time.perf_counter() - bench.started)
 
 
-@dataclass
-class _Claim:
-    """One criterion of a bench: `decide()` gives its decision on the rounds so far and the
-    detail the report prints. An aim is reported met or missed and asks for no more rounds."""
-
-    title: str
-    decide: Callable[[], tuple[Decision, str]]
-    aim: bool = False
-
-    def check(self) -> CriterionCheck:
-        decision, detail = self.decide()
-        if decision == "undecided":
-            detail += " (undecided at the round cap; never a pass)"
-        return CriterionCheck(name=self.title, passed=decision == "pass", target=self.aim, detail=detail,
-                              ambiguous=decision == "undecided")
-
-
 class _Bench:
     """One bench case in one timing mode, step by step (`measure_bench` runs the steps)."""
 
     def __init__(self, case: BenchCase, mode: TimingMode, contenders: list[Timed], preset: Preset,
-                 criterion: PerfCriterion, policy: TimingPolicy, timer: Timer, say: Callable[[str], None],
+                 criteria: Sequence[Criterion], policy: TimingPolicy, timer: Timer, say: Callable[[str], None],
                  ceilings: Ceilings | None = None, graph: BenchResult | None = None):
         self.started = time.perf_counter()
         self.case, self.mode, self.contenders, self.preset = case, mode, contenders, preset
-        self.criterion, self.policy, self.timer, self.say = criterion, policy, timer, say
+        self.policy, self.timer, self.say = policy, timer, say
         self.ceilings, self.graph = ceilings, graph
         by_role = {role: [c for c in contenders if c.role == role] for role in ("reference", "arm")}
         if len(by_role["reference"]) != 1 or len(by_role["arm"]) != 1:
@@ -257,6 +225,7 @@ class _Bench:
             if c.call is None and not c.unavailable:
                 raise ValueError(f"contender {c.name!r} has no call and no reason")
         self.ref_name, self.arm_name = by_role["reference"][0].name, by_role["arm"][0].name
+        self.criteria = applicable(criteria, preset.name, case.name, mode, self.ref_name, {c.name for c in contenders})
         if len({c.name for c in contenders}) != len(contenders):
             raise ValueError("contender names must be unique")
         self.fns = {c.name: c.call for c in contenders if c.call is not None}
@@ -312,12 +281,11 @@ class _Bench:
         """Who is judged (timed twice a round), the warm-up until steady, the shape of a round,
         and which contenders need an untimed lead-in call before each timing."""
         policy, fns, mode = self.policy, self.fns, self.mode
-        self.demands = _peer_demands(self.criterion, self.preset, self.case, mode)
         # a peer the arm is judged against is timed twice a round, like the reference: where the
         # reference runs at another scale (a device-bound eager reference beside host-bound calls),
         # its A/A says nothing of the noise between the arm and that peer
-        self.judged = list(dict.fromkeys(name for name, *_ in self.demands
-                                         if name in fns and name not in (self.ref_name, self.arm_name)))
+        self.judged = list(dict.fromkeys(name for c in self.criteria if (name := c.against(self.ref_name))
+                                         in fns and name != self.ref_name))
         shared = (self.ref_name, self.arm_name, *self.judged)
         # one timed call each sizes the warm-up batches (a slow eager reference timed in full
         # batches of full windows spent seconds a batch); the warm medians then size the rounds
@@ -366,7 +334,6 @@ class _Bench:
         self.first = {name: [] for name in (ref_name, *judged)}
         self.second = {name: [] for name in (ref_name, *judged)}
         self.per_round = {name: [] for name in self.others}
-        self.claims = self._claims()
         target = policy.min_rounds
         while True:
             while len(self.first[ref_name]) < target:
@@ -386,8 +353,9 @@ class _Bench:
                         policy.n_boot, policy.ci_level, rng)
                 for name in self.fns if name != self.arm_name
             ]
+            self.evidence = self._rounds()
             # more rounds only for what can fail (an aim cannot)
-            undecided = [claim.title for claim in self.claims if not claim.aim and claim.decide()[0] == "undecided"]
+            undecided = [self._title(c) for c in self.criteria if not c.aim and c.judge(self.evidence)[0] == "undecided"]
             if not undecided or target >= policy.max_rounds:
                 return
             target = min(target + policy.round_step, policy.max_rounds)
@@ -440,123 +408,28 @@ class _Bench:
 
     # ---- the criteria, each decided by its CI against the floor --------------------------
 
-    def _claims(self) -> list[_Claim]:
-        """What `criterion` claims for this case and mode, in the report's order."""
-        criterion, preset, case, mode = self.criterion, self.preset.name, self.case.name, self.mode
-        claims = []
-        reasons = {**{c.name: c.unavailable for c in self.contenders if c.call is None}, **self.dropped}
-        timed = {c.name for c in self.contenders}
-        for name, bar, title, peer_is_target, aim in self.demands:
-            if name not in timed:
-                continue  # not timed in this case (a gate's declaration refuses a bar keyed so)
-            if name in reasons:
-                claims.append(_Claim(title, self._unavailable_peer(name, reasons[name], peer_is_target, aim), aim))
-            else:
-                claims.append(_Claim(title, self._over_peer(name, bar, peer_is_target), aim))
-        least = criterion.speedup(preset, case, mode)
-        if least is not None:
-            claims.append(_Claim(f"speedup over {self.ref_name} >= {least:g}x", self._over_peer(self.ref_name, least, True)))
-        bound = criterion.busy_bound(preset, case, mode)
-        if bound is not None:
-            claims.append(_Claim(f"within {bound:g}x of {self.ref_name}'s device-busy time", self._busy(bound)))
-        need = criterion.ceiling_fraction(preset, case, mode)
-        if need is not None:
-            claims.append(_Claim(f"{self.case.ceiling} ceiling fraction >= {need:g}", self._ceiling(need)))
-        bound = criterion.eager_bound(preset, case) if mode == "eager" else None
-        if bound is not None:
-            claims.append(_Claim(f"eager calls within {bound:g}x of graph replays", self._eager_over_graph(bound)))
-        return claims
+    def _title(self, criterion: Criterion) -> str:
+        return criterion.title(self.ref_name, self.case.ceiling)
 
-    def _unavailable_peer(self, name: str, reason: str, peer_is_target: bool, aim: bool):
-        # a peer that cannot run on this device is skipped; where the peer is the target, one that
-        # failed here (its first call or its capture) leaves the bar unjudged: no pass
-        skipped = name not in self.dropped or not peer_is_target
-        decision: Decision = "pass" if skipped and not aim else "fail"
-        detail = f"{'skipped' if skipped else 'not judged'}: {name} unavailable ({reason})"
-        return lambda: (decision, detail)
+    def _rounds(self) -> Rounds:
+        return Rounds(
+            case=self.case.name, ceiling=self.case.ceiling, nbytes=self.case.bytes(self.preset),
+            flops=self.case.flops(self.preset), reference=self.ref_name, arm=self.arm_name, series=self.series,
+            comparisons={c.against: c for c in self.comparisons}, floor_log=self.floor_log,
+            unavailable={c.name: c.unavailable for c in self.contenders if c.call is None}, dropped=self.dropped,
+            busy=self.busy, ceilings=self.ceilings, graph=self.graph, n_boot=self.policy.n_boot,
+            ci_level=self.policy.ci_level, seed=self.policy.seed)
 
-    def _over_peer(self, name: str, bar: float, peer_is_target: bool):
-        def decide() -> tuple[Decision, str]:
-            c = next(c for c in self.comparisons if c.against == name)
-            decision = reaches(c.speedup, c.ci_low, c.ci_high, bar, math.log1p(c.noise_floor))
-            return decision, f"arm vs {name}: speedup {_fmt_ratio(c)}, floor {c.noise_floor:.2%}: " + (
-                f"needs >= {bar:g}x within the floor" if peer_is_target else c.verdict)
-        return decide
-
-    def _busy(self, bound: float):
-        def decide() -> tuple[Decision, str]:
-            busy = self.busy.get(self.ref_name)
-            if not busy:  # None, or a profile that saw no kernel
-                return "fail", f"case {self.case.name!r} measured no device-busy time for {self.ref_name}"
-            arm = self.series[self.arm_name]
-            ratio, low, high = median_ratio(arm, [busy], self.policy.n_boot, self.policy.ci_level, self._rng())
-            ref_ms = float(np.median(self.series[self.ref_name]))
-            return stays_within(ratio, low, high, bound, self.floor_log), (
-                f"arm {float(np.median(arm)):.4g} ms / {self.ref_name} busy {busy:.4g} ms = {ratio:.3f} "
-                f"(CI {low:.3f}-{high:.3f}); needs <= {bound:g} within the floor {math.expm1(self.floor_log):.2%} "
-                f"(the eager step's own wall/busy: {ref_ms / busy:.3f})")
-        return decide
-
-    def _ceiling(self, need: float):
-        def decide() -> tuple[Decision, str]:
-            if self.ceilings is None:
-                return "fail", "no ceilings were measured in this run"
-            arm = self.series[self.arm_name]
-            median_ms = float(np.median(arm))
-            gbps, tflops, fraction = throughput(self.case.bytes(self.preset), self.case.flops(self.preset),
-                                                median_ms, self.ceilings, self.case.ceiling)
-            if fraction is None:
-                counted = "flops" if self.case.ceiling == "gemm" else "bytes"
-                return "fail", f"case {self.case.name!r} declares no {counted} or no ceiling"
-            # the fraction goes as 1 / time: its CI is that of the median time, inverted
-            _, low, high = median_ratio([fraction * median_ms], arm, self.policy.n_boot, self.policy.ci_level,
-                                        self._rng())
-            if self.case.ceiling == "gemm":
-                rate = f"{tflops:.1f} TFLOP/s of {self.ceilings.gemm_bf16_tflops:.1f}"
-            else:
-                rate = f"{gbps:.1f} GB/s of {self.ceilings.copy_gbps:.1f}"
-            return reaches(fraction, low, high, need, self.floor_log), (
-                f"arm {rate} = {fraction:.3f} (CI {low:.3f}-{high:.3f}); needs >= {need:g} within the floor "
-                f"{math.expm1(self.floor_log):.2%}")
-        return decide
-
-    def _eager_over_graph(self, bound: float):
-        """The arm's eager calls against its graph replays of the same case: two series timed
-        apart, so the ratio's CI resamples each, and the floor is the wider of the two modes'."""
-        graph_arm = next((t for t in self.graph.contenders if t.role == "arm"), None) if self.graph else None
-
-        def decide() -> tuple[Decision, str]:
-            if graph_arm is None:
-                return "fail", "no graph replays of this case were timed before its eager calls"
-            if graph_arm.method or not graph_arm.round_medians_ms:
-                return "fail", f"the graph mode timed no replays: {graph_arm.method or 'no figures'}"
-            eager = self.series[self.arm_name]
-            ratio, low, high = median_ratio(eager, graph_arm.round_medians_ms, self.policy.n_boot,
-                                            self.policy.ci_level, self._rng())
-            floor_log = max(self.floor_log, math.log1p(self.graph.noise_floor))
-            return stays_within(ratio, low, high, bound, floor_log), (
-                f"arm eager {float(np.median(eager)):.4g} ms / graph {graph_arm.median_ms:.4g} ms = {ratio:.3f} "
-                f"(CI {low:.3f}-{high:.3f}); needs <= {bound:g} within the floor {math.expm1(floor_log):.2%}")
-        return decide
-
-    def _rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.policy.seed)  # same figures and seed, same intervals
-
-
-def _peer_demands(
-    criterion: PerfCriterion, preset: Preset, case: BenchCase, mode: TimingMode
-) -> list[tuple[str, float, str, bool, bool]]:
-    """(peer, bar, title, the bar is a target against that peer, it is an aim only) for each
-    claim against another contender. "Not slower than" a peer is at least 1x of it; a bar
-    against a peer is a fraction of it, and where a case declares one it replaces not-slower for
-    that peer (the narrower claim); an aim (speedup_targets) is judged beside them. The rounds
-    loop extends for these and _check_criteria judges them: one list."""
-    bars = criterion.speedups_over(preset.name, case.name, mode)
-    demands = [(name, 1.0, f"not slower than {name}", False, False)
-               for name in criterion.not_slower(mode) if name not in bars]
-    return demands + [(name, bar, f"speedup over {name} >= {bar:g}x", True, False) for name, bar in bars.items()] + [
-        (name, aim, f"target: speedup over {name} >= {aim:g}x", True, True)
-        for name, aim in criterion.targets_over(preset.name, case.name, mode).items()]
+    def checks(self) -> list[CriterionCheck]:
+        """Each criterion's decision on the rounds, as the report prints it."""
+        checks = []
+        for criterion in self.criteria:
+            decision, detail = criterion.judge(self.evidence)
+            if decision == "undecided":
+                detail += " (undecided at the round cap; never a pass)"
+            checks.append(CriterionCheck(name=self._title(criterion), passed=decision == "pass", target=criterion.aim,
+                                         detail=detail, ambiguous=decision == "undecided"))
+        return checks
 
 
 # ---- ceilings ----------------------------------------------------------------------------
