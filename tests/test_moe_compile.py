@@ -1,5 +1,6 @@
-"""The MoE arm inside torch.compile: routing and the experts as custom ops with fake shapes and
-registered autograd, no graph break, the eager arm's bits. On the CPU the kernels run under
+"""The MoE arm inside torch.compile: the routing's and the experts' one autograd node each, the
+same nodes eager calls take, with the kernels inside them as custom ops with fake shapes: no
+graph break, the eager arm's bits. On the CPU the kernels run under
 Triton's interpreter (the aot_eager backend: inductor's CPU code is not what a GPU user runs)."""
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ def test_the_layer_traces_to_one_graph_of_custom_ops(capacity_factor):
     x, _ = inputs(9)
     explained = torch._dynamo.explain(module)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    code = explained.graphs[0].code
-    assert all(f"suite.moe_{op}" in code for op in ("route", "experts")), code
+    graph = explained.graphs[0]
+    # the autograd node's forward and backward bodies, each a subgraph of the one graph
+    code = "".join(m.code for m in graph.modules() if isinstance(m, torch.fx.GraphModule))
+    assert "autograd_function_apply" in graph.code
+    assert all(f"suite.moe_{op}" in code for op in ("route", "experts", "experts_backward", "route_backward")), code
 
 
 def test_routing_from_topk_traces_without_a_break():
@@ -90,49 +94,63 @@ def test_dynamic_token_counts_compile_once():
     assert counter.frame_count == 1
 
 
-def test_eager_calls_skip_the_custom_ops(monkeypatch):
-    def dispatched(*args):
-        raise AssertionError("an eager call went through a custom op")
+@pytest.mark.parametrize("fused", [True, False])
+def test_eager_calls_skip_the_custom_ops(fused):
+    """An eager call pays no custom op's dispatch: the autograd nodes launch the kernels
+    themselves. The ops' calls would show in a dispatch mode; the aten ops' do (the check's teeth)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    from suite.arms.moe import layer as experts_layer, routing
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.namespaces = set()
 
-    for module, name in ((routing, "_route_op"), (routing, "_layout_op"), (experts_layer, "_experts_op")):
-        monkeypatch.setattr(module, name, dispatched)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.namespaces.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
     module = layer(1.0)
     x, dy = inputs(9)
-    out_and_grads(module, module, x, dy)
+    seen = Seen()
+    with seen:
+        if fused:
+            out_and_grads(module, module, x, dy)
+        else:
+            routing = moe.route(module.router(x), K, capacity_factor=1.0)
+            out = moe.experts(x, routing, module.w_gate, module.w_up, module.w_down)
+            torch.autograd.grad(out, [module.w_gate, module.router.weight], dy)
+    assert "aten" in seen.namespaces and "suite" not in seen.namespaces
 
 
-def _op_args(tokens=9, capacity=None):
+def _op_args(tokens=9):
+    """The ops' inputs: none requires a gradient, since the ops carry no autograd of their own
+    (the autograd nodes that call them do)."""
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(tokens, EXPERTS, generator=gen).to(DEVICE).requires_grad_()
-    routing = moe.route(logits.detach(), K)
-    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE).requires_grad_()
-    weights = [(torch.randn(EXPERTS, *shape, generator=gen) * 0.3).to(DEVICE).requires_grad_()
+    logits = torch.randn(tokens, EXPERTS, generator=gen).to(DEVICE)
+    routing = moe.route(logits, K)
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(DEVICE)
+    weights = [(torch.randn(EXPERTS, *shape, generator=gen) * 0.3).to(DEVICE)
                for shape in ((HIDDEN, FFN), (HIDDEN, FFN), (FFN, HIDDEN))]
-    probs = routing.probs.clone().requires_grad_()
-    return logits, routing, x, probs, weights
+    return logits, routing, x, routing.probs, weights
 
 
 def test_opcheck_passes_for_each_op():
-    logits, routing, x, probs, weights = _op_args()
-    r = routing
+    logits, r, x, probs, weights = _op_args()
     slots = 9 * K
     for renormalize, capacity, z_loss in ((True, slots, True), (False, 3, False)):
         max_rows = min(slots, EXPERTS * capacity)
         torch.library.opcheck(torch.ops.suite.moe_route, (logits, K, renormalize, capacity, max_rows, z_loss))
     torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, slots, slots))
     torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, 3, EXPERTS * 3))
-    torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, *weights, r.token_of_row, r.offsets, r.row_id_map))
-    out, a, g, u, y_rows = torch.ops.suite.moe_experts(x.detach(), probs.detach(), *[w.detach() for w in weights],
-                                           r.token_of_row, r.offsets, r.row_id_map)
+    layout = (r.token_of_row, r.offsets, r.row_id_map)
+    torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, *weights, *layout))
+    out, a, g, u, y_rows = torch.ops.suite.moe_experts(x, probs, *weights, *layout)
     grad_out = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.suite.moe_experts_backward, (grad_out, x.detach(), probs.detach(), *[w.detach() for w in weights],
-                                                     a, g, u, y_rows, r.token_of_row, r.offsets, r.row_id_map))
-    probs, expert_ids, *_, lse, _ = torch.ops.suite.moe_route(logits.detach(), K, True, slots, slots, True)
+    torch.library.opcheck(torch.ops.suite.moe_experts_backward, (grad_out, x, probs, *weights, a, g, u, y_rows, *layout))
+    probs, expert_ids, *_, lse, _ = torch.ops.suite.moe_route(logits, K, True, slots, slots, True)
     grad_probs = torch.randn(9, K, device=DEVICE)
     for grad_z in (torch.tensor(0.5, device=DEVICE), None):
-        torch.library.opcheck(torch.ops.suite.moe_route_backward, (grad_probs, grad_z, logits.detach(), lse, expert_ids, probs, True))
+        torch.library.opcheck(torch.ops.suite.moe_route_backward, (grad_probs, grad_z, logits, lse, expert_ids, probs, True))
 
 
 @pytest.mark.parametrize("lie", ["shape", "dtype"])
@@ -153,7 +171,7 @@ def test_opcheck_catches_a_fake_whose_output_lies(lie):
 
     logits, *_ = _op_args()
     with pytest.raises(OpCheckError):
-        torch.library.opcheck(lying, (logits.detach(), K))
+        torch.library.opcheck(lying, (logits, K))
 
 
 def _route_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -163,8 +181,8 @@ def _route_probs(logits: torch.Tensor, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_the_routing_gradient_is_the_softmax_chain_rule(renormalize):
     """The routing kernels' backward (probs and z-loss) against autograd in float64 through
-    softmax, gather, the renormalisation and mean(logsumexp^2): the gradient eager calls and
-    the custom op share."""
+    softmax, gather, the renormalisation and mean(logsumexp^2): the one backward eager and
+    compiled calls take."""
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(11, 6, generator=gen, dtype=torch.float64)
     upstream = torch.randn(11, 3, generator=gen, dtype=torch.float64)

@@ -161,7 +161,7 @@ def test_the_module_routes_and_runs_its_experts_in_one_node_with_the_composed_bi
 
     xx = x.clone().requires_grad_()
     out = layer(xx)
-    assert "_LayerFunction" in type(out.grad_fn.next_functions[0][0]).__name__
+    assert "_ExpertsFunction" in type(out.grad_fn.next_functions[0][0]).__name__
     fused = grads(out, layer.last_z_loss)
     xx = x.clone().requires_grad_()
     routing = moe.route(layer.router(xx), 2, capacity_factor=layer._capacity, z_loss=z_loss)

@@ -6,9 +6,9 @@ w_down [E, f, d]:
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager autograd
 reference (gradients for x, the weights and probs, hence the logits); `experts` is the same
-layer on the Triton kernels of `launch` (forward and backward, no host sync), behind autograd in
-eager calls and as custom ops under torch.compile; `MoEExperts` is the module: router, top-k
-routing and experts, either impl. The float64 truth the gate judges against is the gate's
+layer on the Triton kernels of `launch` (forward and backward, no host sync) behind one autograd
+node, eager and under torch.compile (where the kernels run as custom ops); `MoEExperts` is the
+module: router, top-k routing and experts, either impl. The float64 truth the gate judges against is the gate's
 (gates/moe_bwd.py).
 """
 
@@ -128,29 +128,57 @@ def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y
 _graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 
 
-def _experts_eager_backward(plan, grad_out, saved):
-    """_experts_backward inside an autograd Function's backward, `saved` its experts' tensors.
-    The saved activations die with this backward unless the graph is kept (retain_graph,
-    create_graph): only when they die may it write its temporaries into them."""
-    return _experts_backward(plan, grad_out, *saved, reuse_saved=not _graph_kept())
-
-
 class _ExpertsFunction(torch.autograd.Function):
-    """Eager calls: the kernels behind autograd without the custom op's dispatch (about 20 us a
-    call of host time; scripts/moe_host_probe.py measures the entry points)."""
+    """The experts' one autograd node, eager and under torch.compile: `experts` gives it a
+    routing's probs and layout; `fused_layer` gives it the logits and `route`, the routing's
+    arguments (k, renormalize, capacity, max_rows, z_loss), and the routing's launches run in
+    the same node (one node's dispatch instead of two; the same bits as route() then experts()).
+    Eager calls run the kernels through the call shape's LayerPlan; under torch.compile the same
+    kernels run as the custom ops below, which dynamo cannot see into."""
 
     @staticmethod
-    def forward(ctx, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
-        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
-                                       eager=True)
-        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map)
-        return out
+    def forward(ctx, x, w_gate, w_up, w_down, probs, token_of_row, offsets, row_id_map, logits, route):
+        ctx.compiled = torch.compiler.is_compiling()
+        ctx.route, lse, expert_ids, z = route, None, None, None
+        if route is not None:
+            k, renormalize, capacity, max_rows, z_loss = route
+            forward = torch.ops.suite.moe_route if ctx.compiled else route_kernels.route_forward
+            probs, expert_ids, offsets, row_id_map, _, token_of_row, _, lse, z = forward(
+                logits, k, renormalize, capacity, max_rows, z_loss)
+            z = z if z_loss else None
+        if ctx.compiled:
+            ctx.plan = None
+            out, *saved = _experts_op(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+        else:
+            ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
+            out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets,
+                                           row_id_map, eager=True)
+        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map, logits, lse,
+                              expert_ids)
+        # the z-loss's gradient may never come (set_materialize_grads: no zeros made for it)
+        ctx.set_materialize_grads(False)
+        return out, z
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
-        return *_experts_eager_backward(ctx.plan, grad_out, ctx.saved_tensors), None, None, None
+    def backward(ctx, grad_out, grad_z):
+        *experts_saved, logits, lse, expert_ids = ctx.saved_tensors
+        dx = dw_gate = dw_up = dw_down = grad_probs = None
+        if grad_out is not None:
+            if ctx.compiled:
+                dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward_op(grad_out.contiguous(), *experts_saved)
+            else:
+                # the saved activations die with this backward unless the graph is kept
+                # (retain_graph, create_graph): only then may it write its temporaries into them
+                dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward(
+                    ctx.plan, grad_out, *experts_saved, reuse_saved=not _graph_kept())
+        if ctx.route is None:
+            return dx, dw_gate, dw_up, dw_down, grad_probs, None, None, None, None, None
+        renormalize, z_loss = ctx.route[1], ctx.route[4]
+        backward = torch.ops.suite.moe_route_backward if ctx.compiled else route_kernels.route_backward
+        dlogits = route_grads(grad_probs, grad_z if z_loss else None, backward, logits, lse, expert_ids,
+                              experts_saved[1], renormalize)
+        return dx, dw_gate, dw_up, dw_down, None, None, None, None, dlogits, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
@@ -160,57 +188,26 @@ def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    args = (x.contiguous(), probs, w_gate, w_up, w_down, routing.token_of_row, routing.offsets, routing.row_id_map)
-    if torch.compiler.is_compiling():
-        return _experts_op(*args)[0]
-    return _ExpertsFunction.apply(*args)
-
-
-class _LayerFunction(torch.autograd.Function):
-    """MoEExperts' eager forward on the kernels: the routing's and the experts' launches behind
-    one autograd node, with no Routing made between them (one node's dispatch instead of two).
-    The same kernels on the same buffers as route() then experts(), so the same bits."""
-
-    @staticmethod
-    def forward(ctx, logits, x, w_gate, w_up, w_down, k, renormalize, capacity, max_rows, z_loss):
-        probs, expert_ids, offsets, row_id_map, _, token_of_row, _, lse, z = route_kernels.route_forward(
-            logits, k, renormalize, capacity, max_rows, z_loss)
-        ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)
-        out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map,
-                                       eager=True)
-        ctx.save_for_backward(logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *saved, token_of_row, offsets,
-                              row_id_map)
-        ctx.renormalize, ctx.z_loss = renormalize, z_loss
-        ctx.set_materialize_grads(False)
-        return out, z
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out, grad_z):
-        logits, lse, expert_ids, probs, x, w_gate, w_up, w_down, *rest = ctx.saved_tensors
-        dx = dw_gate = dw_up = dw_down = grad_probs = None
-        if grad_out is not None:
-            dx, grad_probs, dw_gate, dw_up, dw_down = _experts_eager_backward(
-                ctx.plan, grad_out, (x, probs, w_gate, w_up, w_down, *rest))
-        dlogits = route_grads(ctx, grad_probs, grad_z, route_kernels.route_backward,
-                               saved=(logits, lse, expert_ids, probs))
-        return dlogits, dx, dw_gate, dw_up, dw_down, None, None, None, None, None
+    out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, probs, routing.token_of_row,
+                                    routing.offsets, routing.row_id_map, None, None)
+    return out
 
 
 def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
     """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
-    MoEExperts' eager calls where the routing kernels run (its own weights fix the shapes)."""
+    MoEExperts where the routing kernels run (its own weights fix the shapes)."""
     check_route_args("MoEExperts", logits, k, capacity_factor)
     num_tokens, num_experts = logits.shape
     _check_expert_tensors("MoEExperts", x, num_tokens, num_experts, w_gate, w_up, w_down)
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    return _LayerFunction.apply(logits, x.contiguous(), w_gate, w_up, w_down, k, renormalize,
-                                num_tokens * k if capacity is None else capacity,
-                                row_bound(num_tokens, k, num_experts, capacity), z_loss)
+    route = (k, renormalize, num_tokens * k if capacity is None else capacity,
+             row_bound(num_tokens, k, num_experts, capacity), z_loss)
+    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, None, None, None, logits, route)
 
 
-# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
+# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions;
+# ---- the autograd node above calls them, so they carry no autograd of their own
 
 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
@@ -242,23 +239,6 @@ def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.T
 def _(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
     return (x.new_empty(x.shape), probs.new_empty(probs.shape), w_gate.new_empty(w_gate.shape),
             w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
-
-
-def _experts_setup(ctx, inputs, output):
-    x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map = inputs
-    ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *output[1:], token_of_row, offsets, row_id_map)
-    ctx.mark_non_differentiable(*output[1:])
-    # the saved activations never get a gradient: no zeros made for them each backward
-    ctx.set_materialize_grads(False)
-
-
-def _experts_op_backward(ctx, grad_out, *_grad_saved):
-    if grad_out is None:
-        return None, None, None, None, None, None, None, None
-    return *_experts_backward_op(grad_out, *ctx.saved_tensors), None, None, None
-
-
-_experts_op.register_autograd(_experts_op_backward, setup_context=_experts_setup)
 
 
 EXPERTS_IMPLS = ("fused", "eager")
@@ -306,8 +286,7 @@ class MoEExperts(nn.Module):
         if self.training and self.jitter_eps is not None:
             router_input = jittered(tokens, self.jitter_eps, self.generator)
         logits = self.router(router_input)
-        if (self.impl == "fused" and tokens.shape[0] and not torch.compiler.is_compiling()
-                and runs_on(logits)):
+        if self.impl == "fused" and tokens.shape[0] and runs_on(logits):
             # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
             # backward through it or the next forward, as the output does
             out, self.last_z_loss = fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,

@@ -260,8 +260,7 @@ def route(logits: torch.Tensor, k: int, renormalize: bool = True, capacity_facto
     capacity = None if capacity_factor is None else expert_capacity(capacity_factor, num_tokens, k, num_experts)
     max_rows = row_bound(num_tokens, k, num_experts, capacity)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
-    run = _route_op if torch.compiler.is_compiling() else _RouteFunction.apply
-    probs, expert_ids, offsets, row_id_map, source_of_row, token_of_row, routed_counts, _, z = run(
+    probs, expert_ids, offsets, row_id_map, source_of_row, token_of_row, routed_counts, _, z = _RouteFunction.apply(
         logits, k, renormalize, num_tokens * k if capacity is None else capacity, max_rows, z_loss)
     return trusted_routing(
         probs=probs, expert_ids=expert_ids, offsets=offsets, row_id_map=row_id_map, source_of_row=source_of_row,
@@ -309,42 +308,42 @@ def jittered(t: torch.Tensor, eps: float, generator: torch.Generator | None = No
     return t * torch.empty_like(t).uniform_(1.0 - eps, 1.0 + eps, generator=generator)
 
 
-# ---- the routing kernels behind autograd: eager calls and the custom op share one backward ----
+# ---- the routing kernels behind autograd: one node, eager and under torch.compile ----
 
 
-def _route_setup(ctx, inputs, output) -> None:
-    logits, _, renormalize, _, _, z_loss = inputs
-    probs, expert_ids, *indices, lse, z = output
-    ctx.save_for_backward(logits, lse, expert_ids, probs)
-    ctx.renormalize, ctx.z_loss = renormalize, z_loss
-    ctx.mark_non_differentiable(expert_ids, *indices, lse, *([] if z_loss or z is None else [z]))
-    ctx.set_materialize_grads(False)
-
-
-def route_grads(ctx, grad_probs, grad_z, backward, saved=None) -> torch.Tensor | None:
-    """dlogits by `backward` from what the routing saved (ctx.saved_tensors unless given)."""
-    logits, lse, expert_ids, probs = ctx.saved_tensors if saved is None else saved
-    grad_z = grad_z if ctx.z_loss else None
+def route_grads(grad_probs, grad_z, backward, logits, lse, expert_ids, probs, renormalize) -> torch.Tensor | None:
+    """dlogits by `backward` (the kernel's launcher, or its custom op under torch.compile) from
+    what the routing saved; grad_z None where no z-loss was asked for or none came back."""
     if grad_probs is None and grad_z is None:
         return None
     if grad_probs is None:
         grad_probs = torch.zeros_like(probs)
-    return backward(grad_probs, grad_z, logits, lse, expert_ids, probs, ctx.renormalize)
+    return backward(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize)
 
 
 class _RouteFunction(torch.autograd.Function):
-    """Eager calls: the routing kernels behind autograd without the custom op's dispatch."""
+    """The routing's autograd node: its two launches forward, one backward; under torch.compile
+    the same kernels as the custom ops below, which carry no autograd of their own."""
 
     @staticmethod
     def forward(ctx, logits, k, renormalize, capacity, max_rows, z_loss):
-        output = route_kernels.route_forward(logits, k, renormalize, capacity, max_rows, z_loss)
-        _route_setup(ctx, (logits, k, renormalize, capacity, max_rows, z_loss), output)
+        ctx.compiled = torch.compiler.is_compiling()
+        forward = torch.ops.suite.moe_route if ctx.compiled else route_kernels.route_forward
+        output = forward(logits, k, renormalize, capacity, max_rows, z_loss)
+        probs, expert_ids, *indices, lse, z = output
+        ctx.save_for_backward(logits, lse, expert_ids, probs)
+        ctx.renormalize, ctx.z_loss = renormalize, z_loss
+        ctx.mark_non_differentiable(expert_ids, *indices, lse, *([] if z_loss or z is None else [z]))
+        ctx.set_materialize_grads(False)
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_probs, *grads):
-        return route_grads(ctx, grad_probs, grads[-1], route_kernels.route_backward), None, None, None, None, None
+        backward = torch.ops.suite.moe_route_backward if ctx.compiled else route_kernels.route_backward
+        dlogits = route_grads(grad_probs, grads[-1] if ctx.z_loss else None, backward, *ctx.saved_tensors,
+                              ctx.renormalize)
+        return dlogits, None, None, None, None, None
 
 
 def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
@@ -438,7 +437,8 @@ def _layout_indices(expert_ids: torch.Tensor, num_experts: int, capacity: int | 
     return tuple(t.to(torch.int32) for t in (offsets, row_id_map, source_of_row, token_of_row, routed_counts))
 
 
-# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions ----
+# ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions; the
+# ---- routing's autograd node above calls the first two
 
 
 @torch.library.custom_op("suite::moe_route", mutates_args=())
@@ -471,13 +471,6 @@ def _route_backward_op(grad_probs: torch.Tensor, grad_z: Optional[torch.Tensor],
 @_route_backward_op.register_fake
 def _(grad_probs, grad_z, logits, lse, expert_ids, probs, renormalize):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
-
-
-def _route_op_backward(ctx, grad_probs, *grads):
-    return route_grads(ctx, grad_probs, grads[-1], _route_backward_op), None, None, None, None, None
-
-
-_route_op.register_autograd(_route_op_backward, setup_context=_route_setup)
 
 
 @torch.library.custom_op("suite::moe_layout", mutates_args=())
