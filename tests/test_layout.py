@@ -120,3 +120,30 @@ def test_the_suites_modules_import_one_another_without_a_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+# tests of the project itself (its tree, its prose), not of a module, sit at the top of tests/
+PROJECT_TESTS = {"test_layout.py", "test_readme.py", "test_docs.py"}
+
+
+def _tested_module(test: Path) -> Path | None:
+    """The source module a test file is named for: tests/<dir>/test_<module>[_<topic>].py tests
+    suite/<dir>/<module>.py (or <dir>/<module>.py for gates/ and scripts/, cli.py at the top)."""
+    folder = test.parent.relative_to(ROOT / "tests")
+    words = test.stem.removeprefix("test_").split("_")
+    for cut in range(len(words), 0, -1):  # the longest module name first: test_checkpoint_files
+        name = "_".join(words[:cut]) + ".py"
+        for source in (ROOT / "suite" / folder / name, ROOT / folder / name):
+            if source.is_file():
+                return source
+    return None
+
+
+def test_the_tests_mirror_the_source_in_one_naming_scheme():
+    """A test file's folder is its module's package and its name test_<module>[_<topic>].py, so
+    a module's tests are found where the module is; the helpers beside them are not tests."""
+    tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name.startswith("test_") and p.name not in PROJECT_TESTS]
+    strays = sorted(str(p.relative_to(ROOT)) for p in tests if _tested_module(p) is None)
+    assert not strays, f"name these tests/<package>/test_<module>[_<topic>].py after the module they test: {strays}"
+    helpers = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_")]
+    assert all(p.parent == ROOT / "tests" for p in helpers), helpers  # one place for what tests share

@@ -12,7 +12,7 @@ pytest.importorskip("transformers", minversion="5")
 from cli import app  # noqa: E402
 from suite.files.buffers import load_buffers  # noqa: E402
 from suite.record import capture  # noqa: E402
-from test_integrations_transformers import tiny  # noqa: E402
+from hfmodels import tiny  # noqa: E402
 
 
 def step(model, seed=0):

@@ -11,36 +11,10 @@ import torch
 
 transformers = pytest.importorskip("transformers", minversion="5")
 
+from hfmodels import tiny  # noqa: E402
 from suite.integrations import transformers as hf  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-_SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64)
-
-
-def tiny(family: str, **extra):
-    """A tiny causal LM of `family`, seeded; None where this transformers lacks the family."""
-    torch.manual_seed(0)
-    if family == "olmoe":
-        config = transformers.OlmoeConfig(intermediate_size=24, num_experts=6, num_experts_per_tok=2, **_SHAPE)
-        return transformers.OlmoeForCausalLM(config, **extra)
-    if family == "qwen3-moe":
-        config = transformers.Qwen3MoeConfig(moe_intermediate_size=24, intermediate_size=40, num_experts=6,
-                                             num_experts_per_tok=3, norm_topk_prob=True, **_SHAPE)
-        return transformers.Qwen3MoeForCausalLM(config)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **_SHAPE)
-        return transformers.MixtralForCausalLM(config)
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=48, **_SHAPE))
-    if family == "gemma":
-        return transformers.GemmaForCausalLM(transformers.GemmaConfig(intermediate_size=48, head_dim=8, **_SHAPE))
-    if family == "olmo2":
-        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(intermediate_size=48, **_SHAPE))
-    if family == "phi3":
-        return transformers.Phi3ForCausalLM(transformers.Phi3Config(intermediate_size=48, pad_token_id=0, **_SHAPE))
-    raise ValueError(family)
 
 
 def loss_and_grads(model, ids):

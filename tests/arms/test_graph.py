@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.optim import lr_scheduler
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bitwise import bits, bitwise_equal
 from suite.arms.graph import CapturedOptimizer, CaptureError
 from suite.arms.muon import Muon
 from suite.errors import CouldNotRun
@@ -22,14 +23,6 @@ from suite.errors import CouldNotRun
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # torch's AdamW warns once when a capturable instance steps eagerly, as every reference run does.
 pytestmark = pytest.mark.filterwarnings("ignore:This instance was constructed with capturable=True")
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool((bits(a) == bits(b)).all())
 
 
 def first_difference(params_a: list[torch.Tensor], params_b: list[torch.Tensor]) -> str | None:

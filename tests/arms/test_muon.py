@@ -1,7 +1,7 @@
 """The Muon reference optimizer on the CPU: Newton-Schulz, scale rules, the Muon and AdamW updates
 against independent re-implementations (the float64 Muon the optimizer gates share), group
 inference, and the capturable mode's bitwise equality with the plain one under live lr, weight
-decay, momentum and betas (the GPU side of that contract is in test_graph_capture_arm.py)."""
+decay, momentum and betas (the GPU side of that contract is in test_graph.py)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,9 @@ import math
 import pytest
 import torch
 
+from bitwise import assert_bitwise
 from gates.optimizer_runs import muon_float64
 from suite.arms.muon import Muon, muon_scale, newton_schulz
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit pattern (so -0.0 vs 0.0 and NaN payloads count)."""
-    return t.detach().contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    differ = (bits(a) != bits(b)).sum().item()
-    assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ in bits"
 
 
 def assert_states_bitwise(opt_a: torch.optim.Optimizer, opt_b: torch.optim.Optimizer) -> None:

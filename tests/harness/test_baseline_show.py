@@ -13,7 +13,7 @@ from suite.errors import ExitCode
 from suite.harness.baseline import load_baseline
 from suite.harness.render import baseline_pages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args):

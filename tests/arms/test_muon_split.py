@@ -11,7 +11,7 @@ import torch
 
 from gates.optimizer_runs import newton_schulz_float64
 from suite.arms.muon import Muon, muon_scale
-from tests.test_muon import assert_bitwise
+from bitwise import assert_bitwise
 
 # (fused shape, split_sizes, split_dim): input-major halves, grouped-query QKV, SwiGLU gate/up
 CASES = {

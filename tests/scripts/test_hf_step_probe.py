@@ -10,7 +10,7 @@ from scriptload import load_script
 
 pytest.importorskip("transformers", minversion="5")
 
-from test_integrations_transformers import tiny  # noqa: E402
+from hfmodels import tiny  # noqa: E402
 
 
 def test_the_probe_needs_a_gpu_and_says_so(capsys, monkeypatch):

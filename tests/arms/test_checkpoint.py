@@ -1,29 +1,25 @@
 """suite.arms.checkpoint as a training loop calls it: what an overwrite may replace, a reader
 racing a writer, siblings that are not checkpoints, a stamp whose state names a missing tensor,
-and the arguments it refuses (the gate's kills and resume are in test_gate_checkpoint.py)."""
+and the arguments it refuses (the gate's kills and resume are in tests/gates/test_checkpoint.py)."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from restamp import rewrite_state
 from suite.arms.checkpoint import (
     META,
-    STATE,
     CheckpointError,
-    stamp_digest,
     latest_checkpoint,
     load_checkpoint,
     read_stamp,
     save_checkpoint,
 )
-from suite.arms.checkpoint_files import ChunkedSha256
 from suite.errors import UsageError
 
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -111,26 +107,11 @@ def test_a_sibling_that_is_no_checkpoint_is_passed_over(tmp_path, damage):
         bad.chmod(0o755)
 
 
-def _rewrite_state(root, edit) -> None:
-    """state.json edited, and its stamp remade to match, as a tamperer (or a GPU machine) could."""
-    state = json.loads((root / STATE).read_text())
-    edit(state)
-    data = json.dumps(state).encode()
-    (root / STATE).write_bytes(data)
-    meta = json.loads((root / META).read_text())
-    with ThreadPoolExecutor(1) as pool:
-        digest = ChunkedSha256(pool, meta["files"][STATE]["chunk_bytes"])
-        digest.update(memoryview(data))
-        meta["files"][STATE].update(bytes=len(data), sha256=digest.hexdigest())
-    meta["stamp_sha256"] = stamp_digest(meta)
-    (root / META).write_text(json.dumps(meta))
-
-
 def test_verify_and_load_refuse_a_state_that_names_a_missing_tensor(tmp_path):
     """`suite checkpoint verify` said "whole" for a stamp whose state names a tensor the tensors
     file lacks; load_checkpoint then failed with a KeyError."""
     root = save_checkpoint(tmp_path / "ckpt", {"w": torch.ones(2)}, step=1)
-    _rewrite_state(root, lambda state: state["w"].update({"__tensor__": "t7"}))
+    rewrite_state(root, lambda state: state["w"].update({"__tensor__": "t7"}))
     for call in (lambda: read_stamp(root, verify=True), lambda: load_checkpoint(root)):
         with pytest.raises(CheckpointError, match="names tensor 't7', which tensors.safetensors does not hold"):
             call()
@@ -184,7 +165,7 @@ def test_the_loser_of_two_simultaneous_saves_is_told_to_pass_overwrite(tmp_path)
 
 def test_a_checkpoint_saved_on_a_gpu_names_map_location_on_a_machine_without_one(tmp_path, monkeypatch):
     root = save_checkpoint(tmp_path / "ckpt", {"w": torch.ones(2)}, step=1)
-    _rewrite_state(root, lambda state: state["w"].update({"device": "cuda:0"}))  # as a GPU's save writes it
+    rewrite_state(root, lambda state: state["w"].update({"device": "cuda:0"}))  # as a GPU's save writes it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UsageError, match="saved on cuda:0, which this machine lacks; pass map_location='cpu'"):
         load_checkpoint(root)

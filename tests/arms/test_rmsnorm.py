@@ -12,6 +12,7 @@ import pytest
 import torch
 from triton import knobs
 
+from bitwise import assert_bitwise, bits
 from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
 from suite.arms import rmsnorm as arm
 from suite import triton_support
@@ -171,15 +172,6 @@ def test_dw_partials_reduce_exactly(dtype):
     assert ((dw.double() - exact).abs() <= bound).all()
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what=""):
-    assert a.dtype == b.dtype and a.shape == b.shape, what
-    assert torch.equal(bits(a), bits(b)), what
-
-
 @pytest.mark.parametrize(
     "rows, n, programs, max_fused_n",
     [
@@ -205,9 +197,9 @@ def test_folded_dw_matches_the_two_stage_blocks_bit_for_bit(monkeypatch, rows, n
     dx_folded, dw_folded = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
     _, dx_autograd, dw_autograd = run(fused, x, weight, dy)
     for dx in (dx_folded, dx_autograd):
-        assert_same_bits(dx, dx_two, "dx")
+        assert_bitwise(dx, dx_two, "dx")
     for dw in (dw_folded, dw_autograd):
-        assert_same_bits(dw, dw_two, "dw")
+        assert_bitwise(dw, dw_two, "dw")
 
 
 def test_partial_sums_pad_with_negative_zero_so_zero_signs_survive():
@@ -234,7 +226,7 @@ def test_folded_backward_leaves_its_counters_at_zero_and_repeats():
     assert not counters.any()
     second = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)  # e.g. retain_graph
     for a, b in zip(first, second):
-        assert_same_bits(a, b)
+        assert_bitwise(a, b)
 
 
 def test_stats_without_counter_slots_take_the_two_stage_path():
@@ -243,14 +235,14 @@ def test_stats_without_counter_slots_take_the_two_stage_path():
     expected = arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
     got = arm.rms_norm_backward_reduced(dy, x, weight, stats[:200].clone(), 0.0)
     for a, b in zip(got, expected):
-        assert_same_bits(a, b)
+        assert_bitwise(a, b)
 
 
 def test_forward_without_grad_gives_the_same_bits():
     x, weight, _ = make((3, 40, 96), torch.bfloat16)
     with torch.no_grad():
         y = fused(x, weight)
-    assert_same_bits(y, fused(x, weight.detach().requires_grad_()).detach())
+    assert_bitwise(y, fused(x, weight.detach().requires_grad_()).detach())
 
 
 def test_launch_config_cache_keys_on_the_profile(monkeypatch):

@@ -141,9 +141,9 @@ def library(fn, *args, **kwargs):
 
 
 def tiny_hf(family: str):
-    import test_integrations_transformers as hf_tests
+    from hfmodels import tiny
 
-    return hf_tests.tiny(family)
+    return tiny(family)
 
 
 def skip_step(**kwargs):
@@ -196,12 +196,12 @@ def checkpoint_save(name: str = "ckpt", **kwargs):
 
 def gpu_checkpoint_on_a_cpu(tmp: Path):
     """A checkpoint whose tensors a GPU saved (state.json says cuda:0), loaded here without map_location."""
-    from test_checkpoint import _rewrite_state
+    from restamp import rewrite_state
 
     from suite.arms.checkpoint import load_checkpoint, save_checkpoint
 
     root = save_checkpoint(tmp / "ckpt", {"w": torch.ones(2)}, step=1)
-    _rewrite_state(root, lambda state: state["w"].update({"device": "cuda:0"}))
+    rewrite_state(root, lambda state: state["w"].update({"device": "cuda:0"}))
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     return load_checkpoint(root)
@@ -826,7 +826,7 @@ def test_the_docs_list_every_case():
 # ---- faults that need several processes or an outside signal -------------------------------
 
 OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
-               # tests of their own in test_checkpoint.py and test_skip_step.py (several processes, optimizer state)
+               # tests of their own in tests/arms/test_checkpoint.py and test_skip_step.py (several processes, optimizer state)
                ("44.3", 2), ("44.4", 0), ("44.5", 2)}
 
 
