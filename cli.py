@@ -345,9 +345,37 @@ def bench(name: Annotated[str, typer.Argument(help="Gate name or 'all'.")], flag
 @app.command()
 @run_flags(exclude=("buffers", "sabotage"))
 @_guarded
-def run(flags: RunFlags) -> None:
+def run(flags: RunFlags, gpus: Annotated[Optional[str], typer.Option(
+        "--gpus", help="Spread the gates over N GPUs of this host, or 'all' (pytest-xdist, one worker a GPU; "
+        "with --device cpu, N CPU workers).")] = None) -> None:
     """CI style: gate, saboteurs and bench for every gate this device can run; list the ones it cannot."""
+    if gpus is not None:
+        _spread(flags, gpus)
     _execute("run", "all", flags, bench=True)
+
+
+def _spread(flags: RunFlags, gpus: str) -> None:
+    """`suite run` as pytest items over several devices (suite.harness.pytest_plugin), one
+    merged report, the suite's exit code."""
+    import torch
+
+    from suite.harness.pytest_plugin import spread
+
+    settings = _setup(flags.device, flags.profile)
+    count = torch.cuda.device_count() if settings.device.type == "cuda" else None
+    workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
+    if workers is None or (count is not None and workers > count):
+        raise UsageError(f"--gpus must be 'all' or a number from 1 to this host's GPUs ({count or 'none'}), "
+                         f"not {gpus!r}" + ("; on the CPU give a number of workers" if count is None else ""))
+    report, path, status = spread(workers, settings.device.type, flags.profile, flags.preset, str(flags.reports),
+                                  flags.seed, flags.thorough, flags.strict)
+    if report is None:
+        raise CouldNotRun(f"pytest stopped before the gates ran (its exit status {status}); run "
+                          f"`pytest --suite --suite-bench -n {workers}` to see why")
+    _print_summary(report)
+    _print_tracebacks(report, flags.verbose)
+    console.print(f"report: {path}", markup=False, highlight=False)
+    raise typer.Exit(report.exit_code)
 
 
 # ---- the other commands --------------------------------------------------------------------

@@ -113,11 +113,11 @@ def test_a_gate_missing_its_extra_is_skipped_by_run_and_could_not_run_when_named
 
 
 def test_ambiguous_timing_exits_4(reports, monkeypatch):
-    def ambiguous(self, unit, phases):
+    def ambiguous(self, unit):
         return GateResult(gate=unit.gate.name, arm=unit.gate.arm_name, preset=unit.preset.name, preset_params={},
                           device="cpu", status="ambiguous", reason="timing stayed ambiguous")
 
-    monkeypatch.setattr(runner_module.Runner, "_judge_and_time", ambiguous)
+    monkeypatch.setattr(runner_module.Runner, "_run_unit", ambiguous)
     result = invoke("gate", "rmsnorm", "--device", "cpu", "--reports", reports)
     assert result.exit_code == ExitCode.AMBIGUOUS
 

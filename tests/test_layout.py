@@ -141,9 +141,9 @@ def _tested_module(test: Path) -> Path | None:
 
 def test_the_tests_mirror_the_source_in_one_naming_scheme():
     """A test file's folder is its module's package and its name test_<module>[_<topic>].py, so
-    a module's tests are found where the module is; the helpers beside them are not tests."""
-    tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name.startswith("test_") and p.name not in PROJECT_TESTS]
+    a module's tests are found where the module is; what the tests share is in tests/support."""
+    tests = [p for p in (ROOT / "tests").rglob("test_*.py") if p.name not in PROJECT_TESTS]
     strays = sorted(str(p.relative_to(ROOT)) for p in tests if _tested_module(p) is None)
     assert not strays, f"name these tests/<package>/test_<module>[_<topic>].py after the module they test: {strays}"
-    helpers = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_")]
-    assert all(p.parent == ROOT / "tests" for p in helpers), helpers  # one place for what tests share
+    helpers = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py"]
+    assert all(p.parent == ROOT / "tests" / "support" for p in helpers), helpers  # one place for what tests share

@@ -291,7 +291,7 @@ def save_baseline(
         )
 
     fp = report.fingerprint
-    new_class = fingerprint_class(fp)
+    new_class = one_class(report)
     saved = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     paths = {gate: baseline_path(baselines_dir, fp, gate) for gate in by_gate}
     with _locked(list(paths.values())):
@@ -354,6 +354,22 @@ def _mergeable(path: Path, new_class: dict[str, str | None]) -> Baseline:
             f"holds one class. Save with --replace to start it afresh from this run"
         )
     return old
+
+
+def one_class(report: RunReport) -> dict[str, str | None]:
+    """The report's class of machine; a run spread over several devices (pytest --suite -n)
+    carries each result's fingerprint, and one whose devices are of two classes is refused:
+    its timings compare against no one baseline."""
+    def key(fp) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(fingerprint_class(fp).items()))
+
+    classes = {key(r.fingerprint): r for r in report.results if r.fingerprint}
+    classes.setdefault(key(report.fingerprint), None)
+    if len(classes) > 1:
+        devices = "; ".join(f"{r.fingerprint.device}: {k}" if r else f"the run's: {k}" for k, r in classes.items())
+        raise UsageError(f"run {report.run_id} mixes two classes of card ({devices}); save or compare each class's "
+                         "results from a run of that class alone")
+    return fingerprint_class(report.fingerprint)
 
 
 def _class_difference(baseline: dict[str, str | None], new: dict[str, str | None]) -> str:
@@ -425,7 +441,7 @@ def compare(report: RunReport, baselines_dir: str | Path, force: bool = False) -
     Entries of the run without a baseline are "new"; baseline entries of a gate and preset
     the run measured but without that case or contender are "missing". Neither fails.
     """
-    new_class = fingerprint_class(report.fingerprint)
+    new_class = one_class(report)
     results = [r for r in report.results if r.bench]
     gates = list(dict.fromkeys(r.gate for r in results))
 

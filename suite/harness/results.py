@@ -251,6 +251,8 @@ class GateResult(Record):
     duration_s: float = 0.0
     phases: dict[str, float] = Field(default_factory=dict)  # phase -> wall seconds
     peak_memory_bytes: int | None = None  # CUDA: the most the gate held at once, bench included
+    # the machine that ran it, where a run spread its units over several devices (pytest --suite -n)
+    fingerprint: Fingerprint | None = None
 
 
 class SkippedGate(Record):
@@ -274,6 +276,7 @@ class Fingerprint(Record):
     git_dirty: bool | None = None
     clocks: dict[str, int] = Field(default_factory=dict)  # MHz, when nvidia-smi answers
     profile: str = "none"  # "rtx" when Triton configs were held to 99 KB of shared memory
+    device: str | None = None  # the device a result ran on where a run used several ("cuda:1": the host's second GPU)
 
 
 class RunReport(Record):

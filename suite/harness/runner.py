@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -80,6 +80,9 @@ class RunOptions:
     thorough: bool = False  # every saboteur at every preset, not once at the smallest
     explicit: bool = True  # the gate was named (not "all"): what it cannot run is an error
     strict: bool = False  # skipped gates count as could-not-run
+    # a default preset too large for the free GPU memory is skipped at planning; off for pytest
+    # workers, which must plan alike (the unit then finds it when it starts)
+    plan_memory: bool = True
     policy: TimingPolicy = field(default_factory=TimingPolicy)
 
 
@@ -93,6 +96,27 @@ class Unit:
     saboteurs_note: str | None = None
     bench: bool = False
     recorded: bool = False  # buffers come from --buffers, not make_buffers
+
+
+@dataclass
+class UnitRun:
+    """A unit between its steps (`Runner.start`, `time`, `finish`): its result so far, and what
+    the steps share. The buffers are held until it finishes."""
+
+    unit: Unit
+    result: GateResult
+    phases: dict[str, float]
+    started: float
+    preset: Preset | None = None  # the preset the buffers were made for (a recording's own)
+    buffers: Buffers | None = None
+    digests: Any = None
+    arm_outputs: Any = None
+    timed: dict[tuple[str, str], BenchResult] = field(default_factory=dict)
+    raised: tuple[str, str | None] | None = None  # a step raised: why it could not run, and where
+
+    @property
+    def timeable(self) -> bool:
+        return self.raised is None and self.buffers is not None and self.result.parity.passed
 
 
 def _mib(n: int) -> str:
@@ -129,9 +153,16 @@ class Runner:
             return [gate.preset(name) for name in opts.presets if name in known]
         return gate.default_presets(opts.device, all_gates=not opts.explicit)
 
-    def _free_memory(self) -> int | None:
+    @property
+    def ceilings(self) -> Ceilings | None:
+        """The card's ceilings, once a bench of this run measured them."""
+        return self._ceilings
+
+    def _free_memory(self, planning: bool = False) -> int | None:
         device = self.options.device
-        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        if device.type != "cuda" or (planning and not self.options.plan_memory):
+            return None
+        return torch.cuda.mem_get_info(device)[0]
 
     def _place_saboteurs(self, gate: Gate, units: list[Unit]) -> list[Unit]:
         """Give each saboteur its unit: the smallest preset of the gate where it can show,
@@ -143,7 +174,7 @@ class Runner:
         if opts.thorough:
             for unit in own:
                 unit.saboteurs = [s for s in gate.saboteurs if s.applies(unit.preset)]
-        free = self._free_memory()
+        free = self._free_memory(planning=True)
         runnable = [p for p in gate.runnable_presets(opts.device) if free is None or p.memory_bytes <= free]
         extra: dict[str, Unit] = {}
         for saboteur in gate.saboteurs:
@@ -191,7 +222,7 @@ class Runner:
                 reason = f"gate {gate.name} needs CUDA; this run's device is {device.type}"
             reason = reason or gate.missing()
             presets = [] if reason else self._selected(gate)
-            free = self._free_memory()
+            free = self._free_memory(planning=True)
             too_large = []
             if presets and free is not None and not opts.presets:
                 # a default preset larger than the card's free memory is listed, not attempted
@@ -262,13 +293,41 @@ class Runner:
         )
 
     def _run_unit(self, unit: Unit) -> GateResult:
+        run = self.start(unit)
+        for case, mode in self.bench_plan(unit)[0]:
+            self.time(run, case, mode)
+        return self.finish(run)
+
+    # ---- a unit's steps: judge it, time each (case, mode), finish it (the pytest items' too) ----
+
+    def bench_plan(self, unit: Unit) -> tuple[list[tuple[BenchCase, str]], str | None]:
+        """The (case, mode) pairs a unit times, each case's graph replays before its eager calls
+        (an eager-over-graph bound is judged against them), or why it times none."""
         gate, preset, device = unit.gate, unit.preset, self.options.device
-        start = time.perf_counter()
-        phases: dict[str, float] = {}
+        if not unit.bench:
+            return [], None
+        if not gate.benches:
+            return [], f"gate {gate.name} declares no bench"
+        cases = [c for c in gate.benches if c.presets is None or preset.name in c.presets]
+        if not cases:
+            return [], f"gate {gate.name} times no bench case at preset {preset.name}"
+        cases = [c for c in cases if device.type == "cuda" or c.modes == ("wall",)]
+        if not cases:
+            return [], "timing needs CUDA"
+        return [(case, mode) for case in cases
+                for mode in sorted((m for m in case.modes if device.type == "cuda" or m == "wall"),
+                                   key=lambda m: m != "graph")], None
+
+    def start(self, unit: Unit) -> UnitRun:
+        """Buffers, reference, parity and the saboteurs of one unit."""
+        gate, preset, device = unit.gate, unit.preset, self.options.device
         self._unit_peak = 0  # peaks seen before a contender's setup reset the counter
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        try:
+        run = UnitRun(unit, GateResult(gate=gate.name, arm=gate.arm_name, preset=preset.name,
+                                       preset_params=dict(preset.params), device=str(device), status="passed"),
+                      {}, time.perf_counter())
+        with self._step(run):
             if preset.where == "cuda" and device.type != "cuda":
                 raise CouldNotRun(f"preset {preset.name} of gate {gate.name} needs CUDA; use --preset tiny on the CPU")
             free = self._free_memory()
@@ -277,21 +336,74 @@ class Runner:
                     f"preset {preset.name} of gate {gate.name} needs about {_mib(preset.memory_bytes)} of GPU memory "
                     f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}; pick a smaller preset (suite list)"
                 )
-            result = self._judge_and_time(unit, phases)
-        except UsageError:
-            raise  # the command line was wrong: exit 2, not a result
-        except (CouldNotRun, torch.OutOfMemoryError) as exc:
-            result = self._could_not_run(gate, preset, _first_line(exc))
-        except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
-            result = self._could_not_run(gate, preset, f"{type(exc).__name__} while running: {_first_line(exc)}")
-            # one line is enough for a known failure, not for a bug: keep where it was raised
-            result.traceback = traceback.format_exc()
+            self._judge(run)
+            run.result.bench_skipped = self.bench_plan(unit)[1]
+            if unit.bench and not run.result.parity.passed:
+                run.result.bench_skipped = "parity failed: an arm that fails parity is not timed"
+        return run
+
+    def time(self, run: UnitRun, case: BenchCase, mode: str) -> BenchResult | None:
+        """One case in one mode, appended to the unit's result; None where the unit is not timed
+        (it could not run, or its parity failed)."""
+        if not run.timeable:
+            return None
+        unit, gate, device = run.unit, run.unit.gate, self.options.device
+        with self._step(run):
+            if device.type == "cuda" and self._ceilings is None:
+                # once a run, in the phases of the first preset that benches (every second is named)
+                with self._phase(run.phases, unit, "ceilings"):
+                    self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
+                    self._ceilings = measure_ceilings(device)
+            contenders = gate.contenders_for(case)
+            eager = device.type == "cuda" and "eager" in case.modes
+            host_us = self._host_times(unit, case, contenders, run.phases) if eager else {}
+            with self._phase(run.phases, unit, f"bench {case.name} {mode}"):
+                timed = self._time_case(gate, case, mode, contenders, run.buffers, run.preset, host_us,
+                                        graph=run.timed.get((case.name, "graph")))
+            run.timed[(case.name, mode)] = timed
+            run.result.bench.append(timed)
+            return timed
+        return None
+
+    def finish(self, run: UnitRun) -> GateResult:
+        """The determinism run where a bench delayed it (after timing, the parity recheck too),
+        the status, the peak."""
+        unit, device = run.unit, self.options.device
+        if unit.bench and run.raised is None and run.buffers is not None:
+            with self._step(run):
+                timed = bool(run.result.bench)
+                with self._phase(run.phases, unit, "recheck" if timed else "determinism"):
+                    parity.second_run(unit.gate, run.preset, run.buffers, run.digests, run.arm_outputs,
+                                      run.result.parity, after_timing=timed)
+        run.buffers = run.arm_outputs = None
+        if run.raised is not None:
+            result = self._could_not_run(unit.gate, unit.preset, run.raised[0])
+            result.traceback = run.raised[1]
+        else:
+            result = run.result
+            result.status, result.reason = status_of(result)
+            if self.options.strict and unit.bench and result.status == "passed" and result.bench_skipped:
+                # nothing was timed: under --strict that is a bench this device could not run
+                result.status, result.reason = "could_not_run", f"bench skipped under --strict: {result.bench_skipped}"
         if device.type == "cuda":
             result.peak_memory_bytes = max(self._unit_peak, torch.cuda.max_memory_allocated(device))
             torch.cuda.empty_cache()
-        result.phases = phases
-        result.duration_s = time.perf_counter() - start
+        result.phases = run.phases
+        result.duration_s = time.perf_counter() - run.started
         return result
+
+    @contextlib.contextmanager
+    def _step(self, run: UnitRun) -> Iterator[None]:
+        """A step of the unit: what it raises makes the unit one that could not run."""
+        try:
+            yield
+        except UsageError:
+            raise  # the command line was wrong: exit 2, not a result
+        except (CouldNotRun, torch.OutOfMemoryError) as exc:
+            run.raised = (_first_line(exc), None)
+        except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
+            # one line is enough for a known failure, not for a bug: keep where it was raised
+            run.raised = (f"{type(exc).__name__} while running: {_first_line(exc)}", traceback.format_exc())
 
     @contextlib.contextmanager
     def _phase(self, phases: dict[str, float], unit: Unit, name: str) -> Iterator[None]:
@@ -332,8 +444,9 @@ class Runner:
         )
         return buffers, loaded, provenance
 
-    def _judge_and_time(self, unit: Unit, phases: dict[str, float]) -> GateResult:
-        opts, gate = self.options, unit.gate
+    def _judge(self, run: UnitRun) -> None:
+        opts, unit, phases = self.options, run.unit, run.phases
+        gate = unit.gate
         with self._phase(phases, unit, "buffers"):
             buffers, preset, provenance = self._buffers(gate, unit.preset, unit.recorded)
         with self._phase(phases, unit, "reference"):
@@ -354,30 +467,13 @@ class Runner:
         for saboteur in unit.saboteurs:
             with self._phase(phases, unit, f"saboteur {saboteur.name}"):
                 saboteurs.append(self._sabotage(gate, preset, buffers, expected, saboteur))
-        digests = expected.input_digests
+        run.digests = expected.input_digests
         del expected  # the reference and float64 truth are not needed while timing
-        result = GateResult(
-            gate=gate.name,
-            arm=gate.arm_name,
-            preset=preset.name,
-            preset_params=dict(preset.params),
-            device=str(opts.device),
-            status="passed",
-            parity=verdict,
-            saboteurs=saboteurs,
-            saboteurs_note=unit.saboteurs_note,
-            buffers=provenance,
-        )
-        if unit.bench:
-            self._bench(unit, gate, preset, buffers, result, phases)
-            timed = bool(result.bench)
-            with self._phase(phases, unit, "recheck" if timed else "determinism"):
-                parity.second_run(gate, preset, buffers, digests, arm_outputs, verdict, after_timing=timed)
-        result.status, result.reason = _status(result)
-        if opts.strict and unit.bench and result.status == "passed" and result.bench_skipped:
-            # nothing was timed: under --strict that is a bench this device could not run
-            result.status, result.reason = "could_not_run", f"bench skipped under --strict: {result.bench_skipped}"
-        return result
+        run.preset, run.buffers, run.arm_outputs = preset, buffers, arm_outputs
+        result = run.result
+        result.preset, result.preset_params = preset.name, dict(preset.params)
+        result.parity, result.saboteurs, result.saboteurs_note, result.buffers = (
+            verdict, saboteurs, unit.saboteurs_note, provenance)
 
     def _sabotage(self, gate, preset, buffers, expected, saboteur: Saboteur) -> SaboteurResult:
         # one that writes into its inputs gets copies, so the real buffers stay intact
@@ -400,40 +496,6 @@ class Runner:
         )
 
     # ---- benches ----
-
-    def _bench(self, unit: Unit, gate: Gate, preset: Preset, buffers: Buffers, result: GateResult,
-               phases: dict[str, float]) -> None:
-        device = self.options.device
-        if not gate.benches:
-            result.bench_skipped = f"gate {gate.name} declares no bench"
-            return
-        if not result.parity.passed:
-            result.bench_skipped = "parity failed: an arm that fails parity is not timed"
-            return
-        cases = [c for c in gate.benches if c.presets is None or preset.name in c.presets]
-        if not cases:
-            result.bench_skipped = f"gate {gate.name} times no bench case at preset {preset.name}"
-            return
-        cases = [c for c in cases if device.type == "cuda" or c.modes == ("wall",)]
-        if not cases:
-            result.bench_skipped = "timing needs CUDA"
-            return
-        if device.type == "cuda" and self._ceilings is None:
-            # once a run, in the phases of the first preset that benches (every second is named)
-            with self._phase(phases, unit, "ceilings"):
-                self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
-                self._ceilings = measure_ceilings(device)
-        for case in cases:
-            # graph replays first: an eager-over-graph bound is judged against them
-            modes = sorted((m for m in case.modes if device.type == "cuda" or m == "wall"), key=lambda m: m != "graph")
-            contenders = gate.contenders_for(case)
-            host_us = self._host_times(unit, case, contenders, phases) if "eager" in modes else {}
-            timed = {}
-            for mode in modes:
-                with self._phase(phases, unit, f"bench {case.name} {mode}"):
-                    timed[mode] = self._time_case(gate, case, mode, contenders, buffers, preset, host_us,
-                                                  graph=timed.get("graph"))
-                    result.bench.append(timed[mode])
 
     def _time_case(self, gate: Gate, case: BenchCase, mode: str, contenders: list[Contender], buffers: Buffers,
                    preset: Preset, host_us: dict[str, float | None], graph: BenchResult | None = None) -> BenchResult:
@@ -532,7 +594,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _status(result: GateResult) -> tuple[str, str | None]:
+def status_of(result: GateResult) -> tuple[str, str | None]:
+    """A result's status and its one-line reason, from what it holds so far."""
     reasons = []
     if not result.parity.passed:
         reasons.append("parity: " + "; ".join(str(f) for f in result.parity.failures))

@@ -408,3 +408,19 @@ def test_an_entry_of_a_run_the_file_does_not_list_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(UsageError, match=r"entries of runs the file does not list: small/elsewhere"):
         load_baseline(path)
+
+
+def test_a_run_spread_over_two_classes_of_card_is_neither_saved_nor_compared(tmp_path):
+    """A run over several GPUs (pytest --suite -n) carries each result's fingerprint: one class
+    saves and compares as a one-GPU run does, two classes are refused by both."""
+    h200, h100 = make_fingerprint(), make_fingerprint(gpu_name="NVIDIA H100", device_slug="nvidia-h100")
+    report = rmsnorm_run(fingerprint=h200)
+    second = report.results[0].model_copy(deep=True, update={"gate": "split-muon"})
+    report.results = [report.results[0].model_copy(update={"fingerprint": h200.model_copy(update={"device": "cuda:0"})}),
+                      second.model_copy(update={"fingerprint": h200.model_copy(update={"device": "cuda:1"})})]
+    assert len(save_baseline(report, tmp_path)) == 2 and compare(report, tmp_path).mismatches == {}
+    report.results[1].fingerprint = h100.model_copy(update={"device": "cuda:1"})
+    for call in (lambda: save_baseline(report, tmp_path / "other"), lambda: compare(report, tmp_path)):
+        with pytest.raises(UsageError, match="mixes two classes of card") as err:
+            call()
+        assert "cuda:1: compute_capability" in str(err.value) and "nvidia-h100" in str(err.value)

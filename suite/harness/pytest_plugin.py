@@ -1,0 +1,385 @@
+"""The suite's gates as pytest items: `pytest --suite` (registered as a pytest11 entry point,
+idle without --suite), and spread over the GPUs of one host by pytest-xdist: `pytest --suite -n N`
+or `suite run --gpus N`.
+
+Each gate x preset is a collector (suite::moe-bwd[tiny]) whose items are its steps: `gate`
+(buffers, reference, parity, saboteurs), one a bench case x mode (`fwd+bwd graph`), and, where
+it benches, `recheck` (the determinism run after timing). A unit's items share its buffers, so
+they run in order on one worker (xdist's `--dist loadscope`, set here, keeps a collector's
+items together). Each worker owns one GPU: worker gwK takes the K-th visible
+device, pinned through CUDA_VISIBLE_DEVICES before CUDA initialises, so no two timing items
+share a GPU. An item passes, fails or skips as the gate's verdict says: a unit that could not
+run fails with its one-line reason, timing that stayed ambiguous is an xfail, never a pass.
+The controller merges every unit's result into one run report (report.json, report.md,
+junit.xml, benchmark.json), each result with its worker's fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:  # torch and the harness load only for a --suite run
+    from suite.harness.results import RunReport
+    from suite.harness.runner import Runner, Unit, UnitRun
+
+# the merged report, once the session finishes (for `suite run --gpus`, which reads it back)
+REPORT: pytest.StashKey[RunReport] = pytest.StashKey()
+REPORT_PATH: pytest.StashKey[str] = pytest.StashKey()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("suite", "the suite's gates as pytest items")
+    group.addoption("--suite", action="store_true", help="collect the suite's gates (and benches) as the items")
+    group.addoption("--suite-gate", action="append", metavar="NAME",
+                    help="a gate to run (repeatable; default: every gate, as `suite run`)")
+    group.addoption("--suite-preset", action="append", metavar="NAME", help="a preset to run (repeatable)")
+    group.addoption("--suite-bench", action="store_true", help="time the benches too, as `suite run` does")
+    group.addoption("--suite-no-sabotage", action="store_true", help="skip the saboteurs")
+    group.addoption("--suite-thorough", action="store_true", help="every saboteur at every preset")
+    group.addoption("--suite-strict", action="store_true", help="gates and benches this device cannot run count "
+                    "as could-not-run")
+    group.addoption("--suite-seed", type=int, default=0, help="the buffers' seed")
+    group.addoption("--suite-device", default="auto", choices=("auto", "cuda", "cpu"))
+    group.addoption("--suite-profile", default=None, help="auto, rtx or none (as suite's --profile)")
+    group.addoption("--suite-reports", default="reports", metavar="DIR", help="where the merged report goes")
+
+
+def _worker_index() -> int | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker.removeprefix("gw")) if worker.startswith("gw") else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> None:
+    """A worker's GPU, before anything (a conftest, the device check) initialises CUDA."""
+    index = _worker_index()
+    if index is None or "--suite" not in args:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = [d for d in visible.split(",") if d.strip()] if visible else None
+    if devices is not None and index >= len(devices):
+        raise pytest.UsageError(f"xdist worker gw{index} has no GPU of its own: CUDA_VISIBLE_DEVICES={visible} "
+                                f"names {len(devices)}; run at most that many workers (-n)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[index] if devices is not None else str(index)
+    os.environ["SUITE_PHYSICAL_DEVICE"] = os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("suite"):
+        return
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # a unit's items share its buffers: one worker runs them, in order. They are the items
+        # of one collector, which is the scope xdist's loadscope keeps together
+        if config.option.dist in ("no", "load"):
+            config.option.dist = "loadscope"
+        _check_workers(config.option.numprocesses, config.option.suite_device)
+    config.pluginmanager.register(_Session(config), "suite-session")
+
+
+def _check_workers(workers: int, device: str) -> None:
+    """Each worker owns a GPU: more workers than GPUs would time two items on one."""
+    if device == "cpu":
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    if count and workers > count:
+        raise pytest.UsageError(f"-n {workers}: this host has {count} GPU(s) and each xdist worker owns one; "
+                                f"run at most -n {count}")
+    if not count and device == "cuda":
+        raise pytest.UsageError("--suite-device cuda: this host has no CUDA GPU")
+
+
+class _Session:
+    """A --suite session in one process (a plugin object): the runner with its ceilings and
+    host-time caches, the units in progress, and on the controller what the items carried back."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.runner: Runner | None = None
+        self.runs: dict[str, UnitRun] = {}
+        self.results: list[tuple[int, Any]] = []  # (collection order, GateResult)
+        self.skipped: list[Any] = []
+        self.ceilings: Any = None
+        self.started = datetime.now(timezone.utc)
+        self.clock = time.perf_counter()
+
+    def setup(self) -> Runner:
+        """The settings decided before any gate (and so Triton) is imported, as the CLI does."""
+        if self.runner is None:
+            from suite.harness.runner import RunOptions, Runner
+            from suite.settings import configure
+
+            opt = self.config.option
+            settings = configure(opt.suite_device, opt.suite_profile)
+            self.runner = Runner(RunOptions(
+                device=settings.device, presets=opt.suite_preset, bench=opt.suite_bench,
+                sabotage=not opt.suite_no_sabotage, thorough=opt.suite_thorough, seed=opt.suite_seed,
+                strict=opt.suite_strict, explicit=bool(opt.suite_gate) and opt.suite_gate != ["all"],
+                plan_memory=False))
+        return self.runner
+
+    def pytest_collection_modifyitems(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+        """Under --suite the gates are the items: test files collected beside them are dropped.
+        Every worker plans alike (a preset too large for a GPU's free memory is found when its
+        item runs, not at collection), as xdist requires."""
+        import gates
+
+        runner = self.setup()
+        selected = [gate for name in self.config.option.suite_gate or ["all"] for gate in gates.select(name)]
+        units, skipped, refused = runner.plan(selected)
+        parent = _Gates.from_parent(session, name="suite", nodeid="suite")
+        made: list[pytest.Item] = [_SkippedItem.from_parent(parent, name=s.gate, skipped=s) for s in skipped]
+        made += [_RefusedItem.from_parent(parent, name=r.gate, result=r) for r in refused]
+        for unit in units:
+            node = _Gates.from_parent(parent, name=_unit_key(unit))
+            made.append(_GateItem.from_parent(node, name="gate", unit=unit))
+            made += [_BenchItem.from_parent(node, name=f"{case.name} {mode}", unit=unit, case=case, mode=mode)
+                     for case, mode in runner.bench_plan(unit)[0]]
+            if unit.bench:
+                made.append(_RecheckItem.from_parent(node, name="recheck", unit=unit))
+        for order, item in enumerate(made):
+            item.user_properties.append((_ORDER, order))
+        items[:] = made
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """Keep what each item carried back (on the controller, from every worker)."""
+        from suite.harness.results import Ceilings, GateResult, SkippedGate
+
+        if report.when != "call":  # an item's properties ride on each of its three reports
+            return
+        props = dict(report.user_properties)
+        if _RESULT in props:
+            self.results.append((props[_ORDER], GateResult.model_validate_json(props[_RESULT])))
+        if _SKIPPED in props:
+            self.skipped.append(SkippedGate.model_validate_json(props[_SKIPPED]))
+        if _CEILINGS in props and self.ceilings is None:
+            self.ceilings = Ceilings.model_validate_json(props[_CEILINGS])
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """The controller merges the units' results into one run report and writes it."""
+        if hasattr(self.config, "workerinput"):
+            return
+        from suite.errors import combine
+        from suite.harness import results as model
+        from suite.harness.fingerprint import fingerprint
+        from suite.harness.store import write_report
+
+        results = [result for _, result in sorted(self.results, key=lambda pair: pair[0])]
+        runner = self.setup()
+        report = model.RunReport(
+            run_id=self.started.strftime("%Y%m%dT%H%M%S%fZ"),
+            what="run" if self.config.option.suite_bench else "gate " + ",".join(self.config.option.suite_gate or ["all"]),
+            command=" ".join(["pytest", *self.config.invocation_params.args]),
+            started_utc=self.started.isoformat(timespec="seconds"),
+            finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            fingerprint=next((r.fingerprint for r in results if r.fingerprint),
+                             None) or fingerprint(runner.options.device, _profile(runner)),
+            ceilings=self.ceilings, results=results, skipped=self.skipped,
+            exit_code=int(combine([r.status for r in results]
+                                  + (["could_not_run"] * len(self.skipped) if self.config.option.suite_strict else []))),
+            duration_s=time.perf_counter() - self.clock)
+        self.config.stash[REPORT] = report
+        path = write_report(report, self.config.option.suite_reports, report.what)
+        self.config.stash[REPORT_PATH] = str(path)
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"suite: report {path} (the suite's exit code {report.exit_code})")
+
+
+_ORDER, _RESULT, _SKIPPED, _CEILINGS = "suite-order", "suite-result", "suite-skipped", "suite-ceilings"
+
+
+def _unit_key(unit: Unit) -> str:
+    return f"{unit.gate.name}[{unit.preset.name}]"
+
+
+def _profile(runner: Runner) -> str:
+    from suite.device_profile import active_profile
+
+    return active_profile(runner.options.device)
+
+
+class _Gates(pytest.Collector):
+    """The suite (nodeid "suite"), and in it one collector a unit: suite::moe-bwd[tiny]::gate."""
+
+    def collect(self):  # its items are made in _Session.pytest_collection_modifyitems
+        return []
+
+
+class _Verdict(Exception):
+    """A gate's verdict that is not a pass, with its one-line reason."""
+
+
+class _SuiteItem(pytest.Item):
+    def __init__(self, *, unit: Unit | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.unit = unit
+
+    @property
+    def session_state(self) -> _Session:
+        return self.config.pluginmanager.get_plugin("suite-session")
+
+    def reportinfo(self):
+        return "suite", None, self.name
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, _Verdict):
+            return str(excinfo.value)  # the gate's one-line reason, not a traceback of the plugin
+        return super().repr_failure(excinfo, style)
+
+    def carry(self, result) -> None:
+        """The unit's whole result, with this worker's fingerprint and device, to the controller."""
+        from suite.harness.fingerprint import fingerprint
+
+        runner = self.session_state.setup()
+        device = runner.options.device
+        if result.fingerprint is None:
+            result.fingerprint = fingerprint(device, _profile(runner))
+            # a worker sees its GPU as device 0: the host's index is the one it was pinned to
+            physical = os.environ.get("SUITE_PHYSICAL_DEVICE", str(device.index or 0))
+            result.fingerprint.device = f"cuda:{physical}" if device.type == "cuda" else device.type
+        self.user_properties.append((_RESULT, result.model_dump_json()))
+        if runner.ceilings is not None:
+            self.user_properties.append((_CEILINGS, runner.ceilings.model_dump_json()))
+
+    @staticmethod
+    def judge(status: str, reason: str | None) -> None:
+        if status == "could_not_run":
+            raise _Verdict(f"could not run: {reason}")
+        if status == "failed":
+            raise _Verdict(f"failed: {reason}")
+        if status == "ambiguous":
+            pytest.xfail(f"ambiguous: {reason}")
+
+
+class _SkippedItem(_SuiteItem):
+    """A gate this run cannot run here (no CUDA, a missing extra): listed, as `suite run` lists it."""
+
+    def __init__(self, *, skipped, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.skipped = skipped
+
+    def runtest(self) -> None:
+        self.user_properties.append((_SKIPPED, self.skipped.model_dump_json()))
+        pytest.skip(self.skipped.reason)
+
+
+class _RefusedItem(_SuiteItem):
+    """A gate named on the command line that cannot run here: could not run, never a skip."""
+
+    def __init__(self, *, result, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.result = result
+
+    def runtest(self) -> None:
+        self.carry(self.result)
+        self.judge(self.result.status, self.result.reason)
+
+
+class _GateItem(_SuiteItem):
+    """Buffers, reference, parity and saboteurs of one gate at one preset (and, without a
+    bench, its whole result)."""
+
+    def runtest(self) -> None:
+        from suite.harness.runner import status_of
+
+        runner = self.session_state.setup()
+        run = runner.start(self.unit)
+        if not self.unit.bench:
+            result = runner.finish(run)
+            self.carry(result)
+            self.judge(result.status, result.reason)
+            return
+        self.session_state.runs[_unit_key(self.unit)] = run
+        if run.raised is not None:
+            raise _Verdict(f"could not run: {run.raised[0]}")
+        self.judge(*status_of(run.result))
+
+
+class _BenchItem(_SuiteItem):
+    """One bench case in one timing mode of the unit the _GateItem before it judged."""
+
+    def __init__(self, *, case, mode: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.case, self.mode = case, mode
+
+    def runtest(self) -> None:
+        run = self.session_state.runs.get(_unit_key(self.unit))
+        if run is None:
+            pytest.skip("not timed: its gate did not run")
+        if not run.timeable:
+            pytest.skip(f"not timed: {run.raised[0] if run.raised else run.result.bench_skipped}")
+        bench = self.session_state.setup().time(run, self.case, self.mode)
+        if bench is None:
+            raise _Verdict(f"could not run: {run.raised[0]}")
+        missed = [f"{c.name}: {c.detail}" for c in bench.criteria if not c.passed and not c.ambiguous and not c.target]
+        if missed:
+            raise _Verdict("failed: performance: " + "; ".join(missed))
+        if bench.ambiguous:
+            pytest.xfail(f"ambiguous: timing stayed ambiguous against the noise floor ({bench.case}, {bench.mode})")
+
+
+class _RecheckItem(_SuiteItem):
+    """The unit's determinism run after its timing; it carries the unit's whole result. It
+    fails for what the recheck finds (or a unit that could not run), not again for what the
+    items before it reported."""
+
+    def runtest(self) -> None:
+        run = self.session_state.runs.pop(_unit_key(self.unit), None)
+        if run is None:
+            pytest.skip("its gate did not run")
+        held = run.raised is None and run.result.parity.passed
+        result = self.session_state.setup().finish(run)
+        self.carry(result)
+        if result.status == "could_not_run":
+            self.judge(result.status, result.reason)
+        if held and not result.parity.passed:
+            raise _Verdict("failed: the recheck after timing: " + "; ".join(str(f) for f in result.parity.failures))
+
+
+# ---- `suite run --gpus N`: the same items through pytest-xdist, from the CLI ----
+
+
+class _Capture:
+    """Takes the merged report back out of the session `spread` runs."""
+
+    report: RunReport | None = None
+    path: str | None = None
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.report = config.stash.get(REPORT, None)
+        self.path = config.stash.get(REPORT_PATH, None)
+
+
+def spread(workers: int, device: str, profile: str | None, presets: list[str] | None, reports: str, seed: int = 0,
+           thorough: bool = False, strict: bool = False,
+           gates: list[str] | None = None) -> tuple[RunReport | None, str | None, int]:
+    """`suite run` (of `gates`, default every one) as pytest items over `workers` xdist
+    workers, one device each: the merged report, where it was written, and pytest's own exit
+    status (the report is None when pytest stopped before the session ended, a usage error).
+    pytest runs in an empty directory of its own, so no test file or configuration of the
+    caller's is collected."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="suite-spread-") as here:
+        ini = os.path.join(here, "pytest.ini")
+        with open(ini, "w") as f:
+            f.write("[pytest]\n")
+        args = ["-c", ini, "--rootdir", here, "-p", "xdist", "-p", "no:cacheprovider", "-q", "-n", str(workers),
+                "--suite", "--suite-bench", "--suite-device", device, "--suite-reports", reports,
+                "--suite-seed", str(seed), here]
+        args += ["--suite-profile", profile] if profile else []
+        args += [a for name in presets or [] for a in ("--suite-preset", name)]
+        args += ["--suite-thorough"] if thorough else []
+        args += ["--suite-strict"] if strict else []
+        args += [a for name in gates or [] for a in ("--suite-gate", name)]
+        capture = _Capture()
+        status = pytest.main(args, plugins=[capture])
+    return capture.report, capture.path, int(status)

@@ -1,0 +1,172 @@
+"""`pytest --suite`: the gates as pytest items, in one process and over xdist workers, on the
+CPU with the toy gates (tests/support/toygate.py) registered beside the real ones: the items, their
+outcomes as the gates' verdicts, the merged report, a worker's GPU, `suite run --gpus`."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from suite.harness import pytest_plugin
+from suite.harness.results import RunReport
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+# the toy gates, registered in every process of the run (the workers load the conftest too)
+CONFTEST = f"""
+import sys
+sys.path.insert(0, {str(SUPPORT)!r})
+import gates, toygate
+toys = {{"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE, "toy-bench": toygate.BENCH_GATE}}
+real_get = gates.get
+gates.GATE_MODULES.update({{name: "toygate" for name in toys}})
+gates.get = lambda name: toys[name] if name in toys else real_get(name)
+"""
+
+
+@pytest.fixture
+def suite_dir(pytester: pytest.Pytester) -> pytest.Pytester:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_unrelated="def test_a_users_own_test():\n    assert True\n")
+    return pytester
+
+
+def run(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, RunReport]:
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--suite", "--suite-device", "cpu",
+                                           "--suite-reports", str(pytester.path / "reports"), *args, timeout=600)
+    (report_dir,) = (pytester.path / "reports").iterdir()
+    report = RunReport.model_validate_json((report_dir / "report.json").read_text())
+    return result, report
+
+
+VERBOSE = re.compile(r"suite::(?P<name>.+?)\s+(?P<word>PASSED|FAILED|SKIPPED|XFAIL)\b|"
+                     r"(?P<word2>PASSED|FAILED|SKIPPED|XFAIL)\s+suite::(?P<name2>.+?)(?:\s+-\s|\s*$)")
+
+
+def outcomes(result: pytest.RunResult) -> dict[str, str]:
+    """item name -> PASSED / FAILED / SKIPPED / XFAIL, from pytest's verbose lines (one
+    process: `suite::NAME WORD [ n%]`; xdist: `[gwK] [ n%] WORD suite::NAME`)."""
+    found = {}
+    for line in result.outlines:
+        match = VERBOSE.search(line)
+        if match and not line.startswith(("FAILED ", "SKIPPED ", "XFAIL ")):  # not the summary's lines
+            found[match["name"] or match["name2"]] = match["word"] or match["word2"]
+    return found
+
+
+def test_a_gate_a_bench_case_and_a_recheck_are_items_and_the_report_is_the_runs(suite_dir):
+    result, report = run(suite_dir, "--suite-gate", "toy-bench", "--suite-bench")
+    assert outcomes(result) == {"toy-bench[tiny]::gate": "PASSED", "toy-bench[tiny]::sum wall": "PASSED",
+                                "toy-bench[tiny]::recheck": "PASSED"}
+    assert "test_a_users_own_test" not in result.stdout.str()  # under --suite the gates are the items
+    assert report.exit_code == 0 and report.what == "run"
+    (gate,) = report.results
+    assert gate.gate == "toy-bench" and gate.status == "passed" and [b.case for b in gate.bench] == ["sum"]
+    assert gate.parity.passed and gate.saboteurs and all(s.caught for s in gate.saboteurs)
+    assert gate.fingerprint is not None and gate.fingerprint.device_slug == "cpu"
+    assert {"junit.xml", "report.md", "benchmark.json"} <= {p.name for p in next((suite_dir.path / "reports").iterdir()).iterdir()}
+
+
+def test_a_failing_gate_fails_its_item_with_the_gates_one_line_reason(suite_dir):
+    result, report = run(suite_dir, "--suite-gate", "toy-wrong")
+    assert outcomes(result) == {"toy-wrong[tiny]::gate": "FAILED"}
+    assert "failed: parity" in result.stdout.str() and "Traceback" not in result.stdout.str()
+    assert report.exit_code == 1 and report.results[0].status == "failed"
+
+
+def test_a_named_gate_that_cannot_run_here_fails_and_an_unnamed_one_is_skipped(suite_dir):
+    result, report = run(suite_dir, "--suite-gate", "toy-cuda")
+    assert outcomes(result) == {"toy-cuda": "FAILED"}
+    assert "could not run: gate toy-cuda needs CUDA" in result.stdout.str()
+    assert report.exit_code == 3
+    result, report = run_again(suite_dir, "--suite-gate", "all", "--suite-preset", "tiny", "-k", "toy-cuda")
+    assert outcomes(result) == {"toy-cuda": "SKIPPED"} and report.exit_code == 0
+    assert [s.gate for s in report.skipped] == ["toy-cuda"]
+
+
+def run_again(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, RunReport]:
+    for old in (pytester.path / "reports").iterdir():
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+    return run(pytester, *args)
+
+
+def test_two_workers_run_the_units_each_whole_with_the_verdicts_of_one(suite_dir):
+    one, alone = run(suite_dir, "--suite-gate", "toy-bench", "--suite-gate", "toy-wrong", "--suite-bench")
+    result, spread = run_again(suite_dir, "--suite-gate", "toy-bench", "--suite-gate", "toy-wrong", "--suite-bench",
+                               "-n", "2")
+    assert outcomes(result) == outcomes(one)
+    workers = {line.split("]")[0].strip("[") for line in result.outlines if line.startswith("[gw")}
+    assert workers == {"gw0", "gw1"}
+    # a unit's items on one worker, in order: its recheck saw its gate run and carried the result
+    assert [(r.gate, r.status) for r in spread.results] == [(r.gate, r.status) for r in alone.results]
+    assert {r.fingerprint.device for r in spread.results} == {"cpu"}
+    assert spread.exit_code == alone.exit_code == 1
+
+
+def test_a_worker_takes_its_own_gpu_before_cuda_starts(monkeypatch):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    pytest_plugin.pytest_load_initial_conftests(None, None, ["--suite", "-n", "2"])
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5" and os.environ["SUITE_PHYSICAL_DEVICE"] == "5"
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    with pytest.raises(pytest.UsageError, match="gw2 has no GPU of its own"):
+        pytest_plugin.pytest_load_initial_conftests(None, None, ["--suite"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    pytest_plugin.pytest_load_initial_conftests(None, None, ["tests"])  # not a --suite run: untouched
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"
+
+
+@pytest.mark.parametrize("status, outcome", [("could_not_run", "could not run: why"), ("failed", "failed: why"),
+                                             ("ambiguous", "xfail"), ("passed", None)])
+def test_a_verdict_is_never_a_pass_unless_the_gate_passed(status, outcome):
+    if outcome is None:
+        pytest_plugin._SuiteItem.judge(status, "why")
+    elif outcome == "xfail":
+        with pytest.raises(pytest.xfail.Exception, match="ambiguous: why"):
+            pytest_plugin._SuiteItem.judge(status, "why")
+    else:
+        with pytest.raises(pytest_plugin._Verdict, match=outcome):
+            pytest_plugin._SuiteItem.judge(status, "why")
+
+
+def test_without_suite_the_plugin_is_idle(suite_dir):
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=1)
+    assert not (suite_dir.path / "reports").exists()
+
+
+def test_spread_runs_the_gates_over_two_workers_into_one_report(tmp_path):
+    report, path, status = pytest_plugin.spread(2, "cpu", None, ["tiny"], str(tmp_path / "r"),
+                                                gates=["rmsnorm", "split-muon"])
+    assert status == 0 and report.exit_code == 0 and Path(path).parent == tmp_path / "r"
+    assert sorted(r.gate for r in report.results) == ["rmsnorm", "split-muon"]
+    assert {r.fingerprint.device for r in report.results} == {"cpu"}
+    assert RunReport.model_validate_json((Path(path) / "report.json").read_text()) == report
+
+
+def test_suite_run_gpus_exits_with_the_spread_runs_code(tmp_path, monkeypatch, capsys):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from factories import make_report
+
+    asked = {}
+
+    def spread(workers, device, profile, presets, reports, seed, thorough, strict):
+        asked.update(workers=workers, device=device, presets=presets)
+        report = make_report()
+        report.exit_code = 4
+        return report, str(tmp_path / "the-report"), 0
+
+    monkeypatch.setattr(pytest_plugin, "spread", spread)
+    out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu", "--preset", "tiny"])
+    assert out.exit_code == 4, out.output
+    assert asked == {"workers": 2, "device": "cpu", "presets": ["tiny"]} and "the-report" in out.output
+    for bad in ("two", "0", "all"):  # all: a CPU has no GPUs to count
+        out = CliRunner().invoke(app, ["run", "--gpus", bad, "--device", "cpu"])
+        assert out.exit_code == 2 and "--gpus must be 'all' or a number" in out.output, (bad, out.output)
