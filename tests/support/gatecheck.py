@@ -7,7 +7,7 @@ import torch
 
 from suite.harness import parity
 from suite.harness.gate import Gate, Saboteur
-from suite.harness.results import ParityResult
+from suite.harness.results import Check, ParityResult
 
 Judged = tuple  # (preset, buffers, expected outputs)
 
@@ -32,7 +32,8 @@ def sabotaged_result(gate: Gate, judged: Judged, saboteur: Saboteur) -> tuple[Pa
     """The saboteur judged on copies of the buffers; asserts the gate failed it by its check."""
     preset, buffers, expected = judged
     copies = {name: t.clone() for name, t in buffers.items()}
-    result, outputs = parity.judge_arm(gate, preset, copies, expected, arm=saboteur.fn)
+    result, outputs = parity.judge_arm(gate, preset, copies, expected, arm=saboteur.fn,
+                                       second_run=saboteur.caught_by == Check.DETERMINISM)
     assert not result.passed
     assert saboteur.caught_by in result.checks_failed(), result.failures
     return result, outputs
