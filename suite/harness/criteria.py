@@ -11,6 +11,7 @@ each is where it is: docs/tuning.md.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar, Mapping, Sequence
 
@@ -48,7 +49,7 @@ class Rounds:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Criterion:
+class Criterion(ABC):
     """Where a criterion applies: the presets, bench cases and timing modes it names (None:
     every one). It applies on each combination of them."""
 
@@ -65,12 +66,13 @@ class Criterion:
         """The contender this criterion compares the arm with, if any."""
         return None
 
+    @abstractmethod
     def title(self, reference: str, ceiling: str) -> str:
         """What the report calls it, given the case's reference and ceiling kind."""
-        raise NotImplementedError
 
+    @abstractmethod
     def judge(self, rounds: Rounds) -> tuple[Decision, str]:
-        raise NotImplementedError
+        """Its decision on the rounds so far, and the detail the report prints."""
 
     def problems(self, presets: set[str], modes_of: Mapping[str, tuple[str, ...]],
                  peers_of: Mapping[str, set[str]]) -> list[str]:

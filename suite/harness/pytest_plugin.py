@@ -328,19 +328,24 @@ class _BenchItem(_SuiteItem):
 
 class _RecheckItem(_SuiteItem):
     """The unit's determinism run after its timing; it carries the unit's whole result. It
-    fails for what the recheck finds (or a unit that could not run), not again for what the
-    items before it reported."""
+    fails for what the recheck finds (or a recheck that could not run) and skips where the
+    gate item already failed, so a unit's failure is one failed item."""
 
     def runtest(self) -> None:
         run = self.session_state.runs.pop(_unit_key(self.unit), None)
         if run is None:
             pytest.skip("its gate did not run")
-        held = run.raised is None and run.result.parity.passed
+        raised, held = run.raised, run.raised is None and run.result.parity.passed
         result = self.session_state.setup().finish(run)
         self.carry(result)
+        # where the gate item failed, that item says why: the recheck is not a pass, nor a second failure
+        if raised is not None:
+            pytest.skip(f"its gate could not run: {raised[0]}")
+        if not held:
+            pytest.skip("its gate failed parity: no recheck to judge")
         if result.status == "could_not_run":
             self.judge(result.status, result.reason)
-        if held and not result.parity.passed:
+        if not result.parity.passed:
             raise _Verdict("failed: the recheck after timing: " + "; ".join(str(f) for f in result.parity.failures))
 
 

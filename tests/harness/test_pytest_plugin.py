@@ -74,6 +74,10 @@ def test_a_failing_gate_fails_its_item_with_the_gates_one_line_reason(suite_dir)
     assert outcomes(result) == {"toy-wrong[tiny]::gate": "FAILED"}
     assert "failed: parity" in result.stdout.str() and "Traceback" not in result.stdout.str()
     assert report.exit_code == 1 and report.results[0].status == "failed"
+    # with a bench the unit ends in its recheck: skipped, neither a pass nor a second failure
+    result, report = run_again(suite_dir, "--suite-gate", "toy-wrong", "--suite-bench")
+    assert outcomes(result) == {"toy-wrong[tiny]::gate": "FAILED", "toy-wrong[tiny]::recheck": "SKIPPED"}
+    assert report.exit_code == 1 and [r.status for r in report.results] == ["failed"]
 
 
 def test_a_named_gate_that_cannot_run_here_fails_and_an_unnamed_one_is_skipped(suite_dir):
