@@ -760,6 +760,11 @@ CASES = [
     Case("44.7", "moe-bwd buffers whose w_down is transposed", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", "--no-sabotage",
          *CPU), COULD_NOT_RUN, "moe-bwd buffer 'w_down' must be float32, shape",
          recording_edited("moe-bwd", lambda t: t.__setitem__("w_down", t["w_down"].transpose(1, 2).contiguous()))),
+    Case("47", "suite run --gpus two (a word), 0, or all on a machine without GPUs",
+         ("run", "--gpus", "two", *CPU), USAGE, "--gpus must be 'all' or a number from 1 to this host's GPUs (none), "
+         "not 'two'; on the CPU give a number of workers"),
+    Case("47", "suite run --gpus all on the CPU", ("run", "--gpus", "all", *CPU), USAGE,
+         "--gpus must be 'all' or a number from 1 to this host's GPUs (none), not 'all'"),
     Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
          lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
          COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),
@@ -833,7 +838,7 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
     assert covered == ({str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {f"44.{n}" for n in range(2, 9)}
-                       | {"-"})
+                       | {"47", "-"})
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
