@@ -291,6 +291,14 @@ class _GateItem(_SuiteItem):
         from suite.harness.runner import status_of
 
         runner = self.session_state.setup()
+        # workers plan alike, without free memory: a default preset too large for this GPU is
+        # skipped here, as `suite run` skips it when it plans
+        reason = runner.too_large(self.unit.preset)
+        if reason is not None:
+            from suite.harness.results import SkippedGate
+
+            self.user_properties.append((_SKIPPED, SkippedGate(gate=self.unit.gate.name, reason=reason).model_dump_json()))
+            pytest.skip(reason)
         run = runner.start(self.unit)
         if not self.unit.bench:
             result = runner.finish(run)

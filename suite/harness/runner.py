@@ -158,6 +158,14 @@ class Runner:
         """The card's ceilings, once a bench of this run measured them."""
         return self._ceilings
 
+    def too_large(self, preset: Preset, free: int | None = None) -> str | None:
+        """Why a default preset is skipped here (more than the GPU's free memory), or None: it
+        fits, or the run names its presets (a named one too large could not run)."""
+        free = self._free_memory() if free is None else free
+        if free is None or self.options.presets or preset.memory_bytes <= free:
+            return None
+        return f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the {_mib(free)} free on this GPU"
+
     def _free_memory(self, planning: bool = False) -> int | None:
         device = self.options.device
         if device.type != "cuda" or (planning and not self.options.plan_memory):
@@ -227,10 +235,7 @@ class Runner:
             if presets and free is not None and not opts.presets:
                 # a default preset larger than the card's free memory is listed, not attempted
                 too_large = [p for p in presets if p.memory_bytes > free]
-                for preset in too_large:
-                    skipped.append(SkippedGate(gate=gate.name, reason=(
-                        f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the "
-                        f"{_mib(free)} free on this GPU")))
+                skipped += [SkippedGate(gate=gate.name, reason=self.too_large(p, free)) for p in too_large]
                 presets = [p for p in presets if p.memory_bytes <= free]
             if not reason and not presets:
                 if too_large:

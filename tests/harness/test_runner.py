@@ -1,0 +1,55 @@
+"""The runner's unit in its steps (start, time, finish), as `suite run` and the pytest items
+take them; the CLI's end-to-end runs are in test_cli.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import toygate
+
+from suite.harness.gate import Preset
+from suite.harness.runner import RunOptions, Runner, Unit
+
+
+def runner(**options) -> Runner:
+    return Runner(RunOptions(device=torch.device("cpu"), **options))
+
+
+def test_the_steps_give_the_result_run_unit_gives():
+    unit = Unit(toygate.BENCH_GATE, toygate.PRESET, saboteurs=list(toygate.BENCH_GATE.saboteurs), bench=True)
+    whole = runner()._run_unit(unit)
+    steps = runner()
+    run = steps.start(unit)
+    plan, skipped = steps.bench_plan(unit)
+    assert [(case.name, mode) for case, mode in plan] == [("sum", "wall")] and skipped is None
+    for case, mode in plan:
+        assert steps.time(run, case, mode) is run.result.bench[-1]
+    result = steps.finish(run)
+    assert (result.status, [b.case for b in result.bench]) == (whole.status, [b.case for b in whole.bench]) == (
+        "passed", ["sum"])
+    assert result.parity.deterministic and {"recheck", "bench sum wall", "parity"} <= set(result.phases)
+
+
+def test_a_unit_that_fails_parity_is_not_timed_and_one_that_raises_could_not_run():
+    steps = runner()
+    run = steps.start(Unit(toygate.GATE, toygate.PRESET, bench=True))
+    assert not run.timeable and run.result.bench_skipped.startswith("parity failed")
+    assert steps.finish(run).status == "failed"
+
+    def broken(buffers, preset):
+        raise RuntimeError("launch failed")
+
+    run = steps.start(Unit(dataclasses.replace(toygate.BENCH_GATE, arm=broken), toygate.PRESET, bench=True))
+    assert run.raised[0] == "RuntimeError while running: launch failed" and not run.timeable
+    result = steps.finish(run)
+    assert result.status == "could_not_run" and "launch failed" in result.reason and result.traceback
+
+
+def test_a_default_preset_too_large_for_the_free_memory_is_skipped_and_a_named_one_is_not():
+    big = Preset("big", {"n": 32}, where="any", memory_bytes=2 << 30)
+    free = 1 << 30
+    assert runner().too_large(big, free) == "preset big needs about 2.0 GiB, more than the 1.0 GiB free on this GPU"
+    assert runner().too_large(Preset("small", {}, where="any", memory_bytes=1 << 20), free) is None
+    assert runner(presets=["big"]).too_large(big, free) is None  # named: it could not run, not a skip
+    assert runner().too_large(big) is None  # the CPU has no free-memory figure
