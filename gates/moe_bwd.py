@@ -34,6 +34,7 @@ from suite.arms.moe import (
     router_z_loss,
     routing_from_topk,
 )
+from gates.moe_block import block_missing, build_block
 from gates.moe_peers import (
     COMPILED_AT,
     combine_backward_in_torch,
@@ -492,15 +493,16 @@ def _per_case(experts_build, combine_build):
 
 
 EXPERT_CASES = ("fwd+bwd", "bwd")
+KERNEL_CASES = (*EXPERT_CASES, "combine-bwd", "layer")  # the block cases have a reference and an arm of their own
 
 CONTENDERS = (
-    Contender("reference", "reference",
+    Contender("reference", "reference", cases=KERNEL_CASES, build=
               _per_case(_build(lambda routing, _: partial(experts_reference, rows=expert_rows(routing))),
                         _build_combine_backward(kernel=False)),
               note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
                    "it can be captured); eager torch for the combine's backward"),
-    Contender("arm", "arm", _per_case(_build(lambda routing, _: experts, route_fn=route),
-                                      _build_combine_backward(kernel=True)),
+    Contender("arm", "arm", cases=KERNEL_CASES, build=_per_case(_build(lambda routing, _: experts, route_fn=route),
+                                                                _build_combine_backward(kernel=True)),
               note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd; in layer, "
                    "route's routing kernels first)"),
     Contender("padded-bmm", "peer", _build(lambda routing, _: padded_bmm(routing)), cases=EXPERT_CASES,
@@ -527,6 +529,15 @@ CONTENDERS = (
               note="the arm inside torch.compile(fullgraph=True): its custom ops as a compiled model calls them"),
     Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
               note="a device copy of the combine backward's bytes: what a transfer of this size reaches"),
+    # the block a user runs (gates/moe_block.py): experts implementation "suite" against stock
+    Contender("block grouped_mm", "reference", build_block("grouped_mm"), unavailable=block_missing,
+              cases=("block",), note="the model's MoE block, experts implementation grouped_mm (transformers' stock)"),
+    Contender("block suite", "arm", build_block("suite"), unavailable=block_missing, cases=("block",),
+              note="the same block after use_suite_experts: experts implementation suite"),
+    Contender("block grouped_mm compiled", "reference", build_block("grouped_mm", compile_it=True),
+              unavailable=block_missing, cases=("block-compiled",), note="the stock block under torch.compile"),
+    Contender("block suite compiled", "arm", build_block("suite", compile_it=True), unavailable=block_missing,
+              cases=("block-compiled",), note="the suite's block under torch.compile"),
 )
 
 
@@ -579,6 +590,11 @@ BENCHES = (
               "weights and the logits); each contender routes: the arm with its routing kernels, the others "
               "with route_reference's torch ops", bytes=_layer_bytes, flops=_gemm_flops(18), ceiling="gemm",
               modes=("eager",)),
+    # the block a user runs: its router and top-k, then the experts (the GEMMs' FLOPs counted)
+    *(BenchCase(name, f"a transformers MoE block (router, top-k, experts module) forward and backward{how}: "
+                "experts implementation suite against grouped_mm", bytes=_fwd_bwd_bytes, flops=_gemm_flops(18),
+                ceiling="gemm", presets=COMPILED_AT)
+      for name, how in (("block", ", eager"), ("block-compiled", " under torch.compile"))),
 )
 
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral", "top2-small")
@@ -605,6 +621,10 @@ CRITERIA = (
       for name in COMPILED_AT for peer in STRONGEST_PEERS),
     # host dispatch must not eat the win
     EagerOverGraph(1.1, presets=MODEL_PRESETS, cases=EXPERT_CASES),
+    # the block a user runs: not slower than stock (the bar above), and the aim of 1.1x it at
+    # olmoe and qwen3-30b-a3b in both, eager and compiled
+    *(Target(1.1, reference, presets=("olmoe", "qwen3-30b-a3b"), cases=(case,))
+      for case, reference in (("block", "block grouped_mm"), ("block-compiled", "block grouped_mm compiled"))),
 )
 
 

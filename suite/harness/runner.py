@@ -349,10 +349,18 @@ class Runner:
 
     def time(self, run: UnitRun, case: BenchCase, mode: str) -> BenchResult | None:
         """One case in one mode, appended to the unit's result; None where the unit is not timed
-        (it could not run, or its parity failed)."""
+        (it could not run, or its parity failed) or the case cannot be here (its reference or its
+        arm is unavailable on this device: said in the result's bench_skipped)."""
         if not run.timeable:
             return None
         unit, gate, device = run.unit, run.unit.gate, self.options.device
+        lacking = [f"{c.name}: {why}" for c in gate.contenders_for(case)
+                   if c.role != "peer" and (why := c.unavailable(device)) is not None]
+        if lacking:
+            note = f"case {case.name} not timed ({'; '.join(lacking)})"
+            if note not in (run.result.bench_skipped or ""):
+                run.result.bench_skipped = "; ".join(filter(None, (run.result.bench_skipped, note)))
+            return None
         with self._step(run):
             if device.type == "cuda" and self._ceilings is None:
                 # once a run, in the phases of the first preset that benches (every second is named)

@@ -53,3 +53,19 @@ def test_a_default_preset_too_large_for_the_free_memory_is_skipped_and_a_named_o
     assert runner().too_large(Preset("small", {}, where="any", memory_bytes=1 << 20), free) is None
     assert runner(presets=["big"]).too_large(big, free) is None  # named: it could not run, not a skip
     assert runner().too_large(big) is None  # the CPU has no free-memory figure
+
+
+def test_a_case_whose_reference_cannot_run_here_is_skipped_and_named_not_a_failure():
+    """A case with a reference or an arm of its own (moe-bwd's transformers blocks) that this
+    installation lacks is left untimed, saying why; the unit's other cases and verdict stand."""
+    lacking = tuple(dataclasses.replace(c, unavailable=lambda device: "transformers is not installed")
+                    if c.role == "reference" else c for c in toygate.BENCH_GATE.contenders)
+    gate = dataclasses.replace(toygate.BENCH_GATE, contenders=lacking)
+    steps = runner()
+    unit = Unit(gate, toygate.PRESET, bench=True)
+    run = steps.start(unit)
+    (case, mode), = steps.bench_plan(unit)[0]
+    assert steps.time(run, case, mode) is None and run.raised is None
+    result = steps.finish(run)
+    assert result.status == "passed" and result.bench == []
+    assert result.bench_skipped == "case sum not timed (reference: transformers is not installed)"
