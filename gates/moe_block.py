@@ -7,8 +7,8 @@ The experts' weights come from the gate's buffers, put in the block's own layout
 gate_up_proj [E, 2f, d] and down_proj [E, d, f]). The router's weight is drawn from a fixed
 seed. Every block of one build shares these Parameters: the timed calls take gradients with
 autograd.grad, so sharing adds nothing up, and mixtral's 2.8 GB of weights is held once, not once
-per contender. A model preset's block is its family's (olmoe, qwen3-30b-a3b, mixtral); the tiny
-presets take OLMoE's.
+per contender. A model preset's block (and its -4k one's) is its family's (olmoe, qwen3-30b-a3b,
+mixtral); the tiny presets take OLMoE's.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def make_block(preset: Preset, buffers: Buffers, implementation: str) -> nn.Modu
         register()
     import transformers
 
-    module, prefix, ffn_name, experts_name = _FAMILIES.get(preset.name, _FAMILIES["olmoe"])
+    module, prefix, ffn_name, experts_name = _FAMILIES.get(preset.name.removesuffix("-4k"), _FAMILIES["olmoe"])
     p = preset.params
     config = getattr(transformers, f"{prefix}Config")(
         hidden_size=p["hidden"], num_experts_per_tok=p["top_k"], **{ffn_name: p["ffn"], experts_name: p["experts"]})

@@ -62,7 +62,7 @@ def grouped_mm_gate_up(x, routing, gate_up, down) -> torch.Tensor:
 # Compiled peers are timed at the model presets alone: compiling a forward and backward costs
 # seconds of the host's time per contender and shape (each report's cold_ms), which `suite run`
 # (top2-small) keeps for timing within its budget.
-COMPILED_AT = ("olmoe", "qwen3-30b-a3b", "mixtral")
+COMPILED_AT = ("olmoe", "qwen3-30b-a3b", "mixtral", "olmoe-4k", "qwen3-30b-a3b-4k", "mixtral-4k")
 _compiled: dict[tuple, Callable] = {}
 
 
