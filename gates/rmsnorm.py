@@ -327,7 +327,7 @@ GATE = Gate(
         NotSlowerThan(),
         NotSlowerThan("F.rms_norm"),
         # the ceiling is a claim about the kernels' device time: graph replays only; the bars sit
-        # below the fractions two H200 leases measured (docs/tuning.md)
+        # below the fractions measured on the H200 (docs/tuning.md)
         CeilingFraction(0.88, presets=("16384x4096",), cases=("fwd",), modes=("graph",)),
         CeilingFraction(0.65, presets=("16384x4096",), cases=("fwd+bwd",), modes=("graph",)),
     ),

@@ -29,7 +29,7 @@ gates.get = lambda name: toys[name] if name in toys else real_get(name)
 @pytest.fixture
 def suite_dir(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_unrelated="def test_a_users_own_test():\n    assert True\n")
+    pytester.makepyfile(test_unrelated="def test_a_users_own_test():\n    assert sum([1, 2]) == 3\n")
     return pytester
 
 
