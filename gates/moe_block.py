@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gates.moe_peers import compiled, gate_up_layout
+from gates.moe_peers import compiled, gate_up_layout, transformers5_missing
 from suite.harness.gate import BenchCase, Buffers, Preset
 
 # preset -> (transformers' module, class prefix, the config's names for f and E)
@@ -35,16 +35,9 @@ _shared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def block_missing(device: torch.device) -> str | None:
-    """Why the blocks cannot be built here: transformers 5, whose experts interface both
-    implementations go through (grouped_mm on any device: on cards without its CUTLASS kernels
-    torch's fallback is what a user of that card runs)."""
-    try:
-        import transformers
-    except ImportError:
-        return "transformers is not installed (pip install 'suite[hf]')"
-    if int(transformers.__version__.split(".")[0]) < 5:
-        return f"transformers {transformers.__version__} has no experts interface (needs >= 5)"
-    return None
+    """Both implementations go through transformers' experts interface; grouped_mm runs on any
+    device (on cards without its CUTLASS kernels torch's fallback is what their users run)."""
+    return transformers5_missing()
 
 
 def _parameters(buffers: Buffers, preset: Preset) -> list[nn.Parameter]:

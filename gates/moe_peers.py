@@ -107,7 +107,8 @@ def transformers_experts(routing) -> Callable:
     return run
 
 
-def transformers_missing(device: torch.device) -> str | None:
+def transformers5_missing() -> str | None:
+    """Why transformers' experts interface (transformers >= 5) is not here, or None."""
     try:
         import transformers
         from transformers.models.olmoe.modeling_olmoe import OlmoeExperts  # noqa: F401
@@ -115,7 +116,11 @@ def transformers_missing(device: torch.device) -> str | None:
         return "transformers is not installed (pip install 'suite[hf]')"
     if int(transformers.__version__.split(".")[0]) < 5:
         return f"transformers {transformers.__version__} has no experts interface (needs >= 5)"
-    return grouped_mm_missing(device)
+    return None
+
+
+def transformers_missing(device: torch.device) -> str | None:
+    return transformers5_missing() or grouped_mm_missing(device)
 
 
 def sonicmoe_layout(weights: list[torch.Tensor]) -> list[torch.Tensor]:

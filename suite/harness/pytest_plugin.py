@@ -166,25 +166,14 @@ class _Session:
         """The controller merges the units' results into one run report and writes it."""
         if hasattr(self.config, "workerinput"):
             return
-        from suite.errors import combine
-        from suite.harness import results as model
-        from suite.harness.fingerprint import fingerprint
         from suite.harness.store import write_report
 
+        opt = self.config.option
         results = [result for _, result in sorted(self.results, key=lambda pair: pair[0])]
-        runner = self.setup()
-        report = model.RunReport(
-            run_id=self.started.strftime("%Y%m%dT%H%M%S%fZ"),
-            what="run" if self.config.option.suite_bench else "gate " + ",".join(self.config.option.suite_gate or ["all"]),
-            command=" ".join(["pytest", *self.config.invocation_params.args]),
-            started_utc=self.started.isoformat(timespec="seconds"),
-            finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            fingerprint=next((r.fingerprint for r in results if r.fingerprint),
-                             None) or fingerprint(runner.options.device, _profile(runner)),
-            ceilings=self.ceilings, results=results, skipped=self.skipped,
-            exit_code=int(combine([r.status for r in results]
-                                  + (["could_not_run"] * len(self.skipped) if self.config.option.suite_strict else []))),
-            duration_s=time.perf_counter() - self.clock)
+        report = self.setup().report(
+            results, self.skipped, "run" if opt.suite_bench else "gate " + ",".join(opt.suite_gate or ["all"]),
+            " ".join(["pytest", *self.config.invocation_params.args]), self.started,
+            time.perf_counter() - self.clock, ceilings=self.ceilings)
         self.config.stash[REPORT] = report
         path = write_report(report, self.config.option.suite_reports, report.what)
         self.config.stash[REPORT_PATH] = str(path)
@@ -198,12 +187,6 @@ _ORDER, _RESULT, _SKIPPED, _CEILINGS = "suite-order", "suite-result", "suite-ski
 
 def _unit_key(unit: Unit) -> str:
     return f"{unit.gate.name}[{unit.preset.name}]"
-
-
-def _profile(runner: Runner) -> str:
-    from suite.device_profile import active_profile
-
-    return active_profile(runner.options.device)
 
 
 class _Gates(pytest.Collector):
@@ -236,12 +219,13 @@ class _SuiteItem(pytest.Item):
 
     def carry(self, result) -> None:
         """The unit's whole result, with this worker's fingerprint and device, to the controller."""
+        from suite.device_profile import active_profile
         from suite.harness.fingerprint import fingerprint
 
         runner = self.session_state.setup()
         device = runner.options.device
         if result.fingerprint is None:
-            result.fingerprint = fingerprint(device, _profile(runner))
+            result.fingerprint = fingerprint(device, active_profile(device))
             # a worker sees its GPU as device 0: the host's index is the one it was pinned to
             physical = os.environ.get("SUITE_PHYSICAL_DEVICE", str(device.index or 0))
             result.fingerprint.device = f"cuda:{physical}" if device.type == "cuda" else device.type

@@ -271,19 +271,27 @@ class Runner:
         for unit in units:
             results.append(self._run_unit(unit))
             self.progress.advance()
+        return self.report(results, skipped, what, command or shlex.join(["suite", *sys.argv[1:]]), started,
+                           time.perf_counter() - clock)
+
+    def report(self, results: list[GateResult], skipped: list[SkippedGate], what: str, command: str,
+               started: datetime, duration_s: float, ceilings: Ceilings | None = None) -> RunReport:
+        """A run's report from its results: this run's, or (pytest --suite -n) its workers' merged,
+        whose ceilings and fingerprints came with them."""
         statuses = [r.status for r in results] + (["could_not_run"] * len(skipped) if self.options.strict else [])
+        own = next((r.fingerprint for r in results if r.fingerprint), None)
         return RunReport(
             run_id=started.strftime("%Y%m%dT%H%M%S%fZ"),
             what=what,
-            command=command or shlex.join(["suite", *sys.argv[1:]]),
+            command=command,
             started_utc=started.isoformat(timespec="seconds"),
             finished_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            fingerprint=fingerprint(self.options.device, active_profile(self.options.device)),
-            ceilings=self._ceilings,
+            fingerprint=own or fingerprint(self.options.device, active_profile(self.options.device)),
+            ceilings=ceilings or self._ceilings,
             results=results,
             skipped=skipped,
             exit_code=int(combine(statuses)),
-            duration_s=time.perf_counter() - clock,
+            duration_s=duration_s,
         )
 
     def _could_not_run(self, gate: Gate, preset: Preset, reason: str) -> GateResult:

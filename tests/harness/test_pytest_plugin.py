@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -91,10 +92,7 @@ def test_a_named_gate_that_cannot_run_here_fails_and_an_unnamed_one_is_skipped(s
 
 
 def run_again(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, RunReport]:
-    for old in (pytester.path / "reports").iterdir():
-        for f in old.iterdir():
-            f.unlink()
-        old.rmdir()
+    shutil.rmtree(pytester.path / "reports")
     return run(pytester, *args)
 
 
