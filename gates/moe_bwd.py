@@ -23,10 +23,11 @@ from typing import Any, Callable
 import torch
 
 from suite.arms.moe import (
-    Routing,
+    GateUpLayout,
     expert_rows,
     experts,
     experts_reference,
+    gate_up_experts,
     launch,
     route,
     route_kernels,
@@ -35,6 +36,7 @@ from suite.arms.moe import (
     routing_from_topk,
 )
 from gates.moe_block import block_missing, build_block
+from gates.moe_truth import experts_truth, routing_truth
 from gates.moe_peers import (
     COMPILED_AT,
     combine_backward_in_torch,
@@ -73,16 +75,28 @@ from suite.harness.results import Check
 #   skewed          logits in halves plus a linear bias over the experts: the first experts
 #                   overflow a capacity, and equal probabilities (ties to the lower id) occur
 SKEWS = ("none", "empty-expert", "one-expert", "skewed")
+# How the arm takes its weights:
+#   apart   w_gate, w_up [E, d, f] and w_down [E, f, d], through `experts` (as MoEExperts holds them)
+#   model   as transformers stores a model's experts, gate_up_proj [E, 2f, d] and down_proj [E, d, f],
+#           through `gate_up_experts`: the path use_suite_experts runs, gradients in that layout
+# Only "model" is written into a preset's params: buffers recorded without it take "apart".
+WEIGHTS = ("apart", "model")
+
+
+def _weights(preset: Preset) -> str:
+    return preset.params.get("weights", "apart")
 # The router z-loss's weight in the judged loss (out . grad_out + Z_WEIGHT * z_loss): OLMo-core's
 # default coefficient, so its gradient in dlogits is of the size a training step gives it.
 Z_WEIGHT = 1e-3
 
 
-def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none") -> dict[str, Any]:
-    if skew not in SKEWS:
-        raise ValueError(f"moe-bwd: skew must be one of {SKEWS}, not {skew!r}")
+def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none",
+            weights="apart") -> dict[str, Any]:
+    if skew not in SKEWS or weights not in WEIGHTS:
+        raise ValueError(f"moe-bwd: skew must be one of {SKEWS} and weights one of {WEIGHTS}, not {skew!r}, "
+                         f"{weights!r}")
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
-                capacity_factor=capacity_factor, skew=skew)
+                capacity_factor=capacity_factor, skew=skew, **({"weights": weights} if weights != "apart" else {}))
 
 
 def memory_bytes(p: dict[str, Any]) -> int:
@@ -105,15 +119,15 @@ def memory_bytes(p: dict[str, Any]) -> int:
 
 
 def _tiny(name, top_k, experts, capacity_factor=None, skew="none", tokens=19, hidden=40, ffn=24, standard=False,
-          note="") -> Preset:
+          note="", weights="apart") -> Preset:
     # hidden and ffn are no multiple of the interpreter's 16-wide tiles, nor T * k of its rows
-    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew)
+    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew, weights)
     return Preset(name, params, where="any", standard=standard, note=note, memory_bytes=memory_bytes(params))
 
 
 def _gpu(name, tokens, hidden, ffn, experts, top_k, capacity_factor=None, skew="none", standard=True, in_all=False,
-         note="") -> Preset:
-    params = _params(tokens, hidden, ffn, experts, top_k, "bfloat16", capacity_factor, skew)
+         note="", weights="apart") -> Preset:
+    params = _params(tokens, hidden, ffn, experts, top_k, "bfloat16", capacity_factor, skew, weights)
     return Preset(name, params, where="cuda", standard=standard, in_all=in_all, note=note,
                   memory_bytes=memory_bytes(params))
 
@@ -132,11 +146,13 @@ PRESETS = (
     _tiny("tiny-empty-expert", 2, 5, skew="empty-expert"),
     _tiny("tiny-one-expert", 2, 4, skew="one-expert"),
     _tiny("tiny-capacity", 2, 4, capacity_factor=0.75, skew="skewed"),
-    _gpu("olmoe", 8192, 2048, 1024, 64, 8),
-    _gpu("qwen3-30b-a3b", 8192, 2048, 768, 128, 8),
-    _gpu("mixtral", 8192, 4096, 14336, 8, 2),
+    _tiny("tiny-model-layout", 2, 6, weights="model", note="a model's gate_up_proj and down_proj"),
+    # the models' layers, their weights as transformers stores them (the arm as use_suite_experts runs it)
+    _gpu("olmoe", 8192, 2048, 1024, 64, 8, weights="model"),
+    _gpu("qwen3-30b-a3b", 8192, 2048, 768, 128, 8, weights="model"),
+    _gpu("mixtral", 8192, 4096, 14336, 8, 2, weights="model"),
     # the models' layers at 4096 tokens, on request: where the block a user runs lost most
-    *(_gpu(f"{name}-4k", 4096, *widths, standard=False, note="the model's layer at 4096 tokens")
+    *(_gpu(f"{name}-4k", 4096, *widths, standard=False, note="the model's layer at 4096 tokens", weights="model")
       for name, widths in (("olmoe", (2048, 1024, 64, 8)), ("qwen3-30b-a3b", (2048, 768, 128, 8)),
                            ("mixtral", (4096, 14336, 8, 2)))),
     # `suite run` benches this one alone: the model presets take 0.5-1.5 min each on the H200
@@ -239,13 +255,20 @@ def _routing_outputs(routing) -> Outputs:
     return {name: getattr(routing, name) for name in ROUTING_INTEGERS}
 
 
-def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_of) -> Outputs:
-    """Routing with its z-loss, the experts, and the backward of out . grad_out + Z_WEIGHT * z."""
+def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_of, in_model_layout=False) -> Outputs:
+    """Routing with its z-loss, the experts, and the backward of out . grad_out + Z_WEIGHT * z.
+    in_model_layout: the layer takes the weights as transformers stores a model's (gate_up,
+    down); their gradients are judged as the three weights' (views of them)."""
     logits, routing = _route(buffers, preset, route_fn)
     x = buffers["x"].detach().requires_grad_()
     weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
+    if in_model_layout:
+        weights = gate_up_layout(weights)
     out = layer(x, routing, *weights)
-    dx, dw_gate, dw_up, dw_down, dprobs = torch.autograd.grad(out, (x, *weights, routing.probs), buffers["grad_out"])
+    dx, *dweights, dprobs = torch.autograd.grad(out, (x, *weights, routing.probs), buffers["grad_out"])
+    if in_model_layout:
+        dweights = [grad.contiguous() for grad in GateUpLayout().views(*dweights)]
+    dw_gate, dw_up, dw_down = dweights
     z_loss = z_loss_of(logits, routing)
     return {"out": out.detach(), "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down,
             "dprobs": dprobs, "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
@@ -258,52 +281,9 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
 
 
 def arm(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts, route, buffers, preset, lambda logits, routing: routing.z_loss)
-
-
-def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> dict[str, torch.Tensor]:
-    """The layer in closed form in float64, apart from any autograd, one expert at a time (its
-    temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
-    "dw_down" and "dprobs". What this gate and the tests judge errors against."""
-    x, probs = x.double(), routing.probs.detach().double()
-    chosen, kept = routing.expert_ids.long(), routing.kept
-    out = torch.zeros_like(x)
-    grads = grad_out is not None
-    if grads:
-        grad_out = grad_out.double()
-        dx, dprobs = torch.zeros_like(x), torch.zeros_like(probs)
-        dws = [torch.zeros(w.shape, dtype=torch.float64, device=x.device) for w in (w_gate, w_up, w_down)]
-    for e in range(routing.num_experts):
-        tokens, slots = torch.nonzero((chosen == e) & kept, as_tuple=True)
-        wg, wu, wd = w_gate[e].double(), w_up[e].double(), w_down[e].double()
-        v = x[tokens]
-        g, u = v @ wg, v @ wu
-        sig = torch.sigmoid(g)
-        h = g * sig * u
-        y = h @ wd
-        p = probs[tokens, slots][:, None]
-        out.index_add_(0, tokens, p * y)
-        if grads:
-            dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
-            dy = grad_out[tokens] * p
-            dh = dy @ wd.T
-            dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
-            dws[0][e], dws[1][e], dws[2][e] = v.T @ dg, v.T @ du, h.T @ dy
-            dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
-    if not grads:
-        return {"out": out}
-    return {"out": out, "dx": dx, "dw_gate": dws[0], "dw_up": dws[1], "dw_down": dws[2], "dprobs": dprobs}
-
-
-def routing_truth(logits: torch.Tensor, routing: Routing, renormalize: bool = True):
-    """(probs, wide_logits) in float64: the routing's chosen probabilities recomputed from the
-    logits (the choice held fixed), differentiable to wide_logits, a float64 leaf:
-    `torch.autograd.grad(probs, wide_logits, dprobs)` is the logits' gradient."""
-    wide = logits.detach().double().requires_grad_()
-    probs = torch.softmax(wide, dim=-1).gather(1, routing.expert_ids.long())
-    if renormalize:
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs, wide
+    in_model_layout = _weights(preset) == "model"
+    return _forward_backward(gate_up_experts if in_model_layout else experts, route, buffers, preset,
+                             lambda logits, routing: routing.z_loss, in_model_layout)
 
 
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
@@ -466,6 +446,19 @@ def _build(layer_for: Callable[..., Callable], weights_for: Callable[[list], lis
     return build
 
 
+def _build_arm(compile_it: bool = False) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
+    """The arm's build, on the weights as the preset holds them: apart through `experts`, or as
+    transformers stores a model's through `gate_up_experts` (its gradients in that layout)."""
+
+    def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
+        in_model_layout = _weights(preset) == "model"
+        layer = gate_up_experts if in_model_layout else experts
+        return _build(lambda routing, preset: compiled(layer, preset) if compile_it else layer,
+                      gate_up_layout if in_model_layout else None, route_fn=route)(case, buffers, preset)
+
+    return build
+
+
 def _build_combine_backward(kernel: bool) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any]]:
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         _, _, routing = _leaves(buffers, preset)
@@ -505,10 +498,10 @@ CONTENDERS = (
                         _build_combine_backward(kernel=False)),
               note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
                    "it can be captured); eager torch for the combine's backward"),
-    Contender("arm", "arm", cases=KERNEL_CASES, build=_per_case(_build(lambda routing, _: experts, route_fn=route),
-                                                                _build_combine_backward(kernel=True)),
-              note="suite.arms.moe.experts: the Triton kernels (combine_backward alone in combine-bwd; in layer, "
-                   "route's routing kernels first)"),
+    Contender("arm", "arm", cases=KERNEL_CASES, build=_per_case(_build_arm(), _build_combine_backward(kernel=True)),
+              note="suite.arms.moe.experts, or gate_up_experts where the preset's weights are a model's "
+                   "(as use_suite_experts runs it): the Triton kernels (combine_backward alone in combine-bwd; "
+                   "in layer, route's routing kernels first)"),
     Contender("padded-bmm", "peer", _build(lambda routing, _: padded_bmm(routing)), cases=EXPERT_CASES,
               note="torch.bmm over every expert padded to the largest one's rows"),
     Contender("grouped_mm", "peer", _build(lambda routing, _: grouped_mm_experts), unavailable=grouped_mm_missing,
@@ -529,7 +522,7 @@ CONTENDERS = (
     Contender("sonicmoe", "peer", build_sonicmoe, unavailable=sonicmoe_missing, cases=("fwd+bwd",),
               note="SonicMoE 0.1.2 (Dao lab): CuTe DSL grouped GEMMs, its routing metadata kernel, on the same "
                    "routing and weights"),
-    Contender("arm compiled", "peer", _build(lambda routing, preset: compiled(experts, preset)), cases=("fwd+bwd",),
+    Contender("arm compiled", "peer", _build_arm(compile_it=True), cases=("fwd+bwd",),
               note="the arm inside torch.compile(fullgraph=True): its custom ops as a compiled model calls them"),
     Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
               note="a device copy of the combine backward's bytes: what a transfer of this size reaches"),
@@ -635,7 +628,7 @@ CRITERIA = (
 GATE = Gate(
     name="moe-bwd",
     summary="MoE SwiGLU experts on Triton kernels, forward+backward vs the eager per-expert reference",
-    arm_name="suite.arms.moe.experts",
+    arm_name="suite.arms.moe.experts (gate_up_experts at the model presets)",
     needs_cuda=False,
     presets=PRESETS,
     make_buffers=make_buffers,

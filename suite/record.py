@@ -147,7 +147,8 @@ def _recorder(w: _Watched):
         from suite.integrations.transformers import expert_weights
 
         hidden_states, top_k_index = args[0], args[1]
-        w.params["top_k"] = top_k_index.shape[-1]
+        # the experts as the model holds them: the gate judges the arm on that layout's path
+        w.params.update(top_k=top_k_index.shape[-1], weights="model")
         w_gate, w_up, w_down = (t.detach().contiguous() for t in expert_weights(module))
         w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down)
         _keep_grad(w, "grad_out", output)

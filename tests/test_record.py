@@ -29,7 +29,7 @@ def test_capture_records_each_norm_and_experts_module_and_the_gates_pass_on_them
     assert names == sorted(norms + ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"])
     assert recording.skipped == {}
     experts, manifest = load_buffers(tmp_path / "rec" / "model.layers.1.mlp.experts", expect_gate="moe-bwd")
-    assert manifest.params == {"capacity_factor": None, "skew": "none", "top_k": 2}
+    assert manifest.params == {"capacity_factor": None, "skew": "none", "top_k": 2, "weights": "model"}
     assert experts["w_gate"].shape == (6, 32, 24) and experts["logits"].shape == (18, 6)
     for gate, name in (("rmsnorm", "model.layers.1.post_attention_layernorm"), ("moe-bwd", "model.layers.0.mlp.experts")):
         result = CliRunner().invoke(app, ["gate", gate, "--device", "cpu", "--buffers", str(tmp_path / "rec" / name),

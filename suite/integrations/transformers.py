@@ -6,8 +6,9 @@ by `config._experts_implementation`. `register()` adds the fused Triton experts 
 name "suite"; `use_suite_experts(model)` checks every experts module of a model and then
 switches it over. The model keeps its own router and top-k (router gradients flow through its
 router, via `routing_from_topk`), and its own weights: the kernels read `gate_up_proj` and
-`down_proj` through strided views, in each of the layouts transformers declares (concatenated or
-interleaved gate and up, transposed or not), never a copy.
+`down_proj` in place, in each of the layouts transformers declares (concatenated or interleaved
+gate and up, transposed or not), and write their gradients in that same layout: no copy either
+way (`gate_up_experts`).
 
     from suite.integrations.transformers import use_suite_experts
     use_suite_experts(model)   # -> how many experts modules now run the suite's kernels
@@ -22,7 +23,7 @@ from torch import nn
 
 from suite import triton_support
 from suite.arms import rmsnorm
-from suite.arms.moe import experts, routing_from_topk
+from suite.arms.moe import GateUpLayout, gate_up_experts, routing_from_topk
 from suite.errors import CouldNotRun
 
 EXPERTS_IMPLEMENTATION = "suite"
@@ -92,34 +93,32 @@ def experts_unsupported(module: nn.Module) -> str | None:
     return None
 
 
+def layout_of(module: nn.Module) -> GateUpLayout:
+    """How the experts module stores gate_up_proj and down_proj, from its flags."""
+    return GateUpLayout(transposed=bool(module.is_transposed), concatenated=bool(module.is_concatenated))
+
+
 def expert_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) as views of the module's own
     gate_up_proj and down_proj, in the layout its flags declare: gradients reach the
     parameters through the views."""
-    gate_up, down = module.gate_up_proj, module.down_proj
-    if module.is_transposed:  # gate_up [E, d, 2f], down [E, f, d]
-        f = gate_up.shape[2] // 2
-        if module.is_concatenated:
-            return gate_up[:, :, :f], gate_up[:, :, f:], down
-        return gate_up[:, :, 0::2], gate_up[:, :, 1::2], down
-    f = gate_up.shape[1] // 2  # gate_up [E, 2f, d], down [E, d, f]
-    if module.is_concatenated:
-        gate, up = gate_up[:, :f], gate_up[:, f:]
-    else:
-        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
-    return gate.transpose(1, 2), up.transpose(1, 2), down.transpose(1, 2)
+    return layout_of(module).views(module.gate_up_proj, module.down_proj)
 
 
 def suite_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward signature, on the suite's kernels: the model's own top-k
-    choice laid out by `routing_from_topk`, the weights read in place."""
+    choice laid out by `routing_from_topk`, gate_up_proj and down_proj read in place and their
+    gradients written in their own layout (`gate_up_experts`)."""
     reason = experts_unsupported(self)
     if reason is not None:
         raise IntegrationError(f"experts implementation 'suite': {reason}; use another experts_implementation")
-    w_gate, w_up, w_down = expert_weights(self)
+    layout = layout_of(self)
+    gate_up, down = self.gate_up_proj, self.down_proj
     routing = routing_from_topk(top_k_index, top_k_weights, self.num_experts)
-    return experts(hidden_states.to(w_gate.dtype), routing, w_gate, w_up, w_down).to(hidden_states.dtype)
+    out = gate_up_experts(hidden_states.to(gate_up.dtype), routing, gate_up, down, transposed=layout.transposed,
+                          concatenated=layout.concatenated)
+    return out.to(hidden_states.dtype)
 
 
 def _require_module(fn: str, model: object) -> None:

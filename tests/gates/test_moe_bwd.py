@@ -138,11 +138,11 @@ def compiled_on_the_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("case", [c.name for c in GATE.benches])
-@pytest.mark.parametrize("preset_name", ["tiny", "tiny-top2"])
+@pytest.mark.parametrize("preset_name", ["tiny", "tiny-top2", "tiny-model-layout"])
 def test_every_contender_matches_the_reference_in_every_case(case, preset_name, compiled_on_the_cpu):
     bench = next(c for c in GATE.benches if c.name == case)
     # tiny: capacity drops (dropped slots and padding rows must give nothing); tiny-top2: none,
-    # which transformers' experts need
+    # which transformers' experts need; tiny-model-layout: the arm on a model's gate_up and down
     preset = GATE.preset(preset_name)
     buffers = GATE.make_buffers(preset, 1, CPU)
     contenders = {c.name: c for c in GATE.contenders_for(bench)}

@@ -12,7 +12,10 @@ import torch
 transformers = pytest.importorskip("transformers", minversion="5")
 
 from hfmodels import tiny  # noqa: E402
+from weightcopies import WeightSizedOps, weight_sized_kernels  # noqa: E402
+from suite.arms import moe  # noqa: E402
 from suite.integrations import transformers as hf  # noqa: E402
+from moepaths import PATHS, force_path  # noqa: E402
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -51,6 +54,24 @@ def test_no_graph_break_under_torch_compile():
     finally:
         torch._dynamo.reset()
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral"])
+def test_a_training_step_adds_no_weight_sized_work_besides_the_kernels(family, monkeypatch):
+    """Through use_suite_experts the experts' gradients reach gate_up_proj and down_proj in
+    their own layout: in a whole forward and backward of the model nothing but the kernels
+    touches memory the size of an expert weight (the tiny models' other tensors are smaller)."""
+    model = tiny(family)
+    hf.use_suite_experts(model)
+    experts = [m for m in model.modules() if hf.is_experts_module(m)]
+    floor = min(p.numel() for m in experts for p in (m.gate_up_proj, m.down_proj))
+    assert all(p.numel() < floor for name, p in model.named_parameters() if "experts" not in name)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(7))
+    with WeightSizedOps(floor, monkeypatch) as watched:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert not watched.found
+    for m in experts:
+        assert m.gate_up_proj.grad.stride() == m.gate_up_proj.stride()
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -284,6 +305,46 @@ def test_on_the_gpu_bf16_within_stocks_error_and_compiled(family):
         torch._dynamo.reset()
     torch.testing.assert_close(loss, stock_loss, rtol=1e-2, atol=0)
     torch.testing.assert_close(compiled_loss, loss, rtol=1e-2, atol=0)
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+def test_on_the_gpu_a_blocks_backward_launches_no_elementwise_kernel_over_a_weight(path, monkeypatch):
+    """OLMoE's own MoE block on the experts "suite" (bf16, each launch path): a profile of its
+    forward and backward shows no aten op launching a kernel over a weight-sized tensor (a
+    zero-fill, copy or add building gate_up_proj's gradient), GEMMs aside. The same block with
+    its experts on the views of the weights (`experts`) is caught: the profile's teeth."""
+    if path != "kernels" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("TMA and grouped_mm's paths are taken on sm90 alone")
+    from transformers.models.olmoe import modeling_olmoe
+
+    hf.register()
+    config = transformers.OlmoeConfig(hidden_size=512, intermediate_size=256, num_experts=16, num_experts_per_tok=4)
+    config._experts_implementation = "suite"
+    block = modeling_olmoe.OlmoeSparseMoeBlock(config).cuda().bfloat16().train()
+    x = torch.randn(1, 512, 512, device="cuda", dtype=torch.bfloat16)
+    floor = min(block.experts.gate_up_proj.numel(), block.experts.down_proj.numel())
+    force_path(monkeypatch, path)
+
+    def profiled() -> list[str]:
+        for _ in range(2):  # the first compiles the kernels
+            block.zero_grad(set_to_none=True)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
+                block(x.requires_grad_()).float().square().mean().backward()
+                torch.cuda.synchronize()
+        return weight_sized_kernels(prof, floor)
+
+    assert profiled() == []
+    assert block.experts.gate_up_proj.grad.stride() == block.experts.gate_up_proj.stride()
+
+    def through_views(self, hidden_states, top_k_index, top_k_weights):
+        routing = moe.routing_from_topk(top_k_index, top_k_weights, self.num_experts)
+        return moe.experts(hidden_states, routing, *hf.expert_weights(self))
+
+    monkeypatch.setattr(type(block.experts), "forward", through_views)
+    assert profiled()
 
 
 @pytest.mark.cuda

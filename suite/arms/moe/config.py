@@ -210,8 +210,10 @@ def grouped_mm_ready(*operands: torch.Tensor) -> bool:
     return True
 
 
-# The SwiGLU backward's elementwise pass: elements a program (bf16: 16 a thread at 4 warps).
+# The SwiGLU backward's elementwise pass: elements a program (bf16: 16 a thread at 4 warps), in
+# tiles of at most SWIGLU_COLUMNS columns (a row's run of f, or of gate's or up's half).
 SWIGLU_BLOCK = 2048
+SWIGLU_COLUMNS = 256
 
 
 @dataclass(frozen=True)

@@ -68,13 +68,14 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def up_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U,
-    n_experts, d, f, stride_x, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n,
+    n_experts, d, f, stride_x, s_gu, c_gu, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """a = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for one [BLOCK_M, BLOCK_N] tile of
     rows, gate and up in two accumulators over one pass of the gathered x rows; SAVE also
-    stores the pre-activations g and u (the backward's inputs). A, G, U: [R_max, f]."""
+    stores the pre-activations g and u (the backward's inputs). A: [R_max, f]; G, U: [R_max, f]
+    views with row stride s_gu and column step c_gu (two halves of one buffer, see `_store_up`)."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -98,20 +99,23 @@ def up_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * sw_k
             wu_ptrs += BLOCK_K * su_k
-        _store_up(A, G, U, rows, row_mask, cols, f, acc_g, acc_u, SAVE)
+        _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, SAVE)
 
 
 @triton.jit
-def _store_up(A, G, U, rows, row_mask, cols, f, acc_g, acc_u, SAVE: tl.constexpr):
+def _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, SAVE: tl.constexpr):
     """The up GEMMs' epilogue: a = silu(g) * u in fp32, stored with g and u (SAVE) at the
-    tile's rows of the expert and columns below f."""
+    tile's rows of the expert and columns below f. g and u are laid out as the weights' gate
+    and up are (row stride s_gu, column step c_gu): the backward's dg and du then take their
+    place and form the fused weight's gradient operand as they are."""
     a = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = rows.to(tl.int64)[:, None] * f + cols[None, :]
+    wide_rows = rows.to(tl.int64)[:, None]
     mask = row_mask[:, None] & (cols < f)[None, :]
-    tl.store(A + out, a.to(A.dtype.element_ty), mask=mask)
+    tl.store(A + wide_rows * f + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
     if SAVE:
-        tl.store(G + out, acc_g.to(G.dtype.element_ty), mask=mask)
-        tl.store(U + out, acc_u.to(U.dtype.element_ty), mask=mask)
+        pair = wide_rows * s_gu + cols[None, :] * c_gu
+        tl.store(G + pair, acc_g.to(G.dtype.element_ty), mask=mask)
+        tl.store(U + pair, acc_u.to(U.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -185,7 +189,7 @@ def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 
 @triton.jit
 def up_tma_kernel(
-    X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, n_tiles_m, n_tiles_n,
+    X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, s_gu, c_gu, n_tiles_m, n_tiles_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
@@ -208,7 +212,7 @@ def up_tma_kernel(
             acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_g, UPCAST)
             acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_u, UPCAST)
             x_ptrs += BLOCK_K
-        _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, acc_g, acc_u, SAVE)
+        _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, s_gu, c_gu, acc_g, acc_u, SAVE)
 
 
 @triton.jit
@@ -238,24 +242,31 @@ def rows_tma_kernel(
 
 
 @triton.jit
-def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, BLOCK: tl.constexpr):
+def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu, c_gu,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
-    (the first offsets[E] rows of [R_max, f]); D_A may be DU itself, and DG and DU may be G and
-    U (each element is read before the same program writes it)."""
-    n = tl.load(OFFSETS + n_experts).to(tl.int64) * f
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    d_a = tl.load(D_A + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    tl.store(DG + offs, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + offs, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
+    (the first offsets[E] rows), one [BLOCK_R, BLOCK_C] tile a program. D_A: [R_max, f], row
+    stride s_da; G, U, DG, DU: [R_max, f] views with row stride s_gu and column step c_gu (the
+    halves of one buffer laid out as the weights' gate and up). D_A may be DU itself, and DG
+    and DU may be G and U (each element is read before the same program writes it)."""
+    n_rows = tl.load(OFFSETS + n_experts)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R < n_rows:
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (rows < n_rows)[:, None] & (cols < f)[None, :]
+        wide_rows = rows.to(tl.int64)[:, None]
+        pair = wide_rows * s_gu + cols[None, :] * c_gu
+        d_a = tl.load(D_A + wide_rows * s_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + pair, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + pair, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        tl.store(DG + pair, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + pair, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def weight_grad_kernel(
-    X, TOKEN_OF_ROW, GRAD, GRAD2, OFFSETS, DW, DW2, n_i, n_j, stride_x,
+    X, TOKEN_OF_ROW, GRAD, GRAD2, OFFSETS, DW, DW2, n_i, n_j, stride_x, s_gr, c_gr, s_we, s_wi, s_wj,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr,
     GATHER: tl.constexpr, TWO: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -263,7 +274,10 @@ def weight_grad_kernel(
     program (tile, e) owns one [BLOCK_I, BLOCK_J] tile of expert e's [n_i, n_j] gradient and
     loops over e's rows in order, so no two programs add into one value (no atomics) and an
     empty expert gets zeros. X_e: rows of X gathered through TOKEN_OF_ROW with GATHER, else
-    the sorted rows themselves; GRAD, GRAD2: [R_max, n_j]."""
+    the sorted rows themselves; GRAD, GRAD2: [R_max, n_j] views with row stride s_gr and
+    column step c_gr; DW, DW2: [E, n_i, n_j] views with strides (s_we, s_wi, s_wj), so a
+    gradient lands in its parameter's own layout (a model's [E, out, in], gate and up halves
+    of one tensor) with no copy after."""
     expert = tl.program_id(1)
     tiles_i, tiles_j = tl.cdiv(n_i, BLOCK_I), tl.cdiv(n_j, BLOCK_J)
     if GROUP_M == 0:  # i tiles outer: a run of programs shares one slice of X, streams GRAD
@@ -293,12 +307,12 @@ def weight_grad_kernel(
         else:
             src = rows.to(tl.int64)
         xt = tl.load(X + src[None, :] * stride_x + ii[:, None], mask=i_mask[:, None] & row_mask[None, :], other=0.0)
-        grad_offs = rows.to(tl.int64)[:, None] * n_j + jj[None, :]
+        grad_offs = rows.to(tl.int64)[:, None] * s_gr + jj[None, :] * c_gr
         grad_mask = row_mask[:, None] & j_mask[None, :]
         acc = _dot(xt, tl.load(GRAD + grad_offs, mask=grad_mask, other=0.0), acc, UPCAST)
         if TWO:
             acc2 = _dot(xt, tl.load(GRAD2 + grad_offs, mask=grad_mask, other=0.0), acc2, UPCAST)
-    out = expert.to(tl.int64) * n_i * n_j + ii.to(tl.int64)[:, None] * n_j + jj[None, :]
+    out = expert.to(tl.int64) * s_we + ii.to(tl.int64)[:, None] * s_wi + jj.to(tl.int64)[None, :] * s_wj
     mask = i_mask[:, None] & j_mask[None, :]
     tl.store(DW + out, acc.to(DW.dtype.element_ty), mask=mask)
     if TWO:

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from suite.arms.moe import config, kernels
+from suite.arms.moe.weights import GateUpLayout
 from suite.triton_support import (
     FLOAT_DTYPES,
     DescriptorLaunch,
@@ -116,17 +117,20 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
-               tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
+              tma=True, warp_specialize=False, pair_strides=None) -> PlannedLaunch | DescriptorLaunch:
     """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
     descriptors where `config.tma_gemms` takes the layer (unless tma is False) and their strides allow,
-    each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike."""
+    each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike.
+    pair_strides: g's and u's (row stride, column step), (f, 1) when None."""
     cfg = config.gemm_config("up", n_rows // n_experts, f, dtype, device)
     tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(f, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
                 SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
-    pointers = PlannedLaunch(kernels.up_kernel, grid, (n_experts, d, f, x_stride, *wg_strides, *wu_strides, *tiles),
+    pair = pair_strides or (f, 1)
+    pointers = PlannedLaunch(kernels.up_kernel, grid,
+                             (n_experts, d, f, x_stride, *pair, *wg_strides, *wu_strides, *tiles),
                              (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype), **meta)
     w_nk = wg_strides[2] != 1  # stored [E, f, d]: d the unit-stride dim, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (wg_strides, wu_strides)]
@@ -134,13 +138,13 @@ def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, 
             and all(descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
-    return DescriptorLaunch(kernels.up_tma_kernel, grid, (n_experts, d, f, x_stride, *tiles),
+    return DescriptorLaunch(kernels.up_tma_kernel, grid, (n_experts, d, f, x_stride, *pair, *tiles),
                             (None, w_block, w_block, None, None, None, None, None), pointers, **meta, W_NK=w_nk,
                             WARP_SPECIALIZE=warp_specialize)
 
 
 def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, dtype, device,
-                 tma=True, warp_specialize=False) -> PlannedLaunch | DescriptorLaunch:
+                tma=True, warp_specialize=False, layer=None) -> PlannedLaunch | DescriptorLaunch:
     """c[r] = a[r] @ W[e] (+ a2[r] @ W2[e] when two) over the ragged rows, W[e] read as [K, N]
     through w_strides (e, k, n), at GEMM kind `kind`'s tile; called with (a, a2, w, w2, offsets, c).
     a, a2 and the weights through descriptors where `config.tma_gemms` takes the layer (unless tma is
@@ -148,7 +152,8 @@ def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, d
     passed as stored or as a transposed view (a model's [E, out, in] storage). warp_specialize:
     the TMA kernel's loop warp-specialized (an experiment, scripts/moe_tune.py: Triton 3.6's
     Hopper pass fails on a 4-warp tile, and at the model presets' tile it gained at mixtral
-    alone)."""
+    alone). layer: the layer's (d, f) for the TMA rule, where K or N is not one of them (dx over
+    a fused weight's 2f)."""
     cfg = config.gemm_config(kind, n_rows // n_experts, n_n, dtype, device)
     tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(n_n, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
@@ -157,7 +162,7 @@ def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, d
                 num_stages=cfg.num_stages)
     pointers = PlannedLaunch(kernels.rows_gemm_kernel, grid, (n_experts, n_k, n_n, *w_strides, *w2_strides, *tiles),
                              (dtype, dtype, dtype, dtype, torch.int32, dtype), **meta)
-    d, f = (n_k, n_n) if kind == "swiglu_grad" else (n_n, n_k)  # d_a's K is d; down's and dx's N
+    d, f = layer or ((n_k, n_n) if kind == "swiglu_grad" else (n_n, n_k))  # d_a's K is d; down's and dx's N
     w_nk = w_strides[2] != 1  # stored [E, N, K]: its K dim the unit-stride one, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (w_strides, w2_strides)]
     if not (tma and config.tma_gemms(n_rows, n_experts, d, f, dtype, device) and w_nk == (w2_strides[2] != 1)
@@ -172,20 +177,28 @@ def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, d
                             WARP_SPECIALIZE=warp_specialize)
 
 
-def _swiglu_launch(n_rows, f, n_experts, dtype, device) -> PlannedLaunch:
-    """dg, du from d_a and the pre-activations; called with (d_a, gate, up, dg, du, offsets)."""
+def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device) -> PlannedLaunch:
+    """dg, du from d_a (row stride da_stride) and the pre-activations (g, u, dg and du all of
+    pair_strides: row stride, column step); called with (d_a, gate, up, dg, du, offsets)."""
     block = 64 if interpreted() and device.type != "cuda" else config.SWIGLU_BLOCK
-    return PlannedLaunch(kernels.swiglu_backward_kernel, (cdiv(n_rows * f, block),), (n_experts, f),
-                         (dtype,) * 5 + (torch.int32,), BLOCK=block, num_warps=4)
+    block_c = min(config.SWIGLU_COLUMNS, next_pow2(f), block)
+    block_r = block // block_c
+    return PlannedLaunch(kernels.swiglu_backward_kernel, (cdiv(n_rows, block_r), cdiv(f, block_c)),
+                         (n_experts, f, da_stride, *pair_strides), (dtype,) * 5 + (torch.int32,),
+                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
 
 
-def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device) -> PlannedLaunch:
+def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device, grad_strides=None,
+                        dw_strides=None) -> PlannedLaunch:
     """dw[e] = x_e^T @ grad_e (and dw2[e] = x_e^T @ grad2_e when two), x_e gathered through
-    token_of_row when gather; called with (x, token_of_row or grad, grad, grad2, offsets, dw, dw2)."""
+    token_of_row when gather; called with (x, token_of_row or grad, grad, grad2, offsets, dw, dw2).
+    grad_strides: grad's and grad2's (row stride, column step), (n_j, 1) when None; dw_strides:
+    dw's and dw2's (expert, row, column) strides, contiguous when None."""
     # the weight's rows take the place of the token rows: 128-row tiles once it has 128
     cfg = config.gemm_config("weight_grad_two" if two else "weight_grad", n_i, n_j, dtype, device, n_i * n_j)
+    scalars = (n_i, n_j, x_stride, *(grad_strides or (n_j, 1)), *(dw_strides or (n_i * n_j, n_j, 1)))
     return PlannedLaunch(
-        kernels.weight_grad_kernel, (cdiv(n_i, cfg.block_m) * cdiv(n_j, cfg.block_n), n_experts), (n_i, n_j, x_stride),
+        kernels.weight_grad_kernel, (cdiv(n_i, cfg.block_m) * cdiv(n_j, cfg.block_n), n_experts), scalars,
         (dtype, torch.int32 if gather else dtype, dtype, dtype, torch.int32, dtype, dtype),
         BLOCK_I=cfg.block_m, BLOCK_J=cfg.block_n, BLOCK_R=cfg.block_k, GATHER=gather, TWO=two,
         UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -284,19 +297,20 @@ def grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides
 
 
 def swiglu_backward(d_a, gate, up, offsets, dg, du):
-    """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place)."""
+    """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place).
+    gate, up, dg and du share one layout (row stride, column step), d_a has unit columns."""
     if d_a.numel():
-        _swiglu_launch(d_a.shape[0], d_a.shape[1], offsets.shape[0] - 1, d_a.dtype, d_a.device)(
-            d_a, gate, up, dg, du, offsets)
+        _swiglu_launch(d_a.shape[0], d_a.shape[1], offsets.shape[0] - 1, d_a.stride(0), gate.stride(), d_a.dtype,
+                       d_a.device)(d_a, gate, up, dg, du, offsets)
 
 
 def weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
     """dw[e] = x_e^T @ grad_e (and dw2[e] = x_e^T @ grad2_e); x_e gathered through token_of_row
-    when given."""
+    when given. grad and grad2 share one layout, dw and dw2 another (any strides)."""
     n_experts, n_i, n_j = dw.shape
     if n_experts and n_i and n_j:
         _weight_grad_launch(n_experts, n_i, n_j, x.stride(0), token_of_row is not None, grad2 is not None,
-                            grad.dtype, grad.device)(
+                            grad.dtype, grad.device, grad.stride(), dw.stride())(
             x, grad if token_of_row is None else token_of_row, grad, grad if grad2 is None else grad2, offsets, dw,
             dw if dw2 is None else dw2)
 
@@ -444,123 +458,180 @@ class LayerPlan:
     """One MoE layer's ten launches (forward and backward) at one call shape, made once: the
     entry points' checks and tile choices are paid when the plan is made, so a call pays its
     buffers and its launches alone (see PlannedLaunch). For `suite.arms.moe.experts`, which
-    checked its arguments; `layer_plan` makes and keeps the plans."""
+    checked its arguments; `layer_plan` makes and keeps the plans.
 
-    def __init__(self, n_tokens, d, f, n_experts, top_k, n_rows, x_stride, wg_strides, wu_strides, wd_strides,
+    The weights are the layer's autograd inputs: (w_gate, w_up, w_down), any strides, or with a
+    `GateUpLayout`, a model's (gate_up, down), whose gradients come back in that layout. The
+    forward's pre-activations g and u share one buffer, gu, laid out as the weights' gate and
+    up are: [R, 2f] in gate_up's order under a layout, else [2, R, f]. The backward's dg and du
+    take gu's layout, so under a layout they are one [R, 2f] operand: of dx (one GEMM over
+    gate_up's 2f) and of gate_up's gradient, written in the parameter's own layout."""
+
+    def __init__(self, n_tokens, d, f, n_experts, top_k, n_rows, x_stride, weights, layout: GateUpLayout | None,
                  dtype, device):
         self.n_tokens, self.d, self.f, self.n_experts, self.top_k, self.n_rows = n_tokens, d, f, n_experts, top_k, n_rows
-        self.dtype, self.device = dtype, device
-        g_e, g_d, g_f = wg_strides
-        u_e, u_d, u_f = wu_strides
-        s_e, s_f, s_d = wd_strides
-        self.up = up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device)
-        self.down = rows_launch("rows", n_rows, f, d, n_experts, wd_strides, wd_strides, False, dtype, device)
+        self.dtype, self.device, self.layout = dtype, device, layout
+        self.weight_shapes = [tuple(w.shape) for w in weights]
+        self.gu_shape = (2, n_rows, f) if layout is None else (n_rows, 2 * f)
+        self.pair_strides = (f, 1) if layout is None else (2 * f, 1 if layout.concatenated else 2)
+        wg, wu, wd = (w.stride() for w in self.views(weights))
+        # the strides the weight gradients' [E, d, f] and [E, f, d] views are written through
+        dwg, _, dwd = (w.stride() for w in self.views([torch.empty(s, device="meta") for s in self.weight_shapes]))
+        (g_e, g_d, g_f), (u_e, u_d, u_f), (s_e, s_f, s_d) = wg, wu, wd
+        self.up = up_launch(n_rows, n_experts, d, f, x_stride, wg, wu, dtype, device, pair_strides=self.pair_strides)
+        self.down = rows_launch("rows", n_rows, f, d, n_experts, wd, wd, False, dtype, device)
         self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
         self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
         self.d_a = rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
-                                device)
-        self.swiglu = _swiglu_launch(n_rows, f, n_experts, dtype, device)
-        self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device)
-        self.dx = rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
-        self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device)
+                               device)
+        self.swiglu = _swiglu_launch(n_rows, f, n_experts, f, self.pair_strides, dtype, device)
+        self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device, dw_strides=dwd)
+        if layout is None:
+            self.dx = rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
+        else:  # dgu [R, 2f] against gate_up's 2f rows: one GEMM
+            _, rows_strides = layout.rows_operand(weights[0])
+            self.dx = rows_launch("dx", n_rows, 2 * f, d, n_experts, rows_strides, rows_strides, False, dtype, device,
+                                  layer=(d, f))
+        self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device,
+                                              grad_strides=self.pair_strides, dw_strides=dwg)
         self.combine_dx = _combine_launch(n_tokens, d, top_k, False, dtype, device)
         self.vendor = config.vendor_gemms(n_rows, n_experts, d, f, dtype, device)
         if self.vendor:
             self.gather = _gather_launch(n_rows, d, x_stride, n_experts, dtype, device)
 
+    def views(self, weights):
+        """(w_gate [E, d, f], w_up [E, d, f], w_down [E, f, d]) of the weights as given."""
+        return weights if self.layout is None else self.layout.views(*weights)
+
+    def halves(self, gu):
+        """g and u (or dg and du) of a pair buffer in gu's layout."""
+        return gu.unbind(0) if self.layout is None else self.layout.halves(gu)
+
     def _empty(self, *shape, dtype=None):
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
 
-    def forward(self, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=False):
-        """expert_up, expert_down and combine: -> (out, a, g, u, y_rows). one_buffer: a, g and u
-        as views of one allocation (not for a custom op, whose outputs must not share memory)."""
+    def forward(self, x, probs, weights, token_of_row, offsets, row_id_map, one_buffer=False):
+        """expert_up, expert_down and combine: -> (out, a, gu, y_rows). one_buffer: a and gu as
+        views of one allocation (not for a custom op, whose outputs must not share memory)."""
         rows, f = self.n_rows, self.f
-        if one_buffer:  # each slab starts 16-byte aligned, as the kept launches need
+        w_gate, w_up, w_down = self.views(weights)
+        if one_buffer:  # each [R, f] slab starts 16-byte aligned, as the kept launches need
             n = rows * f
             slab = -(-n * self.dtype.itemsize // 16) * 16 // self.dtype.itemsize
             flat = torch.empty(3 * slab, dtype=self.dtype, device=self.device)
-            a, g, u = flat.as_strided((3, rows, f), (slab, f, 1)).unbind(0)  # two calls, not six
+            a = flat[:n].view(rows, f)
+            gu = (flat.as_strided((2, rows, f), (slab, f, 1), slab) if self.layout is None
+                  else flat[slab:slab + 2 * n].view(rows, 2 * f))
         else:
-            a, g, u = self._empty(rows, f), self._empty(rows, f), self._empty(rows, f)
+            a, gu = self._empty(rows, f), self._empty(*self.gu_shape)
         y_rows, out = self._empty(rows, self.d), self._empty(self.n_tokens, self.d)
-        self.up(x, w_gate, w_up, token_of_row, offsets, a, g, u)
+        self.up(x, w_gate, w_up, token_of_row, offsets, a, *self.halves(gu))
         self.down(a, a, w_down, w_down, offsets, y_rows)
         self.combine(y_rows, row_id_map, probs, out)
-        return out, a, g, u, y_rows
+        return out, a, gu, y_rows
 
-    def backward(self, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map,
+    def backward(self, grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map,
                  reuse_saved=False):
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
-        -> (dx, grad_probs, dw_gate, dw_up, dw_down). reuse_saved: the forward's a, g, u and
-        y_rows are dead after this backward (autograd keeps no graph), so its temporaries go
-        into them, each once the launches that read it are done: three allocations fewer."""
-        rows, d, f, n_experts = self.n_rows, self.d, self.f, self.n_experts
+        -> (dx, grad_probs, the weights' gradients in their shapes and layout). reuse_saved: the
+        forward's a, gu and y_rows are dead after this backward (autograd keeps no graph), so its
+        temporaries go into them, each once the launches that read it are done."""
+        rows, d, f, layout = self.n_rows, self.d, self.f, self.layout
+        _, _, w_down = self.views(weights)
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
         w_down_t = w_down.transpose(1, 2)
-        if self.vendor and config.grouped_mm_ready(a.t(), w_down_t, g, u):  # a weight view may be misaligned
-            return self._vendor_backward(grad_rows, grad_probs, x, w_gate, w_up, w_down_t, a, g, u, y_rows,
-                                         token_of_row, offsets, row_id_map, reuse_saved)
-        dw_down = self._empty(n_experts, f, d)
-        self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, dw_down, dw_down)
+        # a weight view may be misaligned; under a layout dg and du go to grouped_mm as one [R, 2f]
+        pairs = self.halves(gu) if layout is None else (gu,)
+        if self.vendor and config.grouped_mm_ready(a.t(), w_down_t, *pairs):
+            return self._vendor_backward(grad_rows, grad_probs, x, weights, w_down_t, a, gu, y_rows, token_of_row,
+                                         offsets, row_id_map, reuse_saved)
+        d_down = self._empty(*self.weight_shapes[-1])
+        d_down_view = d_down if layout is None else layout.down_view(d_down)
+        self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, d_down_view, d_down_view)
         if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
-            d_a, dg, du, dx_rows = a, g, u, y_rows
+            d_a, dgu, dx_rows = a, gu, y_rows
         else:
-            dg, du, dx_rows = self._empty(rows, f), self._empty(rows, f), self._empty(rows, d)
-            d_a = du
+            dgu, dx_rows = self._empty(*self.gu_shape), self._empty(rows, d)
+            d_a = dgu[1] if layout is None else self._empty(rows, f)  # du's [R, f] rows, where they are whole
         self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
-        self.swiglu(d_a, g, u, dg, du, offsets)
-        dw_gate, dw_up = self._empty(n_experts, d, f), self._empty(n_experts, d, f)
-        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
-        self.dw_gate_up(x, token_of_row, dg, du, offsets, dw_gate, dw_up)
+        dg, du = self.halves(dgu)
+        self.swiglu(d_a, *self.halves(gu), dg, du, offsets)
+        self._dx(weights, dgu, offsets, dx_rows)
+        if layout is None:
+            d_gate, d_up = self._empty(self.n_experts, d, f), self._empty(self.n_experts, d, f)
+            grads = (d_gate, d_up, d_down)
+        else:
+            d_gate_up = self._empty(*self.weight_shapes[0])
+            d_gate, d_up = layout.gate_up_views(d_gate_up)
+            grads = (d_gate_up, d_down)
+        self.dw_gate_up(x, token_of_row, dg, du, offsets, d_gate, d_up)
         dx = self._empty(self.n_tokens, d)
         # each token's k slots summed in slot order, so dx repeats its bits run to run
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
-        return dx, grad_probs, dw_gate, dw_up, dw_down
+        return dx, grad_probs, grads
 
-    def _vendor_backward(self, grad_rows, grad_probs, x, w_gate, w_up, w_down_t, a, g, u, y_rows, token_of_row,
-                         offsets, row_id_map, reuse_saved):
-        """backward's rest with torch._grouped_mm for d_a and the weight gradients (`config.vendor_gemms`),
-        the same sums as expert_down_backward and expert_up_backward take there."""
-        ends = offsets[1:]
-        dw_down = torch._grouped_mm(a.t(), grad_rows, offs=ends)
-        d_a = torch._grouped_mm(grad_rows, w_down_t, offs=ends)
-        if reuse_saved:  # dg and du over g and u (swiglu reads each first); x's rows in y_rows
-            dg, du, x_rows = g, u, y_rows
+    def _dx(self, weights, dgu, offsets, dx_rows):
+        """dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one accumulator: under a layout one
+        GEMM of dgu against gate_up's 2f rows, else the two pairs in turn."""
+        if self.layout is None:
+            self.dx(*self.halves(dgu), weights[0], weights[1], offsets, dx_rows)
         else:
-            dg, du, x_rows = self._empty(self.n_rows, self.f), self._empty(self.n_rows, self.f), self._empty(
-                self.n_rows, self.d)
-        self.swiglu(d_a, g, u, dg, du, offsets)
+            self.dx(dgu, dgu, weights[0], weights[0], offsets, dx_rows)
+
+    def _vendor_backward(self, grad_rows, grad_probs, x, weights, w_down_t, a, gu, y_rows, token_of_row, offsets,
+                         row_id_map, reuse_saved):
+        """backward's rest with torch._grouped_mm for d_a and the weight gradients (`config.vendor_gemms`),
+        the same sums as expert_down_backward and expert_up_backward take there. Each gradient
+        GEMM's [E, M, N] output is its parameter's layout: [out, in] GEMMs for a model's
+        [E, out, in] weights, and gate_up's in one GEMM over dgu."""
+        ends = offsets[1:]
+        layout = self.layout
+        out_in = layout is not None and not layout.transposed
+        grouped_mm = torch._grouped_mm
+        d_down = grouped_mm(grad_rows.t(), a, offs=ends) if out_in else grouped_mm(a.t(), grad_rows, offs=ends)
+        d_a = grouped_mm(grad_rows, w_down_t, offs=ends)
+        if reuse_saved:  # dg and du over g and u (swiglu reads each first); x's rows in y_rows
+            dgu, x_rows = gu, y_rows
+        else:
+            dgu, x_rows = self._empty(*self.gu_shape), self._empty(self.n_rows, self.d)
+        dg, du = self.halves(dgu)
+        self.swiglu(d_a, *self.halves(gu), dg, du, offsets)
         self.gather(x, token_of_row, offsets, x_rows)
-        dw_gate, dw_up = vendor_dw_gate_up(x_rows, dg, du, offsets)
+        if layout is None:
+            grads = (*vendor_dw_gate_up(x_rows, dg, du, offsets), d_down)
+        else:
+            d_gate_up = grouped_mm(dgu.t(), x_rows, offs=ends) if out_in else grouped_mm(x_rows.t(), dgu, offs=ends)
+            grads = (d_gate_up, d_down)
         dx_rows = x_rows  # x's rows are read by now
-        self.dx(dg, du, w_gate, w_up, offsets, dx_rows)
+        self._dx(weights, dgu, offsets, dx_rows)
         dx = self._empty(self.n_tokens, self.d)
         self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
-        return dx, grad_probs, dw_gate, dw_up, dw_down
+        return dx, grad_probs, grads
 
 
 _layer_plans: dict[tuple, LayerPlan] = {}
 config.kept_choices.append(_layer_plans)
 
 
-def layer_plan(x, w_gate, w_up, w_down, n_rows: int, top_k: int) -> LayerPlan | None:
+def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int) -> LayerPlan | None:
     """The kept LayerPlan of this call shape, or None where the entry points must take the call
-    (an empty dimension, a dtype or device they refuse: they name it)."""
+    (an empty dimension, a dtype or device they refuse: they name it). weights: (w_gate, w_up,
+    w_down), or a model's (gate_up, down) in `layout`."""
     n_tokens, d = x.shape
+    w_gate = weights[0] if layout is None else layout.gate_up_views(weights[0])[0]
     n_experts, _, f = w_gate.shape
     dtype, device = x.dtype, x.device
     if not (n_tokens and d and f and n_experts and n_rows and dtype in FLOAT_DTYPES and x.stride(1) == 1
-            and w_gate.dtype == dtype and w_up.dtype == dtype and w_down.dtype == dtype
-            and w_gate.device == device and w_up.device == device and w_down.device == device
+            and all(w.dtype == dtype and w.device == device for w in weights)
             and (device.type == "cuda" or interpreted())):
         return None
-    key = (n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), w_gate.stride(), w_up.stride(), w_down.stride(),
+    key = (n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), tuple(w.stride() for w in weights), layout,
            dtype, device, os.environ.get("SUITE_PROFILE"))
     plan = _layer_plans.get(key)
     if plan is None:
         if len(_layer_plans) >= config.MAX_KEPT_CONFIGS:
             _layer_plans.clear()
-        plan = _layer_plans[key] = LayerPlan(n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), w_gate.stride(),
-                                             w_up.stride(), w_down.stride(), dtype, device)
+        plan = _layer_plans[key] = LayerPlan(n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), weights, layout,
+                                             dtype, device)
     return plan

@@ -7,8 +7,10 @@ w_down [E, f, d]:
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager autograd
 reference (gradients for x, the weights and probs, hence the logits); `experts` is the same
 layer on the Triton kernels of `launch` (forward and backward, no host sync) behind one autograd
-node, eager and under torch.compile (where the kernels run as custom ops); `MoEExperts` is the
-module: router, top-k routing and experts, either impl. The float64 truth the gate judges against is the gate's
+node, eager and under torch.compile (where the kernels run as custom ops); `gate_up_experts`
+takes a model's fused gate_up and down as it stores them, and gives their gradients back in
+that layout (`weights.GateUpLayout`); `MoEExperts` is the module: router, top-k routing and
+experts, either impl. The float64 truth the gate judges against is the gate's
 (gates/moe_bwd.py).
 """
 
@@ -32,6 +34,7 @@ from suite.arms.moe.routing import (
     route,
     route_grads,
 )
+from suite.arms.moe.weights import GateUpLayout
 from suite.triton_support import runs_on
 
 
@@ -92,36 +95,51 @@ def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> t
     return out.to(x.dtype)
 
 
-def _plan(x, probs, w_gate, w_up, w_down, token_of_row) -> launch.LayerPlan | None:
-    return launch.layer_plan(x, w_gate, w_up, w_down, token_of_row.shape[0], probs.shape[1])
+def _plan(x, probs, weights, layout, token_of_row) -> launch.LayerPlan | None:
+    return launch.layer_plan(x, weights, layout, token_of_row.shape[0], probs.shape[1])
 
 
-def _experts_forward(plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, eager=False):
-    """-> (out, and what the backward reads: a, g, u, y_rows). Every buffer is sized by the
+def _experts_forward(plan, x, probs, weights, layout, token_of_row, offsets, row_id_map, eager=False):
+    """-> (out, and what the backward reads: a, gu, y_rows). Every buffer is sized by the
     routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
-    never read. Through the call shape's kept LayerPlan (`launch.layer_plan`) where there is one; eager
-    (not a custom op): a, g and u share one allocation."""
+    never read. Through the call shape's kept LayerPlan (`launch.layer_plan`) where there is one
+    (eager, not a custom op: a and gu share one allocation), else through the entry points,
+    which name what they refuse; gu is laid out as the plan lays it (see LayerPlan)."""
     if plan is not None:
-        return plan.forward(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map, one_buffer=eager)
+        return plan.forward(x, probs, weights, token_of_row, offsets, row_id_map, one_buffer=eager)
+    w_gate, w_up, w_down = weights if layout is None else layout.views(*weights)
     a, g, u = launch.expert_up(x, w_gate, w_up, token_of_row, offsets)
     y_rows = launch.expert_down(a, w_down, offsets)
-    return launch.combine(y_rows, row_id_map, probs), a, g, u, y_rows
+    if layout is None:
+        gu = torch.stack((g, u))
+    else:
+        gu = g.new_empty(g.shape[0], 2 * g.shape[1])
+        for half, value in zip(layout.halves(gu), (g, u)):
+            half.copy_(value)
+    return launch.combine(y_rows, row_id_map, probs), a, gu, y_rows
 
 
-def _experts_backward(plan, grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                      row_id_map, reuse_saved=False):
-    """-> (dx, dprobs, dw_gate, dw_up, dw_down). reuse_saved: a, g, u and y_rows are dead after
-    this call, and the plan may write into them."""
+def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map,
+                      reuse_saved=False):
+    """-> (dx, dprobs, the weights' gradients in their shapes and layout). reuse_saved: a, gu
+    and y_rows are dead after this call, and the plan may write into them."""
     grad_out = grad_out.contiguous()
-    if plan is not None and grad_out.dtype == plan.dtype:
-        return plan.backward(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets,
-                             row_id_map, reuse_saved)
+    if plan is not None:
+        return plan.backward(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map,
+                             reuse_saved)
+    w_gate, w_up, w_down = weights if layout is None else layout.views(*weights)
+    g, u = (t.contiguous() for t in (gu.unbind(0) if layout is None else layout.halves(gu)))
     grad_rows, grad_probs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
     dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
     dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
     # each token's k slots summed in slot order, so dx repeats its bits run to run
     dx = launch.combine(dx_rows, row_id_map, top_k=probs.shape[1])
-    return dx, grad_probs, dw_gate, dw_up, dw_down
+    if layout is None:
+        return dx, grad_probs, (dw_gate, dw_up, dw_down)
+    grads = tuple(w.new_empty(w.shape) for w in weights)
+    for view, value in zip(layout.views(*grads), (dw_gate, dw_up, dw_down)):
+        view.copy_(value)
+    return dx, grad_probs, grads
 
 
 # whether the running backward keeps its graph; where torch lacks the query, assume it does
@@ -129,16 +147,19 @@ _graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", 
 
 
 class _ExpertsFunction(torch.autograd.Function):
-    """The experts' one autograd node, eager and under torch.compile: `experts` gives it a
-    routing's probs and layout; `fused_layer` gives it the logits and `route`, the routing's
-    arguments (k, renormalize, capacity, max_rows, z_loss), and the routing's launches run in
-    the same node (one node's dispatch instead of two; the same bits as route() then experts()).
-    Eager calls run the kernels through the call shape's LayerPlan; under torch.compile the same
-    kernels run as the custom ops below, which dynamo cannot see into."""
+    """The experts' one autograd node, eager and under torch.compile. Its weights are w1, w2,
+    w3 = (w_gate, w_up, w_down), or with a GateUpLayout, (gate_up, down, None): a model's own
+    tensors, whose gradients it returns in their layout. `experts` gives it a routing's probs
+    and layout; `fused_layer` gives it the logits and `route`, the routing's arguments (k,
+    renormalize, capacity, max_rows, z_loss), and the routing's launches run in the same node
+    (one node's dispatch instead of two; the same bits as route() then experts()). Eager calls
+    run the kernels through the call shape's LayerPlan; under torch.compile the same kernels
+    run as the custom ops below, which dynamo cannot see into."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, probs, token_of_row, offsets, row_id_map, logits, route):
-        ctx.compiled = torch.compiler.is_compiling()
+    def forward(ctx, x, w1, w2, w3, layout, probs, token_of_row, offsets, row_id_map, logits, route):
+        weights = (w1, w2) if layout is not None else (w1, w2, w3)
+        ctx.compiled, ctx.layout = torch.compiler.is_compiling(), layout
         ctx.route, lse, expert_ids, z = route, None, None, None
         if route is not None:
             k, renormalize, capacity, max_rows, z_loss = route
@@ -148,13 +169,12 @@ class _ExpertsFunction(torch.autograd.Function):
             z = z if z_loss else None
         if ctx.compiled:
             ctx.plan = None
-            out, *saved = _experts_op(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map)
+            out, *saved = _experts_op(x, probs, list(weights), token_of_row, offsets, row_id_map, *_flags(layout))
         else:
-            ctx.plan = _plan(x, probs, w_gate, w_up, w_down, token_of_row)  # the backward's too: one lookup
-            out, *saved = _experts_forward(ctx.plan, x, probs, w_gate, w_up, w_down, token_of_row, offsets,
-                                           row_id_map, eager=True)
-        ctx.save_for_backward(x, probs, w_gate, w_up, w_down, *saved, token_of_row, offsets, row_id_map, logits, lse,
-                              expert_ids)
+            ctx.plan = _plan(x, probs, weights, layout, token_of_row)  # the backward's too: one lookup
+            out, *saved = _experts_forward(ctx.plan, x, probs, weights, layout, token_of_row, offsets, row_id_map,
+                                           eager=True)
+        ctx.save_for_backward(x, probs, *saved, token_of_row, offsets, row_id_map, logits, lse, expert_ids, *weights)
         # the z-loss's gradient may never come (set_materialize_grads: no zeros made for it)
         ctx.set_materialize_grads(False)
         return out, z
@@ -162,23 +182,27 @@ class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, grad_z):
-        *experts_saved, logits, lse, expert_ids = ctx.saved_tensors
-        dx = dw_gate = dw_up = dw_down = grad_probs = None
+        x, probs, a, gu, y_rows, token_of_row, offsets, row_id_map, logits, lse, expert_ids, *weights = ctx.saved_tensors
+        dx = grad_probs = None
+        grads = (None,) * len(weights)
         if grad_out is not None:
             if ctx.compiled:
-                dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward_op(grad_out.contiguous(), *experts_saved)
+                dx, grad_probs, *grads = _experts_backward_op(grad_out.contiguous(), x, probs, weights, a, gu, y_rows,
+                                                              token_of_row, offsets, row_id_map, *_flags(ctx.layout))
             else:
                 # the saved activations die with this backward unless the graph is kept
                 # (retain_graph, create_graph): only then may it write its temporaries into them
-                dx, grad_probs, dw_gate, dw_up, dw_down = _experts_backward(
-                    ctx.plan, grad_out, *experts_saved, reuse_saved=not _graph_kept())
+                dx, grad_probs, grads = _experts_backward(ctx.plan, grad_out, x, probs, weights, ctx.layout, a, gu,
+                                                          y_rows, token_of_row, offsets, row_id_map,
+                                                          reuse_saved=not _graph_kept())
+        w1, w2, w3 = (*grads, None) if ctx.layout is not None else grads
         if ctx.route is None:
-            return dx, dw_gate, dw_up, dw_down, grad_probs, None, None, None, None, None
+            return dx, w1, w2, w3, None, grad_probs, None, None, None, None, None
         renormalize, z_loss = ctx.route[1], ctx.route[4]
         backward = torch.ops.suite.moe_route_backward if ctx.compiled else route_kernels.route_backward
-        dlogits = route_grads(grad_probs, grad_z if z_loss else None, backward, logits, lse, expert_ids,
-                              experts_saved[1], renormalize)
-        return dx, dw_gate, dw_up, dw_down, None, None, None, None, dlogits, None
+        dlogits = route_grads(grad_probs, grad_z if z_loss else None, backward, logits, lse, expert_ids, probs,
+                              renormalize)
+        return dx, w1, w2, w3, None, None, None, None, None, dlogits, None
 
 
 def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
@@ -188,7 +212,28 @@ def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
     torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, probs, routing.token_of_row,
+    out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, probs, routing.token_of_row,
+                                    routing.offsets, routing.row_id_map, None, None)
+    return out
+
+
+def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed: bool = False,
+                    concatenated: bool = True) -> torch.Tensor:
+    """`experts` on a model's own fused weights as it stores them (transformers' flags:
+    `GateUpLayout`): gate_up_proj [E, 2f, d] and down_proj [E, d, f], or [E, d, 2f] and
+    [E, f, d] when transposed; gate's f then up's along 2f when concatenated, else alternating.
+    Their gradients come back in that same layout, written there by the kernels, so autograd
+    adds no copy of weight-sized memory on the way to the parameters. The same maths as
+    `experts` on `GateUpLayout(...).views(gate_up_proj, down_proj)`."""
+    layout = GateUpLayout(bool(transposed), bool(concatenated))
+    if not isinstance(routing, Routing):
+        raise TypeError(f"gate_up_experts: routing must be a Routing from route() or routing_from_topk(), got "
+                        f"{type(routing).__name__}")
+    layout.sizes(gate_up_proj, down_proj, "gate_up_experts")
+    _check_expert_tensors("gate_up_experts", x, routing.num_tokens, routing.num_experts,
+                          *layout.views(gate_up_proj, down_proj))
+    probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
+    out, _ = _ExpertsFunction.apply(x.contiguous(), gate_up_proj, down_proj, None, layout, probs, routing.token_of_row,
                                     routing.offsets, routing.row_id_map, None, None)
     return out
 
@@ -203,42 +248,55 @@ def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     route = (k, renormalize, num_tokens * k if capacity is None else capacity,
              row_bound(num_tokens, k, num_experts, capacity), z_loss)
-    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, None, None, None, logits, route)
+    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, None, None, None, None, logits, route)
 
 
 # ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions;
-# ---- the autograd node above calls them, so they carry no autograd of their own
+# ---- the autograd node above calls them, so they carry no autograd of their own. Their
+# ---- weights: three (w_gate, w_up, w_down), or two (gate_up, down) in the layout the flags name
+
+
+def _flags(layout: GateUpLayout | None) -> tuple[bool, bool]:
+    return (False, True) if layout is None else (layout.transposed, layout.concatenated)
+
+
+def _layout_of(weights, transposed: bool, concatenated: bool) -> GateUpLayout | None:
+    return GateUpLayout(transposed, concatenated) if len(weights) == 2 else None
 
 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
-def _experts_op(x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                token_of_row: torch.Tensor, offsets: torch.Tensor, row_id_map: torch.Tensor) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _experts_forward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), x, probs, w_gate, w_up, w_down,
-                            token_of_row, offsets, row_id_map)
+def _experts_op(x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor], token_of_row: torch.Tensor,
+                offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout = _layout_of(weights, transposed, concatenated)
+    return _experts_forward(_plan(x, probs, weights, layout, token_of_row), x, probs, weights, layout, token_of_row,
+                            offsets, row_id_map)
 
 
 @_experts_op.register_fake
-def _(x, probs, w_gate, w_up, w_down, token_of_row, offsets, row_id_map):
-    rows, (_, d, f) = token_of_row.shape[0], w_gate.shape
-    return (x.new_empty(x.shape[0], d), x.new_empty(rows, f), x.new_empty(rows, f), x.new_empty(rows, f),
-            x.new_empty(rows, d))
+def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated):
+    layout = _layout_of(weights, transposed, concatenated)
+    rows = token_of_row.shape[0]
+    _, d, f = (weights[0] if layout is None else layout.gate_up_views(weights[0])[0]).shape
+    gu_shape = (2, rows, f) if layout is None else (rows, 2 * f)
+    return x.new_empty(x.shape[0], d), x.new_empty(rows, f), x.new_empty(gu_shape), x.new_empty(rows, d)
 
 
 @torch.library.custom_op("suite::moe_experts_backward", mutates_args=())
-def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, w_gate: torch.Tensor,
-                         w_up: torch.Tensor, w_down: torch.Tensor, a: torch.Tensor, g: torch.Tensor, u: torch.Tensor,
-                         y_rows: torch.Tensor, token_of_row: torch.Tensor, offsets: torch.Tensor,
-                         row_id_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                            torch.Tensor]:
-    return _experts_backward(_plan(x, probs, w_gate, w_up, w_down, token_of_row), grad_out, x, probs, w_gate, w_up,
-                             w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map)
+def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor],
+                         a: torch.Tensor, gu: torch.Tensor, y_rows: torch.Tensor, token_of_row: torch.Tensor,
+                         offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool,
+                         concatenated: bool) -> list[torch.Tensor]:
+    """-> [dx, dprobs, the weights' gradients, in their shapes]."""
+    layout = _layout_of(weights, transposed, concatenated)
+    dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row), grad_out, x, probs,
+                                              weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map)
+    return [dx, grad_probs, *grads]
 
 
 @_experts_backward_op.register_fake
-def _(grad_out, x, probs, w_gate, w_up, w_down, a, g, u, y_rows, token_of_row, offsets, row_id_map):
-    return (x.new_empty(x.shape), probs.new_empty(probs.shape), w_gate.new_empty(w_gate.shape),
-            w_up.new_empty(w_up.shape), w_down.new_empty(w_down.shape))
+def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map, transposed, concatenated):
+    return [x.new_empty(x.shape), probs.new_empty(probs.shape), *(w.new_empty(w.shape) for w in weights)]
 
 
 EXPERTS_IMPLS = ("fused", "eager")

@@ -12,8 +12,8 @@ import torch
 from suite import triton_support
 from suite.arms import moe
 from suite.arms.moe import config, launch, layer
-from suite.arms.moe.kernels import rows_tma_kernel, up_tma_kernel
-from gates.moe_bwd import experts_truth, routing_truth
+from gates.moe_truth import experts_truth, routing_truth
+from moepaths import PATHS, force_path
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
 T, D, F = 19, 40, 24
@@ -208,56 +208,11 @@ def gpu_inputs(tokens=2048, d=520, f=352, num_experts=8, seed=5):
     return x, weights, logits, grad_out
 
 
-# the layer's paths: our pointer-fed kernels alone; the row GEMMs (up, down, d_a, dx) through
-# TMA descriptors (`tma_gemms`); and those with d_a and the weight gradients through
-# torch._grouped_mm (`vendor_gemms`: the H200 at the model presets) -> (TMA launches of a
-# forward, of a backward; grouped_mm calls of a backward)
-PATHS = {"kernels": (0, 0, 0), "tma": (2, 2, 0), "tma+grads": (2, 1, 4)}
-
-
-class PathCounts:
-    """What a forced path launched: the TMA kernels and torch._grouped_mm's calls, counted so a
-    test can tell the path ran rather than fell back."""
-
-    def __init__(self):
-        self.tma, self.grouped_mm = [], []
-
-    def times(self, path: str, forwards: int = 1, backwards: int | None = None) -> bool:
-        """Whether the counts are the path's for that many forwards and backwards (as many)."""
-        backwards = forwards if backwards is None else backwards
-        tma_forward, tma_backward, grouped_mm = PATHS[path]
-        return (len(self.tma), len(self.grouped_mm)) == (
-            forwards * tma_forward + backwards * tma_backward, backwards * grouped_mm)
-
-
-
 @pytest.fixture(autouse=True)
 def _paths_forced_here_stay_here():
     """A plan kept under a forced path must not serve a later test of the same shape."""
     yield
     config.forget()
-
-
-def _force_path(monkeypatch, path: str) -> PathCounts:
-    """Forces the path whatever the layer's size (the rules keep our pointer kernels at these
-    test sizes)."""
-    counts = PathCounts()
-    grouped_mm = getattr(torch, "_grouped_mm", None)
-    if grouped_mm is not None:  # counted on every path: the kernels' must make no call
-        monkeypatch.setattr(torch, "_grouped_mm",
-                            lambda *a, **kw: counts.grouped_mm.append(a[0].shape) or grouped_mm(*a, **kw))
-    launch = triton_support.Launcher.__call__
-
-    def counted(self, grid, *args):
-        if self.kernel in (up_tma_kernel, rows_tma_kernel):
-            counts.tma.append(self.kernel)
-        return launch(self, grid, *args)
-
-    monkeypatch.setattr(triton_support.Launcher, "__call__", counted)
-    monkeypatch.setattr(config, "tma_gemms", lambda *args: path != "kernels")
-    monkeypatch.setattr(config, "vendor_gemms", lambda *args: "grads" in path)
-    config.forget()  # plans kept per call shape hold the path
-    return counts
 
 
 def gpu_bf16_args():
@@ -277,7 +232,7 @@ def _skip_off_sm90(path: str) -> None:
 @pytest.mark.parametrize("path", PATHS)
 def test_bf16_arm_is_as_close_to_the_truth_as_the_bf16_reference_and_repeats(path, monkeypatch):
     _skip_off_sm90(path)
-    counts = _force_path(monkeypatch, path)
+    counts = force_path(monkeypatch, path)
     args, (x, weights, logits, grad_out) = gpu_bf16_args()
     routing, got = run(moe.experts, *args)
     _, ref = run(moe.experts_reference, *args)
@@ -306,7 +261,7 @@ def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(layout, monkey
     results = {}
     for path in ("kernels", "tma"):
         with monkeypatch.context() as patch:
-            counts = _force_path(patch, path)
+            counts = force_path(patch, path)
             results[path] = run(moe.experts, *args)[1]
             assert counts.times(path)
     for name, a, b in zip(NAMES, results["kernels"], results["tma"]):
@@ -318,7 +273,7 @@ def test_the_tma_kernels_give_the_pointer_kernels_bits_on_the_gpu(layout, monkey
 @pytest.mark.parametrize("path", PATHS)
 def test_forward_and_backward_never_sync_with_the_host(path, monkeypatch):
     _skip_off_sm90(path)
-    counts = _force_path(monkeypatch, path)
+    counts = force_path(monkeypatch, path)
     x, weights, logits, grad_out = gpu_inputs(tokens=256, d=128, f=96)
     bf16 = [t.bfloat16().requires_grad_() for t in (x, *weights)]
     logits.requires_grad_()
@@ -363,7 +318,7 @@ def test_each_path_gives_the_kernels_values(path, case, keep_graph, monkeypatch)
     num_experts, k, capacity_factor, shift = CASES[case]
     inputs = make_inputs(num_experts, seed=3, logit_shift=shift)
     kernels = run(moe.experts, *inputs, k, capacity_factor)[1]
-    counts = _force_path(monkeypatch, path)
+    counts = force_path(monkeypatch, path)
     if keep_graph:  # the backward then may not write into the saved activations
         monkeypatch.setattr(layer, "_graph_kept", lambda: True)
     planned = run(moe.experts, *inputs, k, capacity_factor)[1]
@@ -387,7 +342,7 @@ def test_a_weight_no_descriptor_can_take_goes_through_pointers(monkeypatch):
     num_experts, k, capacity_factor, shift = CASES["top2"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=4)
     want = run(moe.experts, x, weights, logits, grad_out, k)[1]
-    counts = _force_path(monkeypatch, "tma")
+    counts = force_path(monkeypatch, "tma")
     storage = torch.zeros(weights[2].numel() + 1)
     misaligned = storage[1:].view_as(weights[2]).copy_(weights[2])  # 4 bytes into its storage
     got = run(moe.experts, x, (*weights[:2], misaligned), logits, grad_out, k)[1]
@@ -412,10 +367,10 @@ def test_weights_stored_out_in_go_through_descriptors_as_stored():
     x, weights, logits, grad_out = make_inputs(num_experts, seed=5)
     out_in = [w.transpose(1, 2).contiguous().transpose(1, 2) for w in weights]
     with pytest.MonkeyPatch.context() as patch:
-        _force_path(patch, "kernels")
+        force_path(patch, "kernels")
         want = run(moe.experts, x, out_in, logits, grad_out, k)[1]
     with pytest.MonkeyPatch.context() as patch:
-        counts = _force_path(patch, "tma")
+        counts = force_path(patch, "tma")
         got = run(moe.experts, x, out_in, logits, grad_out, k)[1]
         assert counts.times("tma")
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -468,7 +423,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path
     autograd frees them after it: with retain_graph a second backward reads them intact, and
     both give the bits of a backward that did reuse them; on either path (torch._grouped_mm's
     forced on the CPU)."""
-    counts = _force_path(monkeypatch, path)
+    counts = force_path(monkeypatch, path)
     num_experts, k, capacity_factor, shift = CASES["capacity-drops"]
     x, weights, logits, grad_out = make_inputs(num_experts, seed=5, logit_shift=shift)
     leaves = [x.requires_grad_(), *(w.requires_grad_() for w in weights)]
@@ -485,13 +440,15 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path
 
 
 def test_the_forwards_shared_buffer_starts_each_activation_16_byte_aligned():
-    """a, g and u share one allocation in an eager call; rows x ffn x 4 bytes = 60 here, so each
-    slab is padded: the kept launches take only 16-byte aligned pointers."""
+    """a and the pre-activations g and u share one allocation in an eager call; rows x ffn x 4
+    bytes = 60 here, so each slab is padded: the kept launches take only 16-byte aligned
+    pointers."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, 8, generator=gen, requires_grad=True)
     weights = [torch.randn(2, 8, 5, generator=gen), torch.randn(2, 8, 5, generator=gen),
                torch.randn(2, 5, 8, generator=gen)]
     out = moe.experts(x, moe.route(torch.randn(3, 2, generator=gen), 1), *weights)
-    a, g, u = out.grad_fn.saved_tensors[5:8]
+    a, gu = out.grad_fn.saved_tensors[2:4]
+    g, u = gu.unbind(0)
     assert all(t.shape == (3, 5) and t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (a, g, u))
-    assert a.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()  # one allocation
+    assert a.untyped_storage().data_ptr() == gu.untyped_storage().data_ptr()  # one allocation

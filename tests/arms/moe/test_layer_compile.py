@@ -82,6 +82,32 @@ def test_fullgraph_compile_gives_the_eager_bits(capacity_factor):
     assert_same_bits(out_and_grads(compiled, module, x, dy), expected)
 
 
+@pytest.mark.parametrize("transposed, concatenated", [(False, True), (True, False)])
+def test_a_models_fused_weights_compile_to_the_eager_bits_in_their_layout(transposed, concatenated):
+    """gate_up_experts under fullgraph compile: the same node, its ops given the two weights and
+    the layout's flags; the eager bits, and gradients in the parameters' layout."""
+    torch.manual_seed(0)
+    gate_up, down = (p.requires_grad_() for p in fused_weights(
+        [torch.randn(EXPERTS, *shape, device=DEVICE) * 0.3 for shape in ((HIDDEN, FFN), (HIDDEN, FFN), (FFN, HIDDEN))],
+        transposed, concatenated))
+    router = torch.randn(HIDDEN, EXPERTS, device=DEVICE)
+    x, dy = inputs(9)
+
+    def step(x):
+        routing = moe.route(x @ router, K)
+        return moe.gate_up_experts(x, routing, gate_up, down, transposed=transposed, concatenated=concatenated)
+
+    def out_and_weight_grads(fn):
+        x_leaf = x.detach().requires_grad_()
+        out = fn(x_leaf)
+        return [out.detach(), *torch.autograd.grad(out, [x_leaf, gate_up, down], dy)]
+
+    expected = out_and_weight_grads(step)
+    got = out_and_weight_grads(torch.compile(step, fullgraph=True, backend="aot_eager"))
+    assert_same_bits(got, expected)
+    assert got[2].stride() == gate_up.stride() and got[3].stride() == down.stride()
+
+
 def test_dynamic_token_counts_compile_once():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -134,6 +160,14 @@ def _op_args(tokens=9):
     return logits, routing, x, routing.probs, weights
 
 
+def fused_weights(weights, transposed, concatenated):
+    """(gate_up, down) as a model stores w_gate, w_up and w_down in that layout."""
+    w_gate, w_up, w_down = weights
+    pair = torch.cat((w_gate, w_up), 2) if concatenated else torch.stack((w_gate, w_up), 3).flatten(2)
+    return ([pair.contiguous(), w_down.contiguous()] if transposed
+            else [pair.transpose(1, 2).contiguous(), w_down.transpose(1, 2).contiguous()])
+
+
 def test_opcheck_passes_for_each_op():
     logits, r, x, probs, weights = _op_args()
     slots = 9 * K
@@ -143,10 +177,15 @@ def test_opcheck_passes_for_each_op():
     torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, slots, slots))
     torch.library.opcheck(torch.ops.suite.moe_layout, (r.expert_ids, EXPERTS, 3, EXPERTS * 3))
     layout = (r.token_of_row, r.offsets, r.row_id_map)
-    torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, *weights, *layout))
-    out, a, g, u, y_rows = torch.ops.suite.moe_experts(x, probs, *weights, *layout)
-    grad_out = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.suite.moe_experts_backward, (grad_out, x, probs, *weights, a, g, u, y_rows, *layout))
+    # three weights, then a model's fused two in each layout its flags name
+    for given, flags in ((weights, (False, True)), *(
+            (fused_weights(weights, transposed, concatenated), (transposed, concatenated))
+            for transposed in (False, True) for concatenated in (True, False))):
+        torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, given, *layout, *flags))
+        out, a, gu, y_rows = torch.ops.suite.moe_experts(x, probs, given, *layout, *flags)
+        grad_out = torch.randn_like(out)
+        torch.library.opcheck(torch.ops.suite.moe_experts_backward,
+                              (grad_out, x, probs, given, a, gu, y_rows, *layout, *flags))
     probs, expert_ids, *_, lse, _ = torch.ops.suite.moe_route(logits, K, True, slots, slots, True)
     grad_probs = torch.randn(9, K, device=DEVICE)
     for grad_z in (torch.tensor(0.5, device=DEVICE), None):

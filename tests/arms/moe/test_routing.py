@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gates.moe_bwd import experts_truth
+from gates.moe_truth import experts_truth
 from suite.arms import moe
 from suite.arms.moe import routing as routing_module
 
