@@ -83,6 +83,9 @@ def _config(p: dict):
         return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(
             moe_intermediate_size=p["ffn"], intermediate_size=p["ffn"] * 4, num_experts=p["experts"],
             num_experts_per_tok=p["top_k"], norm_topk_prob=True, head_dim=p["hidden"] // p["heads"], **common)
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM, transformers.MixtralConfig(
+            intermediate_size=p["ffn"], num_local_experts=p["experts"], num_experts_per_tok=p["top_k"], **common)
     raise ValueError(f"unknown model family {family!r}")
 
 
@@ -209,22 +212,28 @@ def next_token_losses(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tens
                                              reduction="none")
 
 
-def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor) -> dict[str, Any]:
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ids: torch.Tensor,
+          final_params: bool = False) -> dict[str, Any]:
     """One step per batch of ids on the mean of next_token_losses: each step's per-token losses
-    [steps, tokens], the first step's gradients (None as zeros) and the parameters after the last
-    step. Parity judges the per-token losses, not their means: a few means are a few draws of
-    rounding noise, thousands of tokens measure it."""
+    [steps, tokens], the first step's gradients (None as zeros) and, with final_params, the
+    parameters after the last step. Parity judges the per-token losses, not their means: a few
+    means are a few draws of rounding noise, thousands of tokens measure it. Without
+    final_params the last batch takes no optimizer step: nothing judged reads it, and a
+    one-step run then holds no optimizer state (a float64 truth at a model's real widths)."""
     losses, first_grads = [], {}
     for step, batch in enumerate(ids):
         token_losses = next_token_losses(model, batch)
         token_losses.mean().backward()
-        if step == 0:
-            first_grads = {name: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                           for name, p in model.named_parameters()}
+        last = step == len(ids) - 1
+        if step == 0:  # a copy where a later step would write over the gradients
+            first_grads = {name: (p.grad.detach() if last else p.grad.detach().clone()) if p.grad is not None
+                           else torch.zeros_like(p) for name, p in model.named_parameters()}
+        losses.append(token_losses.detach())
+        if last and not final_params:
+            break
         optimizer.step()
         _zero_grad(optimizer)
-        losses.append(token_losses.detach())
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()]) if final_params else None
     return {"loss": torch.stack(losses), "grads": first_grads, "params": params}
 
 
@@ -247,7 +256,9 @@ def _kernel_contenders(preset: Preset, buffers: Buffers) -> list[str]:
 
 
 def _captured(buffers: Buffers) -> dict[str, str]:
-    return CAPTURED if buffers["ids"].is_cuda else {}
+    """The captured optimizers' bitwise runs: on CUDA, where the steps reach a replay (the
+    capture on the second, a replay on the third)."""
+    return CAPTURED if buffers["ids"].is_cuda and buffers["ids"].shape[0] >= 3 else {}
 
 
 def _optimizer_kind(setup: Setup, buffers: Buffers) -> str:
@@ -255,13 +266,14 @@ def _optimizer_kind(setup: Setup, buffers: Buffers) -> str:
     return setup.optimizer if buffers["ids"].is_cuda else setup.optimizer.removesuffix("-captured")
 
 
-def _run(setup: Setup, buffers: Buffers, preset: Preset, attention: str | None = None) -> dict[str, Any]:
+def _run(setup: Setup, buffers: Buffers, preset: Preset, attention: str | None = None,
+         final_params: bool = False) -> dict[str, Any]:
     model = prepare(setup, preset, buffers)
     if attention is not None:
         model.set_attn_implementation(attention)
     # warm-up 1: the capture on step 2, replays after it, all within the parity steps
     return train(model, make_optimizer(_optimizer_kind(setup, buffers), model, warmup_steps=1),
-                 _parity_ids(buffers, preset))
+                 _parity_ids(buffers, preset), final_params)
 
 
 def _outputs(name: str, run: dict[str, Any], bitwise: bool) -> Outputs:
@@ -277,7 +289,8 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
     for name in _kernel_contenders(preset, buffers):
         outputs.update(_outputs(name, stock, bitwise=False))
     for name, base in _captured(buffers).items():
-        outputs.update(_outputs(name, _run(SETUPS[base], buffers, preset, BITWISE_ATTENTION), bitwise=True))
+        outputs.update(_outputs(name, _run(SETUPS[base], buffers, preset, BITWISE_ATTENTION, final_params=True),
+                                bitwise=True))
     return outputs
 
 
@@ -300,7 +313,8 @@ def _arm_with(setups: dict[str, Setup]) -> Callable[[Buffers, Preset], Outputs]:
         for name in _kernel_contenders(preset, buffers):
             outputs.update(_outputs(name, _run(setups[name], buffers, preset), bitwise=False))
         for name in _captured(buffers):
-            outputs.update(_outputs(name, _run(setups[name], buffers, preset, BITWISE_ATTENTION), bitwise=True))
+            outputs.update(_outputs(name, _run(setups[name], buffers, preset, BITWISE_ATTENTION, final_params=True),
+                                    bitwise=True))
         return outputs
 
     return arm
@@ -406,20 +420,25 @@ def _build(name: str) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any
 
 
 def _contender(name: str, role: str, note: str, cases: tuple[str, ...] | None = None,
-               baseline: str | None = None) -> Contender:
-    return Contender(name, role, _build(name), note=note, cases=cases, baseline=baseline)
+               baseline: str | None = None, wide: bool = False) -> Contender:
+    """wide: timed at the wide presets too, where each contender holds a model of several GB."""
+    return Contender(name, role, _build(name), note=note, cases=cases, baseline=baseline,
+                     skip_presets=() if wide else WIDE)
 
 
 EAGER_ONLY = ("step",)
+# the models' layers at their real widths: stock, rms_norm (the judged arm) and experts alone,
+# each a whole model in memory
+WIDE = ("olmoe-wide", "qwen3-moe-wide", "mixtral-wide")
 CONTENDERS = (
     _contender("stock", "reference", "the model as transformers ships it: its norms, its default experts "
-               "(grouped_mm), torch's AdamW fused"),
+               "(grouped_mm), torch's AdamW fused", wide=True),
     # the judged claim: RMSNorm's default ("auto") never makes a step slower, in either mode
-    _contender("rms_norm", "arm", "apply_rms_norm(model) (impl auto: the model's own norm under compile)"),
+    _contender("rms_norm", "arm", "apply_rms_norm(model) (impl auto: the model's own norm under compile)", wide=True),
     _contender("all arms", "peer", "apply_rms_norm (auto) + use_suite_experts where the model has experts + "
                "CapturedOptimizer(AdamW fused)"),
     _contender("rms_norm fused", "peer", "apply_rms_norm(model, impl='fused'): the kernels in both modes"),
-    _contender("experts", "peer", "use_suite_experts(model): the fused Triton experts"),
+    _contender("experts", "peer", "use_suite_experts(model): the fused Triton experts", wide=True),
     _contender("adamw captured", "peer", "CapturedOptimizer(AdamW fused, capturable)"),
     _contender("muon", "peer", "suite Muon (eager) over muon_param_groups; AdamW for the rest",
                cases=EAGER_ONLY, baseline="stock"),
@@ -479,19 +498,23 @@ def _activation_bytes(p: dict, tokens: int, width: int) -> int:
 
 
 def _memory(preset: Preset) -> int:
-    """The most a run holds, roughly: in the bench, every eager contender's weights, gradients and
-    optimizer state at once (about 10 bytes a bf16 parameter) and one step's activations; in
-    parity, the float64 truth's (32 bytes a parameter, float64 activations) beside the
-    reference's and arms' first gradients."""
+    """The most a run holds, roughly: in the bench, the weights, gradients and optimizer state of
+    every contender timed at the preset at once (about 10 bytes a bf16 parameter) and one step's
+    activations; in parity, the float64 truth's weights and gradients (16 bytes a parameter; 16
+    more, AdamW's state, when it steps on) and float64
+    activations, beside the reference's and arms' first gradients (8 bytes a parameter)."""
     p = preset.params
-    bench = len(CONTENDERS) * 10 * _params(p) + _activation_bytes(p, _tokens(preset), 2)
-    parity = (32 + 4 * 2) * _params(p) + _activation_bytes(p, p["parity_batch"] * p["seq"], 8)
+    timed = sum(preset.name not in c.skip_presets for c in CONTENDERS)
+    bench = timed * 10 * _params(p) + _activation_bytes(p, _tokens(preset), 2)
+    truth = 32 if p["steps"] > 1 else 16
+    parity = (truth + 4 * 2) * _params(p) + _activation_bytes(p, p["parity_batch"] * p["seq"], 8)
     return max(bench, parity) + (2 << 30)
 
 
 # three steps: on a GPU the captured optimizers capture on the second and replay on the third
 _TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128, batch=2, seq=16, steps=3, dtype="float32")
 _REAL = dict(layers=8, hidden=1024, heads=16, vocab=50304, seq=1024, steps=3, dtype="bfloat16")
+_WIDE = dict(vocab=50304, batch=4, seq=2048, steps=1, dtype="bfloat16", parity_batch=1, standard=False)
 PRESETS = (
     _preset("tiny-llama", "llama", "any", ffn=96, **_TINY, note="seconds on the CPU; kernels interpreted"),
     _preset("tiny-olmoe", "olmoe", "any", ffn=32, experts=8, top_k=2, **_TINY),
@@ -504,6 +527,15 @@ PRESETS = (
             note="the same OLMoE at 16x1024 tokens"),
     _preset("qwen3-moe", "qwen3-moe", "cuda", kv_heads=4, ffn=384, experts=128, top_k=8, batch=4, **_REAL,
             note="8 layers d1024, 128 experts top-8, ffn 384, 4x1024 tokens"),
+    # the models' layers at their real widths (moe-bwd's olmoe, qwen3-30b-a3b, mixtral presets),
+    # on request: one parity step (a float64 truth of the whole model beside its bf16 runs)
+    _preset("olmoe-wide", "olmoe", "cuda", layers=4, hidden=2048, heads=16, kv_heads=16, ffn=1024, experts=64,
+            top_k=8, **_WIDE, note="4 layers d2048, 64 experts top-8, ffn 1024, 4x2048 tokens"),
+    _preset("qwen3-moe-wide", "qwen3-moe", "cuda", layers=4, hidden=2048, heads=32, kv_heads=4, ffn=768,
+            experts=128, top_k=8, **_WIDE, note="4 layers d2048, 128 experts top-8, ffn 768, 4x2048 tokens"),
+    _preset("mixtral-wide", "mixtral", "cuda", layers=2, hidden=4096, heads=32, kv_heads=8, ffn=14336, experts=8,
+            top_k=2, **{**_WIDE, "batch": 2, "vocab": 32000},
+            note="2 layers d4096, 8 experts top-2, ffn 14336, 2x2048 tokens"),
 )
 
 GATE = Gate(

@@ -131,9 +131,12 @@ class Contender:
     note: str = ""
     cases: tuple[str, ...] | None = None  # the bench cases it is timed in (None: all)
     baseline: str | None = None
+    # presets it is not timed at: where a model per contender would not fit beside the others
+    skip_presets: tuple[str, ...] = ()
 
-    def timed_in(self, case: BenchCase) -> bool:
-        return self.cases is None or case.name in self.cases
+    def timed_in(self, case: BenchCase, preset: Preset | None = None) -> bool:
+        return ((self.cases is None or case.name in self.cases)
+                and (preset is None or preset.name not in self.skip_presets))
 
 
 @dataclass(frozen=True)
@@ -191,8 +194,9 @@ class Gate:
                 return mode
         return self.parity
 
-    def contenders_for(self, case: BenchCase) -> list[Contender]:
-        return [c for c in self.contenders if c.timed_in(case)]
+    def contenders_for(self, case: BenchCase, preset: Preset | None = None) -> list[Contender]:
+        """The contenders timed in `case`, at `preset` when given."""
+        return [c for c in self.contenders if c.timed_in(case, preset)]
 
     def __post_init__(self) -> None:
         where = f"gate {self.name!r}"
@@ -209,13 +213,18 @@ class Gate:
         for case in self.benches:
             if case.presets is not None and not set(case.presets) <= presets:
                 raise ValueError(f"{where}: bench case {case.name!r} names presets the gate lacks: {case.presets}")
+        for c in self.contenders:
+            if not set(c.skip_presets) <= presets:
+                raise ValueError(f"{where}: contender {c.name!r} skips presets the gate lacks: {c.skip_presets}")
         if self.host_probe is not None and self.host_probe not in presets:
             raise ValueError(f"{where}: host_probe names no preset: {self.host_probe!r}")
         for case in self.benches:
-            timed = self.contenders_for(case)
-            for role in ("reference", "arm"):
-                if sum(c.role == role for c in timed) != 1:
-                    raise ValueError(f"{where}: bench case {case.name!r} needs exactly one {role} contender")
+            for preset in (None, *self.presets):  # every preset's contenders, and a recorded one's
+                timed = self.contenders_for(case, preset)
+                for role in ("reference", "arm"):
+                    if sum(c.role == role for c in timed) != 1:
+                        at = f" at preset {preset.name!r}" if preset is not None else ""
+                        raise ValueError(f"{where}: bench case {case.name!r} needs exactly one {role} contender{at}")
             if case.window < 1 or case.cold_calls < 1:
                 raise ValueError(f"{where}: bench case {case.name!r} needs window and cold_calls >= 1")
         modes_of = {b.name: b.modes for b in self.benches}

@@ -362,7 +362,7 @@ class Runner:
         if not run.timeable:
             return None
         unit, gate, device = run.unit, run.unit.gate, self.options.device
-        lacking = [f"{c.name}: {why}" for c in gate.contenders_for(case)
+        lacking = [f"{c.name}: {why}" for c in gate.contenders_for(case, run.preset)
                    if c.role != "peer" and (why := c.unavailable(device)) is not None]
         if lacking:
             note = f"case {case.name} not timed ({'; '.join(lacking)})"
@@ -375,7 +375,7 @@ class Runner:
                 with self._phase(run.phases, unit, "ceilings"):
                     self.progress.detail("measuring ceilings (copy bandwidth, bf16 GEMM)")
                     self._ceilings = measure_ceilings(device)
-            contenders = gate.contenders_for(case)
+            contenders = gate.contenders_for(case, run.preset)
             eager = device.type == "cuda" and "eager" in case.modes
             host_us = self._host_times(unit, case, contenders, run.phases) if eager else {}
             with self._phase(run.phases, unit, f"bench {case.name} {mode}"):

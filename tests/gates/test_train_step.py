@@ -109,6 +109,54 @@ def test_presets_declare_what_the_issue_names():
     assert {c.name for c in GATE.contenders} == set(ts.SETUPS)
 
 
+def test_the_wide_presets_are_the_moe_bwd_layers_and_fit_beside_their_three_contenders():
+    """olmoe-wide, qwen3-moe-wide and mixtral-wide run moe-bwd's model layers (d, f, E, k) as whole
+    models: on request, one parity step, stock, rms_norm and experts timed; their stated need
+    below an H200's 141 GB and above the three models' weights, gradients and AdamW state."""
+    import gates
+
+    moe = gates.get("moe-bwd")
+    step = next(case for case in GATE.benches if case.name == "step")
+    for name, layer in (("olmoe-wide", "olmoe"), ("qwen3-moe-wide", "qwen3-30b-a3b"), ("mixtral-wide", "mixtral")):
+        p, q = GATE.preset(name).params, moe.preset(layer).params
+        assert (p["hidden"], p["ffn"], p["experts"], p["top_k"]) == (q["hidden"], q["ffn"], q["experts"], q["top_k"])
+        assert p["steps"] == 1 and not GATE.preset(name).standard
+        assert [c.name for c in GATE.contenders_for(step, GATE.preset(name))] == ["stock", "rms_norm", "experts"]
+        assert 3 * 8 * ts._params(p) < GATE.preset(name).memory_bytes < 141e9, name
+    assert len(GATE.contenders_for(step, GATE.preset("olmoe"))) == len(GATE.contenders)
+
+
+def test_a_mixtral_step_runs_with_its_experts_switched_on():
+    """The mixtral family builds from a preset's params (transformers' Mixtral) and its experts
+    take the suite's kernels, with gradients in the parameters' own layout."""
+    tiny = dict(ts._TINY, family="mixtral", ffn=32, experts=4, top_k=2, parity_batch=1)
+    preset = ts.Preset("tiny-mixtral", tiny, where="any")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    model = ts.prepare(ts.SETUPS["experts"], preset, buffers)
+    assert type(model).__name__ == "MixtralForCausalLM" and model.config._experts_implementation == "suite"
+    run = ts.train(model, torch.optim.SGD(model.parameters(), lr=0.0), buffers["ids"][:1, :1])
+    assert torch.isfinite(run["loss"]).all() and run["params"] is None
+    experts = model.model.layers[0].mlp.experts
+    assert run["grads"]["model.layers.0.mlp.experts.gate_up_proj"].stride() == experts.gate_up_proj.stride()
+
+
+def test_a_run_without_final_params_takes_no_step_after_its_last_batch():
+    """One step's loss and gradients need no optimizer step: a one-step truth then holds no
+    AdamW state (the wide presets' float64 model); with final_params every batch steps."""
+    preset = GATE.preset("tiny-llama")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    calls = []
+    for batches, final_params, steps in ((1, False, 0), (1, True, 1), (3, False, 2), (3, True, 3)):
+        model = ts.build_model(preset, buffers, torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.register_step_post_hook(lambda *args: calls.append(1))
+        calls.clear()
+        run = ts.train(model, optimizer, buffers["ids"][:batches, :1], final_params)
+        assert len(calls) == steps and run["loss"].shape[0] == batches
+        assert (run["params"] is not None) == final_params
+        assert bool(optimizer.state) == bool(steps)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_compiled_steps_have_no_graph_break_and_captured_optimizers_keep_bits():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import toygate
 
@@ -69,3 +70,38 @@ def test_a_case_whose_reference_cannot_run_here_is_skipped_and_named_not_a_failu
     result = steps.finish(run)
     assert result.status == "passed" and result.bench == []
     assert result.bench_skipped == "case sum not timed (reference: transformers is not installed)"
+
+
+def test_a_contender_that_skips_a_preset_is_not_built_there_and_the_declaration_checks_it():
+    """train-step's wide presets time three of its contenders: a model each would not fit beside
+    the others. A skipped contender is not built at that preset (no row for it), and is at
+    another; a gate whose case would lose its reference or arm at a preset is refused, as is
+    a skip naming a preset the gate lacks."""
+    built = []
+
+    def recorded(name, contender):
+        def build(case, buffers, preset):
+            built.append((name, preset.name))
+            return contender.build(case, buffers, preset)
+
+        return dataclasses.replace(contender, build=build,
+                                   skip_presets=("wide",) if name == "einsum" else contender.skip_presets)
+
+    gate = dataclasses.replace(toygate.BENCH_GATE, contenders=tuple(
+        recorded(c.name, c) for c in toygate.BENCH_GATE.contenders))
+    for preset in gate.presets:
+        steps = runner(presets=[preset.name])
+        unit = Unit(gate, preset, bench=True)
+        run = steps.start(unit)
+        (case, mode), = steps.bench_plan(unit)[0]
+        timed = steps.time(run, case, mode)
+        steps.finish(run)
+        assert ("einsum" in [c.name for c in timed.contenders]) == (preset.name != "wide")
+    assert ("einsum", "tiny") in built and ("einsum", "wide") not in built
+    arm = next(c for c in gate.contenders if c.role == "arm")
+    with pytest.raises(ValueError, match="needs exactly one arm contender at preset 'wide'"):
+        dataclasses.replace(gate, contenders=tuple(
+            dataclasses.replace(c, skip_presets=("wide",)) if c is arm else c for c in gate.contenders))
+    with pytest.raises(ValueError, match="skips presets the gate lacks"):
+        dataclasses.replace(gate, contenders=(*gate.contenders[:-1], dataclasses.replace(
+            gate.contenders[-1], skip_presets=("huge",))))
