@@ -27,6 +27,13 @@ gates.get = lambda name: toys[name] if name in toys else real_get(name)
 """
 
 
+@pytest.fixture(autouse=True)
+def _not_inside_a_worker(monkeypatch):
+    """This file may itself run in an xdist worker (pytest -n 2): the runs it starts are no
+    worker of that run, so they must not read its worker id and take a GPU by it."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
 @pytest.fixture
 def suite_dir(pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makeconftest(CONFTEST)
