@@ -175,7 +175,7 @@ def test_suite_run_gpus_exits_with_the_spread_runs_code(tmp_path, monkeypatch, c
     monkeypatch.setattr(pytest_plugin, "spread", spread)
     out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu", "--preset", "tiny"])
     assert out.exit_code == 4, out.output
-    assert asked == {"workers": 2, "device": "cpu", "presets": ["tiny"]} and "the-report" in out.output
+    assert asked == {"workers": 2, "device": "cpu", "presets": ["tiny"]} and "the-report" in "".join(out.output.split())
     for bad in ("two", "0", "all"):  # all: a CPU has no GPUs to count
         out = CliRunner().invoke(app, ["run", "--gpus", bad, "--device", "cpu"])
         assert out.exit_code == 2 and "--gpus must be 'all' or a number" in out.output, (bad, out.output)
