@@ -618,10 +618,10 @@ CRITERIA = (
       for name in COMPILED_AT if not name.endswith("-4k") for peer in STRONGEST_PEERS),
     # host dispatch must not eat the win
     EagerOverGraph(1.1, presets=MODEL_PRESETS, cases=EXPERT_CASES),
-    # the block a user runs: not slower than stock (the bar above), and the aim of 1.1x it at
-    # olmoe and qwen3-30b-a3b in both, eager and compiled
-    *(Target(1.1, reference, presets=("olmoe", "qwen3-30b-a3b", "olmoe-4k", "qwen3-30b-a3b-4k"), cases=(case,))
-      for case, reference in (("block", "block grouped_mm"), ("block-compiled", "block grouped_mm compiled"))),
+    # the block a user runs, against stock in its own mode (issue 45's bars): 1.1x at olmoe and
+    # qwen3-30b-a3b at both token counts, eager and compiled; not slower at mixtral (the bar above)
+    SpeedupOver(1.1, presets=("olmoe", "qwen3-30b-a3b", "olmoe-4k", "qwen3-30b-a3b-4k"),
+                cases=("block", "block-compiled")),
 )
 
 
