@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+VIEWS = "experts on a model's weights' views fwd+bwd"
+
+
 @contextmanager
 def launches_stubbed():
     """The Python alone: no kernel launches (planned or kept: the routing's too), and CPU
@@ -125,6 +128,20 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
         result = moe.experts(leaves[0], layer_routing, *leaves[1:])
         return torch.autograd.grad(result, [*leaves, layer_probs], grad_out)
 
+    # a model's own fused weights (transformers' gate_up_proj [E, 2f, d], down_proj [E, d, f]), as
+    # use_suite_experts passes them: gate_up_experts, and the experts on their views (the old way)
+    model_layout = moe.GateUpLayout()
+    fused = [torch.cat([w_gate, w_up], 2).transpose(1, 2).contiguous().requires_grad_(),
+             w_down.transpose(1, 2).contiguous().requires_grad_()]
+
+    def gate_up_layer():
+        result = moe.gate_up_experts(leaves[0], layer_routing, *fused)
+        return torch.autograd.grad(result, [leaves[0], *fused, layer_probs], grad_out)
+
+    def views_layer():
+        result = moe.experts(leaves[0], layer_routing, *model_layout.views(*fused))
+        return torch.autograd.grad(result, [leaves[0], *fused, layer_probs], grad_out)
+
     # a model's layers share one backward: the autograd engine's start (on a GPU its hand-off to
     # the device's thread) is paid once a step, not once a layer as in experts_layer. Each layer
     # has weights of its own (shared ones would add their gradients up); their values are never
@@ -163,6 +180,8 @@ def entry_points(args: argparse.Namespace, device: torch.device) -> tuple[dict[s
 
     layers = {
         "experts fwd+bwd (autograd)": experts_layer,
+        "gate_up_experts fwd+bwd (a model's weights)": gate_up_layer,
+        VIEWS: views_layer,
         STACKED: experts_stack,
         "route (logits -> Routing)": lambda: moe.route(logits, k),
         "MoEExperts fwd+bwd (router, route, experts)": module_layer,
@@ -208,8 +227,10 @@ def measure(args: argparse.Namespace) -> dict:
     rows = []
     with nullcontext() if cuda else launches_stubbed():
         calls, layers = entry_points(args, device)
-        # on the CPU the MoEExperts layer's router runs its real matmuls there: not the host's cost
-        named = [*calls.items(), *((n, fn) for n, fn in layers.items() if cuda or not n.startswith("MoEExperts"))]
+        # on the CPU the MoEExperts layer's router runs its real matmuls there, and the views'
+        # gradients their real copies: not the host's cost
+        named = [*calls.items(), *((n, fn) for n, fn in layers.items()
+                                   if cuda or not (n.startswith("MoEExperts") or n == VIEWS))]
         blas = torch.backends.cuda.preferred_blas_library() if cuda else None
         timer = CudaTimer(device) if cuda else None
         for name, fn in named:

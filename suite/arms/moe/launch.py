@@ -537,7 +537,7 @@ class LayerPlan:
         forward's a, gu and y_rows are dead after this backward (autograd keeps no graph), so its
         temporaries go into them, each once the launches that read it are done."""
         rows, d, f, layout = self.n_rows, self.d, self.f, self.layout
-        _, _, w_down = self.views(weights)
+        w_down = weights[2] if layout is None else layout.down_view(weights[1])
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
         w_down_t = w_down.transpose(1, 2)
@@ -619,8 +619,7 @@ def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int)
     (an empty dimension, a dtype or device they refuse: they name it). weights: (w_gate, w_up,
     w_down), or a model's (gate_up, down) in `layout`."""
     n_tokens, d = x.shape
-    w_gate = weights[0] if layout is None else layout.gate_up_views(weights[0])[0]
-    n_experts, _, f = w_gate.shape
+    n_experts, _, f = weights[0].shape if layout is None else layout.dims(weights[0])
     dtype, device = x.dtype, x.device
     if not (n_tokens and d and f and n_experts and n_rows and dtype in FLOAT_DTYPES and x.stride(1) == 1
             and all(w.dtype == dtype and w.device == device for w in weights)

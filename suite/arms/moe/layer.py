@@ -53,17 +53,24 @@ def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) 
     if w_gate.dim() != 3:
         raise ValueError(f"{fn}: w_gate must be [experts, hidden, ffn], got shape {tuple(w_gate.shape)}")
     weight_experts, d, f = w_gate.shape
+    _check_tokens(fn, x, d, num_tokens, num_experts, weight_experts)
+    if w_up.shape != (weight_experts, d, f) or w_down.shape != (weight_experts, f, d):
+        raise ValueError(
+            f"{fn}: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
+            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
+        )
+
+
+def _check_tokens(fn, x, d, num_tokens, num_experts, weight_experts) -> None:
+    """x [num_tokens, d], and the routing's experts the weights'."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: x must be a tensor, got {type(x).__name__}")
     if x.dim() != 2 or x.shape[1] != d:
         raise ValueError(f"{fn}: x must be [tokens, {d}], got shape {tuple(x.shape)}")
     if x.shape[0] != num_tokens:
         raise ValueError(f"{fn}: x has {x.shape[0]} tokens but the routing has {num_tokens}")
     if num_experts != weight_experts:
         raise ValueError(f"{fn}: the routing has {num_experts} experts but the weights {weight_experts}")
-    if w_up.shape != (weight_experts, d, f) or w_down.shape != (weight_experts, f, d):
-        raise ValueError(
-            f"{fn}: weights must be w_gate/w_up [E, d, f] and w_down [E, f, d], got "
-            f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}"
-        )
 
 
 def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -229,9 +236,8 @@ def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed:
     if not isinstance(routing, Routing):
         raise TypeError(f"gate_up_experts: routing must be a Routing from route() or routing_from_topk(), got "
                         f"{type(routing).__name__}")
-    layout.sizes(gate_up_proj, down_proj, "gate_up_experts")
-    _check_expert_tensors("gate_up_experts", x, routing.num_tokens, routing.num_experts,
-                          *layout.views(gate_up_proj, down_proj))
+    num_experts, d, _ = layout.sizes(gate_up_proj, down_proj, "gate_up_experts")
+    _check_tokens("gate_up_experts", x, d, routing.num_tokens, routing.num_experts, num_experts)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
     out, _ = _ExpertsFunction.apply(x.contiguous(), gate_up_proj, down_proj, None, layout, probs, routing.token_of_row,
                                     routing.offsets, routing.row_id_map, None, None)

@@ -43,6 +43,11 @@ class GateUpLayout:
                              f"{tuple(down.shape)}")
         return num_experts, d, f
 
+    def dims(self, gate_up: torch.Tensor) -> tuple[int, int, int]:
+        """(E, d, f) of a gate_up in this layout, unchecked (`sizes` checks)."""
+        num_experts, a, b = gate_up.shape
+        return (num_experts, a, b // 2) if self.transposed else (num_experts, b, a // 2)
+
     def halves(self, pair: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The gate and up halves of a [..., 2f] tensor laid out along its last dim as this
         layout's 2f are."""
