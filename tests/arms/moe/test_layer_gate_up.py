@@ -15,7 +15,7 @@ from moepaths import PATHS, force_path
 from weightcopies import WeightSizedOps
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
-T, D, F = 19, 40, 24
+T, D, F = 13, 24, 20
 LAYOUTS = {f"{'in_out' if t else 'out_in'}-{'concatenated' if c else 'interleaved'}": GateUpLayout(t, c)
            for t in (False, True) for c in (True, False)}
 # (E, k, capacity factor, a logit shift per expert)
@@ -71,9 +71,13 @@ def run(layout, x, weights, logits, grad_out, k, capacity_factor=None, views=Fal
 NAMES = ("out", "dx", "d gate_up", "d down", "dlogits")
 
 
+# every layout on a plain routing, the edge cases on one layout each (the interpreter is slow)
+LAYOUT_CASES = [*((name, "top2") for name in LAYOUTS), ("out_in-concatenated", "empty-expert"),
+                ("in_out-interleaved", "capacity-drops")]
+
+
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name, case", LAYOUT_CASES)
 def test_the_fused_weights_give_the_views_values_and_gradients_in_their_own_layout(name, case, path, monkeypatch):
     layout = LAYOUTS[name]
     num_experts, k, capacity_factor, shift = CASES[case]
@@ -108,8 +112,8 @@ def test_the_gradients_reach_the_parameters_with_no_node_between():
                                           if node is not None and hasattr(node, "variable")}
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("name", ["out_in-concatenated", "in_out-interleaved"])
+@pytest.mark.parametrize("name, path", [*(("out_in-concatenated", path) for path in PATHS),
+                                        ("in_out-interleaved", "kernels")])
 def test_no_weight_sized_work_besides_the_kernels(name, path, monkeypatch):
     """A forward and backward of gate_up_experts touches weight-sized memory only in its own
     kernels and GEMMs; the same weights through views (experts) are caught zero-filling,
@@ -125,7 +129,7 @@ def test_no_weight_sized_work_besides_the_kernels(name, path, monkeypatch):
         assert bool(watched.found) == views, watched.found
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", ["out_in-interleaved", "in_out-concatenated"])
 def test_the_entry_points_give_the_plans_values_in_a_layout(name, monkeypatch):
     """Where no plan takes a call (an empty dimension, a dtype the entry points refuse), the
     entry points run it and the gradients still come back in the layout."""
@@ -164,7 +168,7 @@ def test_weights_that_do_not_fit_the_layout_are_refused():
         moe.gate_up_experts(x, routing, gate_up, down, transposed=True)
     with pytest.raises(ValueError, match="down_proj must be 3-D"):
         moe.gate_up_experts(x, routing, gate_up, down[0])
-    with pytest.raises(ValueError, match=r"got \(6, 47, 40\)"):  # 2f odd
+    with pytest.raises(ValueError, match=r"got \(6, 39, 24\)"):  # 2f odd
         moe.gate_up_experts(x, routing, gate_up[:, 1:], down)
     with pytest.raises(ValueError, match="x must be"):
         moe.gate_up_experts(x[:, 1:], routing, gate_up, down)
