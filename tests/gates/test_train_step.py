@@ -4,6 +4,8 @@ a step. On a GPU: the compiled steps without graph breaks, and the captured opti
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -76,8 +78,11 @@ def test_the_truths_loss_is_transformers_loss_in_the_models_precision(olmoe):
     assert ts.next_token_losses(wide, batch).dtype == torch.float64
 
 
-def test_a_bench_build_runs_its_warm_steps_and_each_call_is_one_step(olmoe):
-    preset, buffers, _ = olmoe
+def test_a_bench_build_runs_its_warm_steps_and_each_call_is_one_step():
+    # tiny-olmoe's model on one short sequence: five interpreted steps, each as few rows as will do
+    tiny = GATE.preset("tiny-olmoe")
+    preset = dataclasses.replace(tiny, params={**tiny.params, "batch": 1, "seq": 8})
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
     case = BenchCase("step", "one step", bytes=lambda p: 0)
     step = ts._build("all arms")(case, buffers, preset)
     model = step.model
