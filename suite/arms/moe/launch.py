@@ -489,7 +489,7 @@ class LayerPlan:
         if layout is None:
             self.dx = rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
         else:  # dgu [R, 2f] against gate_up's 2f rows: one GEMM
-            _, rows_strides = layout.rows_operand(weights[0])
+            rows_strides = layout.rows_strides(weights[0])
             self.dx = rows_launch("dx", n_rows, 2 * f, d, n_experts, rows_strides, rows_strides, False, dtype, device,
                                   layer=(d, f))
         self.dw_gate_up = _weight_grad_launch(n_experts, d, f, x_stride, True, True, dtype, device,

@@ -67,8 +67,8 @@ class GateUpLayout:
         copy: what `experts` and the reference take, gradients flowing back through the views."""
         return (*self.gate_up_views(gate_up), self.down_view(down))
 
-    def rows_operand(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """gate_up read as [E, 2f, d] (each expert's 2f rows against d) -> (the tensor, its
-        (expert, row, column) strides): dx's weight, dg and du side by side in gate_up's order."""
+    def rows_strides(self, gate_up: torch.Tensor) -> tuple[int, int, int]:
+        """gate_up's (expert, row, column) strides read as [E, 2f, d], each expert's 2f rows
+        against d: dx's weight, against dg and du side by side in gate_up's order."""
         s_e, s_1, s_2 = gate_up.stride()
-        return gate_up, ((s_e, s_2, s_1) if self.transposed else (s_e, s_1, s_2))
+        return (s_e, s_2, s_1) if self.transposed else (s_e, s_1, s_2)
