@@ -11,7 +11,7 @@ node, eager and under torch.compile (where the kernels run as custom ops); `gate
 takes a model's fused gate_up and down as it stores them, and gives their gradients back in
 that layout (`weights.GateUpLayout`); `MoEExperts` is the module: router, top-k routing and
 experts, either impl. The float64 truth the gate judges against is the gate's
-(gates/moe_bwd.py).
+(gates/moe_truth.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
 
 def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) -> None:
     """x [num_tokens, d] and the weights w_gate/w_up [E, d, f], w_down [E, f, d] of the routing's E."""
-    for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):  # x: _check_tokens
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
     if w_gate.dim() != 3:
