@@ -27,7 +27,7 @@ def test_the_first_screen_gives_both_commands_and_ci_runs_the_test_one():
     main_job, tests = commands[0], commands[1]
     first_screen = "\n".join(README.splitlines()[:FIRST_SCREEN])
     assert main_job in first_screen and tests in first_screen
-    assert main_job.endswith("&& suite run") and tests.endswith("python -m pytest -q")
+    assert main_job.endswith("&& suite run") and tests.endswith("python -m pytest -q -n 2")
     # .ci/run installs what the README's test command installs, then runs exactly its test step
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     *installs, run = tests.split(" && ")

@@ -125,8 +125,12 @@ def choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device,
     (n_a, n_b), (block_m, block_n, block_k, stages, num_warps, group_m) = GEMM_KINDS[kind]
     itemsize = dtype.itemsize
     if interpreted() and device.type != "cuda":
-        # tiny test shapes still take several tiles, steps, groups and masked edges
-        return GemmConfig(16, 16, 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
+        # test shapes still take several tiles, steps, groups and masked edges; a whole tiny
+        # model's take two tiles a side, not four, as the interpreter runs programs one by one
+        def two_tiles(size: int) -> int:
+            return max(16, min(64, next_pow2(size) // 2))
+
+        return GemmConfig(two_tiles(rows), two_tiles(n), 16, 4, 1, n_a, n_b, itemsize, 2 if group_m else 0)
     if rows < _MANY_ROWS:
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
     if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:

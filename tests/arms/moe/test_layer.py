@@ -117,7 +117,7 @@ def test_arm_refuses_mismatched_shapes():
 # ---- the module ----
 
 
-def train(impl, steps=50):
+def train(impl, steps=20):
     """A toy regression (fit a fixed random MoE's outputs), AdamW, the same seed and data for
     either impl -> the loss at every step."""
     torch.manual_seed(0)
