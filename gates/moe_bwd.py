@@ -5,7 +5,10 @@ One call routes the router logits (top-k, optional capacity; the arm's routing k
 reference's torch ops) and runs the SwiGLU experts forward and backward: the output, the router
 z-loss and every gradient (x, the three expert weights, the combine weights probs and through
 them the logits) are judged in tolerance mode against a closed-form float64 truth; the
-routing's integers (ROUTING_INTEGERS) must equal the reference's exactly. Buffers are drawn
+routing's integers (ROUTING_INTEGERS) must equal the reference's exactly. Beside them, where
+transformers 5 is installed, the MoE block a user runs (gates/moe_block.py): its output and the
+gradients of x, its router's weight and the fused expert weights, experts implementation suite
+against stock grouped_mm, both against a float64 truth of the block. Buffers are drawn
 at the scales of a trained layer: unit-RMS activations, fan-in-scaled weights, router logits of
 a few units, gradients of order 1e-3.
 
@@ -35,7 +38,15 @@ from suite.arms.moe import (
     router_z_loss,
     routing_from_topk,
 )
-from gates.moe_block import block_missing, build_block
+from gates.moe_block import (
+    BLOCK_OUTPUTS,
+    block_bytes,
+    block_judged,
+    block_missing,
+    block_outputs,
+    block_truth,
+    build_block,
+)
 from gates.moe_truth import experts_truth, routing_truth
 from gates.moe_peers import (
     COMPILED_AT,
@@ -83,8 +94,8 @@ SKEWS = ("none", "empty-expert", "one-expert", "skewed")
 WEIGHTS = ("apart", "model")
 
 
-def _weights(preset: Preset) -> str:
-    return preset.params.get("weights", "apart")
+def _weights(preset: Preset | dict[str, Any]) -> str:
+    return (preset if isinstance(preset, dict) else preset.params).get("weights", "apart")
 # The router z-loss's weight in the judged loss (out . grad_out + Z_WEIGHT * z_loss): OLMo-core's
 # default coefficient, so its gradient in dlogits is of the size a training step gives it.
 Z_WEIGHT = 1e-3
@@ -100,12 +111,20 @@ def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, sk
 
 
 def memory_bytes(p: dict[str, Any]) -> int:
-    """Peak device memory of one preset's gate and bench: the buffers; the arm's outputs three
-    times (judged, determinism and after-timing runs) and its saved activations; the
-    reference's outputs and its fp32 autograd temporaries; the float64 truth's outputs and its
-    temporaries for the largest expert (every token); a bench's gradients. Not all of these
-    live at once, so the sum is an upper bound (the H200's measured peaks were 0.70-0.87 of it,
-    a test keeps it between the peak and 1.5x), and no margin is added on top."""
+    """Peak device memory of one preset's gate and bench, an upper bound (not all of it lives at
+    once; no margin added on top): the experts' parity and bench, the copies a model's layout
+    adds, and the block's parity and bench (`block_bytes`)."""
+    item = torch.empty((), dtype=getattr(torch, p["dtype"])).element_size()
+    layout_copies = 2 * 3 * p["experts"] * p["hidden"] * p["ffn"] * item if _weights(p) == "model" else 0
+    return experts_bytes(p) + layout_copies + block_bytes(p)
+
+
+def experts_bytes(p: dict[str, Any]) -> int:
+    """The experts' part: the buffers; the arm's outputs three times (judged, determinism and
+    after-timing runs) and its saved activations; the reference's outputs and its fp32 autograd
+    temporaries; the float64 truth's outputs and its temporaries for the largest expert (every
+    token); a bench's gradients. The H200's measured peaks of this part alone were 0.70-0.87 of
+    it; a test keeps it between the peak and 1.5x."""
     tokens, d, f, num_experts, k = p["tokens"], p["hidden"], p["ffn"], p["experts"], p["top_k"]
     item = torch.empty((), dtype=getattr(torch, p["dtype"])).element_size()
     rows, weights = tokens * k, 3 * num_experts * d * f
@@ -137,8 +156,9 @@ _ODD = dict(tokens=4099, hidden=1000, ffn=712)
 
 PRESETS = (
     # the default CPU preset is the smallest and every saboteur shows on it (k = 3 sums slots
-    # in an order; the capacity drops rows), so `suite run` on the CPU adds no other preset
-    _tiny("tiny", 3, 4, capacity_factor=1.0, skew="skewed", tokens=10, hidden=20, ffn=18, standard=True,
+    # in an order; the capacity drops rows; rows of 80 bytes, which stock's block takes), so
+    # `suite run` on the CPU adds no other preset
+    _tiny("tiny", 3, 4, capacity_factor=1.0, skew="skewed", tokens=10, hidden=20, ffn=24, standard=True,
           note="k 3, capacity drops, fp32"),
     _tiny("tiny-top1", 1, 6),
     _tiny("tiny-top2", 2, 6),
@@ -275,15 +295,22 @@ def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_
             **_routing_outputs(routing)}
 
 
+def _block(buffers: Buffers, preset: Preset, implementation: str, **sabotage) -> Outputs:
+    """A transformers block's BLOCK_OUTPUTS where parity judges it (gates/moe_block.py), else none."""
+    return block_outputs(buffers, preset, implementation, **sabotage) if block_judged(preset) else {}
+
+
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
-    return _forward_backward(experts_reference, route_reference, buffers, preset,
-                             lambda logits, routing: _z_loss_reference(logits))
+    return {**_forward_backward(experts_reference, route_reference, buffers, preset,
+                                lambda logits, routing: _z_loss_reference(logits)),
+            **_block(buffers, preset, "grouped_mm")}
 
 
 def arm(buffers: Buffers, preset: Preset) -> Outputs:
     in_model_layout = _weights(preset) == "model"
-    return _forward_backward(gate_up_experts if in_model_layout else experts, route, buffers, preset,
-                             lambda logits, routing: routing.z_loss, in_model_layout)
+    return {**_forward_backward(gate_up_experts if in_model_layout else experts, route, buffers, preset,
+                                lambda logits, routing: routing.z_loss, in_model_layout),
+            **_block(buffers, preset, "suite")}
 
 
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
@@ -298,7 +325,8 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
     # d/dl mean(lse^2) = 2 lse softmax / T
     lse = torch.logsumexp(wide.detach(), dim=-1)
     dlogits += Z_WEIGHT * 2 * lse[:, None] * torch.softmax(wide.detach(), dim=-1) / max(lse.numel(), 1)
-    return {**got, "dlogits": dlogits, "z_loss": lse.square().mean()}
+    return {**got, "dlogits": dlogits, "z_loss": lse.square().mean(),
+            **(block_truth(buffers, preset) if block_judged(preset) else {})}
 
 
 # ---- saboteurs: known-bad variants assembled from the arm's kernels ----
@@ -329,7 +357,9 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
     dx = launch.combine(dx_rows, row_id_map, top_k=routing.k)
     return {"out": out, "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down, "dprobs": dprobs,
             "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
-            **_routing_outputs(routing)}
+            # the sabotage is in the kernels: the block's outputs are stock's (its own saboteur
+            # is block-router-detached), which also spares a saboteur an interpreted block
+            **_routing_outputs(routing), **_block(buffers, preset, "grouped_mm")}
 
 
 _calls = itertools.count(1)
@@ -355,6 +385,10 @@ SABOTEURS = (
              applies=lambda p: p.params["skew"] == "skewed"),
     Saboteur("z-loss-unsquared", "the router z-loss as the mean of logsumexp(logits), not of its square",
              lambda b, p: _kernel_chain(b, p, z_unsquared=True)),
+    Saboteur("block-router-detached", "the block's experts take the router's top-k probabilities without their "
+             "gradient: the router learns nothing through the experts",
+             lambda b, p: {**_kernel_chain(b, p), **_block(b, p, "suite", scores_detached=True)},
+             applies=block_judged),
     Saboteur("slot-order-varies", "dx sums each token's k slots in an order that changes from call to call",
              lambda b, p: _kernel_chain(b, p, slot_order=_rotated_slots), caught_by=Check.DETERMINISM,
              # two fp32 terms add the same either way round
@@ -650,6 +684,9 @@ GATE = Gate(
         # a weight gradient's row sums a few tokens' products, which can cancel too (users' recorded
         # buffers hold such rows); below a tenth of the typical row's norm, rows are judged against that
         **{name: Tolerance(k=2.0, floor=1e-6, row_floor=0.1) for name in ("dw_gate", "dw_up", "dw_down")},
+        # the block's likewise: its router's gradient sums tokens' dprobs, its weights' rows tokens' products
+        "block_drouter": Tolerance(k=2.0, floor=1e-6, row_floor=1.0),
+        **{name: Tolerance(k=2.0, floor=1e-6, row_floor=0.1) for name in BLOCK_OUTPUTS[3:]},
     },
     saboteurs=SABOTEURS,
     contenders=CONTENDERS,

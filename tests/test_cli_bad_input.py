@@ -643,10 +643,12 @@ CASES = [
          "noise_floor: Input should be greater than or equal to 0", baseline_saved(entry_field("noise_floor", -0.01))),
     Case("23.1", "a baseline whose gate field is another gate's", COMPARE, USAGE,
          "its gate field says 'muon' but the file is named for 'rmsnorm'", baseline_saved(gate_renamed)),
-    Case("23.2", "moe-bwd buffers in fp16 with x scaled by 3000", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
+    Case("23.2", "moe-bwd buffers in fp16 with x scaled by 3000",
+         ("gate", "moe-bwd", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "the buffers overflow float16: the reference and the arm both lose the value (NaN/Inf, or an "
          "error as large as the value) where the float64 truth is finite (out: ", moe_overflowing(torch.float16, 3000.0)),
-    Case("23.2", "moe-bwd buffers in fp32 with x scaled by 1e30", ("gate", "moe-bwd", "--buffers", "{tmp}/dump", *CPU),
+    Case("23.2", "moe-bwd buffers in fp32 with x scaled by 1e30",
+         ("gate", "moe-bwd", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "the buffers overflow float32", moe_overflowing(torch.float32, 1e30)),
     # reliability, round three (issue 44)
     Case("44.2", "rmsnorm buffers in fp32 with x scaled by 1e30 (x*x overflows: all-zero outputs)",
