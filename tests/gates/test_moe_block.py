@@ -99,3 +99,14 @@ def test_a_router_cut_off_from_the_experts_is_caught(judged):
     result, outputs = gatecheck.sabotaged_result(GATE, judged, saboteur)
     assert not outputs["block_drouter"].any()
     assert any(f.message.startswith("block_drouter") for f in result.failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["tiny", "tiny-model-layout"])
+def test_on_the_gpu_the_block_is_judged_in_fp32_where_the_tiny_presets_run(name):
+    # torch documents its grouped GEMM for bf16: stock's block must still take the tiny presets'
+    # fp32 there (the saboteurs' preset on a GPU), or the gate could not judge the block at all
+    judged = gatecheck.judge_setup(GATE, name, device="cuda")
+    result, _ = gatecheck.arm_result(GATE, judged)
+    assert set(moe_block.BLOCK_OUTPUTS) <= {t.name for t in result.tensors}
