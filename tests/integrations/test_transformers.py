@@ -74,6 +74,35 @@ def test_a_training_step_adds_no_weight_sized_work_besides_the_kernels(family, m
         assert m.gate_up_proj.grad.stride() == m.gate_up_proj.stride()
 
 
+def _saved_for_backward(model, ids) -> int:
+    """Bytes of the distinct storages a forward keeps for the backward, the parameters' aside:
+    the activations a training step holds at its peak."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral"])
+def test_a_models_step_keeps_no_more_for_its_backward_than_stock(family):
+    """Issue 45's memory rule (peak at or below stock's) where it starts: switched on, the model
+    keeps fewer activation bytes for its backward than with transformers' grouped_mm experts."""
+    model = tiny(family)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(8))
+    model.config._experts_implementation = "grouped_mm"
+    stock = _saved_for_backward(model, ids)
+    hf.use_suite_experts(model)
+    assert _saved_for_backward(model, ids) < stock
+
+
 @pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("concatenated", [True, False])
 def test_the_weights_are_read_in_every_declared_layout(transposed, concatenated):
