@@ -19,3 +19,13 @@ def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
     differ = (bits(a) != bits(b)).sum().item()
     assert differ == 0, f"{what}: {differ} of {a.numel()} elements differ in bits"
+
+
+def assert_kept_graph_gives_the_reused_bits(forward, leaves: list[torch.Tensor], grad_out: torch.Tensor) -> None:
+    """Two backwards through one graph kept (retain_graph) and one through a fresh forward whose
+    graph is freed (its buffers reused) give the same gradients, bit for bit."""
+    out = forward()
+    kept = [torch.autograd.grad(out, leaves, grad_out, retain_graph=True) for _ in range(2)]
+    reused = torch.autograd.grad(forward(), leaves, grad_out)
+    for first, second, third in zip(*kept, reused):
+        assert torch.equal(first, second) and torch.equal(first, third)

@@ -13,6 +13,7 @@ from suite import triton_support
 from suite.arms import moe
 from suite.arms.moe import config, launch, layer
 from gates.moe_truth import experts_truth, routing_truth
+from bitwise import assert_kept_graph_gives_the_reused_bits
 from moepaths import PATHS, force_path
 
 # d and f no multiple of the interpreter's 16-wide tiles, T * k no multiple of its row tile
@@ -431,11 +432,7 @@ def test_a_backward_that_keeps_the_graph_leaves_the_saved_activations_whole(path
     def forward():
         return moe.experts(x, moe.route(logits, k, capacity_factor=capacity_factor), *weights)
 
-    out = forward()
-    kept = [torch.autograd.grad(out, leaves, grad_out, retain_graph=True) for _ in range(2)]
-    reused = torch.autograd.grad(forward(), leaves, grad_out)  # the graph freed: buffers reused
-    for first, second, third in zip(*kept, reused):
-        assert torch.equal(first, second) and torch.equal(first, third)
+    assert_kept_graph_gives_the_reused_bits(forward, leaves, grad_out)
     assert counts.times(path, 2, 3)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from suite.arms import moe
 from suite.arms.moe import GateUpLayout, config, launch, layer
+from bitwise import assert_kept_graph_gives_the_reused_bits
 from moepaths import PATHS, force_path
 from weightcopies import WeightSizedOps
 
@@ -153,11 +154,7 @@ def test_a_backward_that_keeps_the_graph_gives_the_bits_of_one_that_reuses_the_a
     def forward():
         return moe.gate_up_experts(x, moe.route(logits, 2, capacity_factor=0.75), gate_up, down)
 
-    out = forward()
-    kept = [torch.autograd.grad(out, leaves, grad_out, retain_graph=True) for _ in range(2)]
-    reused = torch.autograd.grad(forward(), leaves, grad_out)
-    for first, second, third in zip(*kept, reused):
-        assert torch.equal(first, second) and torch.equal(first, third)
+    assert_kept_graph_gives_the_reused_bits(forward, leaves, grad_out)
 
 
 def test_weights_that_do_not_fit_the_layout_are_refused():
