@@ -96,9 +96,9 @@ def test_gpu_presets_are_the_models_layers_in_bf16():
     assert [p.name for p in GATE.default_presets(cuda, all_gates=True)] == ["top2-small"]
 
 
-# measured on the H200 (torch.cuda.max_memory_allocated over gate and bench, reports
-# 20261201T015409Z..20261201T021423Z), GiB, of a gate that judged the experts alone: what
-# experts_bytes states (memory_bytes adds the block's part and a model layout's copies)
+# torch.cuda.max_memory_allocated over gate and bench on the H200 (the runs: `git log --grep
+# "H200_PEAKS runs"`), GiB, of a gate that judged the experts alone: what experts_bytes states
+# (memory_bytes adds the block's part and a model layout's copies)
 H200_PEAKS = {"olmoe": 10.47, "qwen3-30b-a3b": 13.96, "mixtral": 32.13, "top2-small": 4.72, "gpu-top1": 1.05,
               "gpu-top8": 3.31, "gpu-empty-expert": 1.05, "gpu-one-expert": 1.08, "gpu-capacity": 1.05}
 
