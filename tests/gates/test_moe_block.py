@@ -63,15 +63,20 @@ def test_the_truth_is_transformers_block_in_float64(judged, monkeypatch, renorma
         torch.testing.assert_close(truth[name], autograd[name], rtol=1e-10, atol=1e-13)
 
 
+def _router_in_float64(judged):
+    """(x, a stand-in for the block's router with its weight in float64, OLMoE's scoring, its logits)."""
+    preset, buffers, _ = judged
+    router = torch.nn.Module()
+    router.weight = torch.nn.Parameter(moe_block.make_block(preset, buffers, "grouped_mm").gate.weight.detach().double())
+    router.norm_topk_prob = False
+    x = buffers["x"].double()
+    return x, router, x @ router.weight.T
+
+
 def test_the_truth_keeps_the_experts_stock_chose(judged):
     # a near-tie the working dtype broke the other way: the truth scores stock's choice, in float64
-    preset, buffers, _ = judged
-    block = moe_block.make_block(preset, buffers, "grouped_mm")
-    x = buffers["x"].double()
-    router = torch.nn.Module()
-    router.weight = torch.nn.Parameter(block.gate.weight.detach().double())
-    router.norm_topk_prob = False  # OLMoE's
-    logits = x @ router.weight.T
+    preset = judged[0]
+    x, router, logits = _router_in_float64(judged)
     own = torch.topk(torch.softmax(logits, -1), preset.params["top_k"], dim=-1).indices
     chosen = own.clone()
     chosen[0] = own[0].flip(0)  # the same experts in the other order: scores must follow
@@ -82,16 +87,10 @@ def test_the_truth_keeps_the_experts_stock_chose(judged):
 
 
 def test_a_router_that_scores_otherwise_is_refused(judged):
-    preset, buffers, _ = judged
-    block = moe_block.make_block(preset, buffers, "grouped_mm")
-    x = buffers["x"].double()
-    gate = torch.nn.Module()
-    gate.weight = torch.nn.Parameter(block.gate.weight.detach().double())
-    gate.norm_topk_prob = False
-    logits = x @ gate.weight.T
-    top = torch.topk(torch.softmax(logits, -1), preset.params["top_k"], dim=-1)
+    x, router, logits = _router_in_float64(judged)
+    top = torch.topk(torch.softmax(logits, -1), judged[0].params["top_k"], dim=-1)
     with pytest.raises(RuntimeError, match="no longer scores its top-k as softmax probabilities"):
-        moe_block._choosing(top.indices, gate, (x,), (logits, torch.sigmoid(top.values), top.indices))
+        moe_block._choosing(top.indices, router, (x,), (logits, torch.sigmoid(top.values), top.indices))
 
 
 def test_a_router_cut_off_from_the_experts_is_caught(judged):
