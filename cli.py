@@ -357,11 +357,15 @@ def run(flags: RunFlags, gpus: Annotated[Optional[str], typer.Option(
 def _spread(flags: RunFlags, gpus: str) -> None:
     """`suite run` as pytest items over several devices (suite.harness.pytest_plugin), one
     merged report, the suite's exit code."""
+    import pytest
     import torch
 
+    import gates
     from suite.harness.pytest_plugin import spread
+    from suite.harness.runner import check_presets
 
     settings = _setup(flags.device, flags.profile)
+    check_presets(gates.select("all"), flags.preset)
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None
     workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
     if workers is None or (count is not None and workers > count):
@@ -369,12 +373,19 @@ def _spread(flags: RunFlags, gpus: str) -> None:
                          f"not {gpus!r}" + ("; on the CPU give a number of workers" if count is None else ""))
     report, path, status = spread(workers, settings.device.type, flags.profile, flags.preset, str(flags.reports),
                                   flags.seed, flags.thorough, flags.strict)
+    if status == pytest.ExitCode.INTERRUPTED:
+        raise KeyboardInterrupt
     if report is None:
         raise CouldNotRun(f"pytest stopped before the gates ran (its exit status {status}); run "
                           f"`pytest --suite --suite-bench -n {workers}` to see why")
     _print_summary(report)
     _print_tracebacks(report, flags.verbose)
     console.print(f"report: {path}", markup=False, highlight=False)
+    if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
+        raise CouldNotRun(f"pytest ended with exit status {status} ({pytest.ExitCode(status).name.lower()}), "
+                          "not with its items' outcomes: the report may be incomplete")
+    if status == pytest.ExitCode.TESTS_FAILED and report.exit_code == ExitCode.OK:
+        raise CouldNotRun("pytest failed an item that the report passes: the report is incomplete")
     raise typer.Exit(report.exit_code)
 
 

@@ -16,6 +16,7 @@ junit.xml, benchmark.json), each result with its worker's fingerprint.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from datetime import datetime, timezone
@@ -43,10 +44,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--suite-thorough", action="store_true", help="every saboteur at every preset")
     group.addoption("--suite-strict", action="store_true", help="gates and benches this device cannot run count "
                     "as could-not-run")
-    group.addoption("--suite-seed", type=int, default=0, help="the buffers' seed")
+    group.addoption("--suite-seed", type=_seed, default=0, help="the buffers' seed (0 to 2^64-1)")
     group.addoption("--suite-device", default="auto", choices=("auto", "cuda", "cpu"))
-    group.addoption("--suite-profile", default=None, help="auto, rtx or none (as suite's --profile)")
+    group.addoption("--suite-profile", default=None, choices=("auto", "rtx", "none"),
+                    help="as suite's --profile (default: SUITE_PROFILE, else auto)")
     group.addoption("--suite-reports", default="reports", metavar="DIR", help="where the merged report goes")
+
+
+def _seed(text: str) -> int:
+    """--suite-seed takes what suite's --seed takes."""
+    value = int(text) if text.strip().isdigit() else -1
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to 2^64-1, not {text!r}")
+    return value
 
 
 def _worker_index() -> int | None:
@@ -79,7 +89,14 @@ def pytest_configure(config: pytest.Config) -> None:
         if config.option.dist in ("no", "load"):
             config.option.dist = "loadscope"
         _check_workers(config.option.numprocesses, config.option.suite_device)
-    config.pluginmanager.register(_Session(config), "suite-session")
+    session = _Session(config)
+    from suite.errors import SuiteError
+
+    try:  # a gate, preset or device that is not there stops the run before anything is collected
+        session.plan()
+    except SuiteError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    config.pluginmanager.register(session, "suite-session")
 
 
 def _check_workers(workers: int, device: str) -> None:
@@ -103,8 +120,12 @@ class _Session:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.runner: Runner | None = None
+        self.planned: tuple[list[Unit], list[Any], list[Any]] | None = None
         self.runs: dict[str, UnitRun] = {}
         self.results: list[tuple[int, Any]] = []  # (collection order, GateResult)
+        self.expected: set[str] = set()  # the units whose items are to run (after -k, on every worker)
+        self.accounted: set[str] = set()  # the units whose result (or skip) came back
+        self.failures: dict[str, str] = {}  # unit -> its first failed item's one line
         self.skipped: list[Any] = []
         self.ceilings: Any = None
         self.started = datetime.now(timezone.utc)
@@ -125,15 +146,22 @@ class _Session:
                 plan_memory=False))
         return self.runner
 
-    def pytest_collection_modifyitems(self, session: pytest.Session, items: list[pytest.Item]) -> None:
-        """Under --suite the gates are the items: test files collected beside them are dropped.
-        Every worker plans alike (a preset too large for a GPU's free memory is found when its
-        item runs, not at collection), as xdist requires."""
-        import gates
+    def plan(self) -> tuple[list[Unit], list[Any], list[Any]]:
+        """The run's units, skipped gates and refused ones. Every process plans alike (a preset
+        too large for a GPU's free memory is found when its item runs, not here), as xdist
+        requires, and the controller knows which units must report back."""
+        if self.planned is None:
+            runner = self.setup()  # before the gates import Triton
+            import gates
 
+            selected = [gate for name in self.config.option.suite_gate or ["all"] for gate in gates.select(name)]
+            self.planned = runner.plan(selected)
+        return self.planned
+
+    def pytest_collection_modifyitems(self, session: pytest.Session, items: list[pytest.Item]) -> None:
+        """Under --suite the gates are the items: test files collected beside them are dropped."""
         runner = self.setup()
-        selected = [gate for name in self.config.option.suite_gate or ["all"] for gate in gates.select(name)]
-        units, skipped, refused = runner.plan(selected)
+        units, skipped, refused = self.plan()
         parent = _Gates.from_parent(session, name="suite", nodeid="suite")
         made: list[pytest.Item] = [_SkippedItem.from_parent(parent, name=s.gate, skipped=s) for s in skipped]
         made += [_RefusedItem.from_parent(parent, name=r.gate, result=r) for r in refused]
@@ -148,13 +176,26 @@ class _Session:
             item.user_properties.append((_ORDER, order))
         items[:] = made
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.expected.update(_units_of(item.nodeid for item in session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node, ids: list[str]) -> None:
+        """The controller's view of what a worker will run (it collects nothing itself)."""
+        self.expected.update(_units_of(ids))
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Keep what each item carried back (on the controller, from every worker)."""
         from suite.harness.results import Ceilings, GateResult, SkippedGate
 
+        unit = _unit_of(report.nodeid)
+        if report.failed and unit is not None:  # a crashed worker's item fails too, with no call report
+            self.failures.setdefault(unit, (report.longreprtext.strip().splitlines() or ["failed"])[-1])
         if report.when != "call":  # an item's properties ride on each of its three reports
             return
         props = dict(report.user_properties)
+        if unit is not None and (_RESULT in props or _SKIPPED in props):
+            self.accounted.add(unit)
         if _RESULT in props:
             self.results.append((props[_ORDER], GateResult.model_validate_json(props[_RESULT])))
         if _SKIPPED in props:
@@ -163,14 +204,25 @@ class _Session:
             self.ceilings = Ceilings.model_validate_json(props[_CEILINGS])
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        """The controller merges the units' results into one run report and writes it."""
-        if hasattr(self.config, "workerinput"):
+        """The controller merges the units' results into one run report and writes it. A unit
+        whose result never came back (its worker crashed, or pytest stopped first) could not run:
+        a run report never passes what did not run. An interrupted run leaves no report, as
+        `suite run` leaves none."""
+        if hasattr(self.config, "workerinput") or self.config.option.collectonly:
+            return
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:
             return
         from suite.harness.store import write_report
 
         opt = self.config.option
+        runner = self.setup()
         results = [result for _, result in sorted(self.results, key=lambda pair: pair[0])]
-        report = self.setup().report(
+        for unit in self.plan()[0]:
+            key = _unit_key(unit)
+            if key in self.expected and key not in self.accounted:
+                why = self.failures.get(key, "its last item did not run (stopped by -x, or deselected by -k?)")
+                results.append(runner.could_not_run(unit.gate, unit.preset, f"no result came back: {why}"))
+        report = runner.report(
             results, self.skipped, "run" if opt.suite_bench else "gate " + ",".join(opt.suite_gate or ["all"]),
             " ".join(["pytest", *self.config.invocation_params.args]), self.started,
             time.perf_counter() - self.clock, ceilings=self.ceilings)
@@ -187,6 +239,16 @@ _ORDER, _RESULT, _SKIPPED, _CEILINGS = "suite-order", "suite-result", "suite-ski
 
 def _unit_key(unit: Unit) -> str:
     return f"{unit.gate.name}[{unit.preset.name}]"
+
+
+def _unit_of(nodeid: str) -> str | None:
+    """The unit of an item's node id (suite::moe-bwd[tiny]::gate), None for a gate-level item."""
+    parts = nodeid.split("::")
+    return parts[1] if len(parts) == 3 and parts[0] == "suite" else None
+
+
+def _units_of(nodeids) -> set[str]:
+    return {unit for unit in map(_unit_of, nodeids) if unit is not None}
 
 
 class _Gates(pytest.Collector):
@@ -290,8 +352,11 @@ class _GateItem(_SuiteItem):
             self.judge(result.status, result.reason)
             return
         self.session_state.runs[_unit_key(self.unit)] = run
-        if run.raised is not None:
-            raise _Verdict(f"could not run: {run.raised[0]}")
+        if not run.timeable:  # it could not run or failed parity: no bench follows, its result is final here
+            result = runner.finish(run)
+            self.carry(result)
+            self.judge(result.status, result.reason)
+            return
         self.judge(*status_of(run.result))
 
 
@@ -323,20 +388,22 @@ class _BenchItem(_SuiteItem):
 class _RecheckItem(_SuiteItem):
     """The unit's determinism run after its timing; it carries the unit's whole result. It
     fails for what the recheck finds (or a recheck that could not run) and skips where the
-    gate item already failed, so a unit's failure is one failed item."""
+    gate item already finished the unit, so a unit's failure is one failed item."""
 
     def runtest(self) -> None:
         run = self.session_state.runs.pop(_unit_key(self.unit), None)
         if run is None:
             pytest.skip("its gate did not run")
-        raised, held = run.raised, run.raised is None and run.result.parity.passed
+        # where the gate item failed, that item says why: the recheck is not a pass, nor a second failure
+        if run.finished and run.raised is not None:
+            pytest.skip(f"its gate could not run: {run.raised[0]}")
+        if run.finished:
+            pytest.skip("its gate failed parity: no recheck to judge")
+        raised = run.raised
         result = self.session_state.setup().finish(run)
         self.carry(result)
-        # where the gate item failed, that item says why: the recheck is not a pass, nor a second failure
-        if raised is not None:
-            pytest.skip(f"its gate could not run: {raised[0]}")
-        if not held:
-            pytest.skip("its gate failed parity: no recheck to judge")
+        if raised is not None:  # a bench item could not run and said so
+            pytest.skip(f"a bench could not run: {raised[0]}")
         if result.status == "could_not_run":
             self.judge(result.status, result.reason)
         if not result.parity.passed:

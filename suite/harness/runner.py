@@ -113,6 +113,7 @@ class UnitRun:
     arm_outputs: Any = None
     timed: dict[tuple[str, str], BenchResult] = field(default_factory=dict)
     raised: tuple[str, str | None] | None = None  # a step raised: why it could not run, and where
+    finished: bool = False  # `Runner.finish` made its result
 
     @property
     def timeable(self) -> bool:
@@ -121,6 +122,14 @@ class UnitRun:
 
 def _mib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
+
+
+def check_presets(gates: list[Gate], presets: list[str] | None) -> None:
+    """A preset named on the command line must belong to one of the run's gates."""
+    known = {p.name for gate in gates for p in gate.presets}
+    unknown = [name for name in presets or [] if name not in known]
+    if unknown:
+        raise UsageError(f"no gate of this run has the preset(s) {unknown}; the presets are: {', '.join(sorted(known))}")
 
 
 def rotation_sets(set_bytes: int, l2_bytes: int) -> int:
@@ -216,13 +225,7 @@ class Runner:
         """Which units run; what is skipped (all) or cannot run (named)."""
         opts = self.options
         device = opts.device
-        if opts.presets:
-            known = {p.name for gate in gates for p in gate.presets}
-            unknown = [name for name in opts.presets if name not in known]
-            if unknown:
-                raise UsageError(
-                    f"no gate of this run has the preset(s) {unknown}; the presets are: {', '.join(sorted(known))}"
-                )
+        check_presets(gates, opts.presets)
         units, skipped, refused = [], [], []
         for gate in gates:
             reason = None
@@ -253,7 +256,7 @@ class Runner:
                               "(suite list)")
             if reason is not None:
                 if opts.explicit:
-                    refused.append(self._could_not_run(gate, Preset("-", {}), reason))
+                    refused.append(self.could_not_run(gate, Preset("-", {}), reason))
                 else:
                     skipped.append(SkippedGate(gate=gate.name, reason=reason))
                 continue
@@ -294,7 +297,7 @@ class Runner:
             duration_s=duration_s,
         )
 
-    def _could_not_run(self, gate: Gate, preset: Preset, reason: str) -> GateResult:
+    def could_not_run(self, gate: Gate, preset: Preset, reason: str) -> GateResult:
         return GateResult(
             gate=gate.name,
             arm=gate.arm_name,
@@ -397,8 +400,9 @@ class Runner:
                     parity.second_run(unit.gate, run.preset, run.buffers, run.digests, run.arm_outputs,
                                       run.result.parity, after_timing=timed)
         run.buffers = run.arm_outputs = None
+        run.finished = True
         if run.raised is not None:
-            result = self._could_not_run(unit.gate, unit.preset, run.raised[0])
+            result = self.could_not_run(unit.gate, unit.preset, run.raised[0])
             result.traceback = run.raised[1]
         else:
             result = run.result

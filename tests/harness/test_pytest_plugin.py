@@ -20,7 +20,8 @@ CONFTEST = f"""
 import sys
 sys.path.insert(0, {str(SUPPORT)!r})
 import gates, toygate
-toys = {{"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE, "toy-bench": toygate.BENCH_GATE}}
+toys = {{"toy-wrong": toygate.GATE, "toy-cuda": toygate.CUDA_GATE, "toy-bench": toygate.BENCH_GATE,
+        "toy-crash": toygate.CRASH_GATE}}
 real_get = gates.get
 gates.GATE_MODULES.update({{name: "toygate" for name in toys}})
 gates.get = lambda name: toys[name] if name in toys else real_get(name)
@@ -116,6 +117,61 @@ def test_two_workers_run_the_units_each_whole_with_the_verdicts_of_one(suite_dir
     assert spread.exit_code == alone.exit_code == 1
 
 
+def test_a_unit_whose_worker_died_could_not_run_and_the_others_still_report(suite_dir):
+    result, report = run(suite_dir, "--suite-gate", "toy-crash", "--suite-gate", "toy-bench", "--suite-bench",
+                         "-n", "2")
+    assert outcomes(result)["toy-crash[tiny]::gate"] == "FAILED"
+    status = {r.gate: (r.status, r.reason) for r in report.results}
+    assert status["toy-bench"] == ("passed", None)
+    assert status["toy-crash"][0] == "could_not_run" and "crashed" in status["toy-crash"][1]
+    assert report.exit_code == 3
+
+
+def test_a_unit_cut_short_by_k_or_x_could_not_run_and_one_left_out_is_not_in_the_report(suite_dir):
+    result, report = run(suite_dir, "--suite-gate", "toy-bench", "--suite-gate", "toy-wrong", "--suite-bench",
+                         "-k", "gate")  # the bench unit's gate item runs, its recheck does not
+    status = {r.gate: (r.status, r.reason) for r in report.results}
+    assert status["toy-wrong"][0] == "failed" and status["toy-bench"][0] == "could_not_run"
+    assert "did not run" in status["toy-bench"][1] and report.exit_code == 1  # a failure outranks could-not-run
+    result, report = run_again(suite_dir, "--suite-gate", "toy-bench", "--suite-gate", "toy-wrong", "-k", "toy-bench")
+    assert [(r.gate, r.status) for r in report.results] == [("toy-bench", "passed")] and report.exit_code == 0
+    result, report = run_again(suite_dir, "--suite-gate", "toy-wrong", "--suite-gate", "toy-bench", "-x")
+    assert {r.gate: r.status for r in report.results} == {"toy-wrong": "failed", "toy-bench": "could_not_run"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--suite-gate", "nope"), "ERROR: no gate named 'nope'"),
+    (("--suite-preset", "nope"), "ERROR: no gate of this run has the preset(s) ['nope']"),
+    (("--suite-device", "cuda"), "ERROR: --device cuda: this machine has no usable CUDA device"),
+    (("--suite-seed", "-3"), "--suite-seed: must be a whole number from 0 to 2^64-1, not '-3'"),
+    (("--suite-profile", "rxt"), "--suite-profile: invalid choice: 'rxt'"),
+    (("--suite-gate", "nope", "-n", "2"), "ERROR: no gate named 'nope'"),
+])
+def test_a_bad_name_or_option_is_a_usage_error_and_leaves_no_report(suite_dir, args, message):
+    if "cuda" in args and torch_cuda_available():
+        pytest.skip("this host has a GPU")
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "--suite", "--suite-reports",
+                                            str(suite_dir.path / "reports"), *args, timeout=300)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in result.stderr.str() + result.stdout.str()
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    assert not (suite_dir.path / "reports").exists()
+
+
+def test_collect_only_lists_the_items_and_writes_no_report(suite_dir):
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "--suite", "--suite-device", "cpu",
+                                            "--suite-reports", str(suite_dir.path / "reports"), "--suite-gate",
+                                            "toy-bench", "--collect-only", "-q", timeout=300)
+    assert "suite::toy-bench[tiny]::gate" in result.stdout.str()
+    assert not (suite_dir.path / "reports").exists()
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def test_a_worker_takes_its_own_gpu_before_cuda_starts(monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
@@ -179,3 +235,25 @@ def test_suite_run_gpus_exits_with_the_spread_runs_code(tmp_path, monkeypatch, c
     for bad in ("two", "0", "all"):  # all: a CPU has no GPUs to count
         out = CliRunner().invoke(app, ["run", "--gpus", bad, "--device", "cpu"])
         assert out.exit_code == 2 and "--gpus must be 'all' or a number" in out.output, (bad, out.output)
+    asked.clear()
+    out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu", "--preset", "nope"])
+    assert out.exit_code == 2 and "no gate of this run has the preset(s) ['nope']" in out.output and not asked
+
+
+@pytest.mark.parametrize("status, code, said", [(pytest.ExitCode.INTERRUPTED, 130, "interrupted"),
+                                                (pytest.ExitCode.INTERNAL_ERROR, 3, "the report may be incomplete"),
+                                                (pytest.ExitCode.TESTS_FAILED, 3, "the report is incomplete")])
+def test_suite_run_gpus_never_passes_a_run_pytest_did_not_finish(tmp_path, monkeypatch, status, code, said):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from factories import make_report
+
+    def spread(*args):
+        report = make_report()
+        report.exit_code = 0
+        return (None if status == pytest.ExitCode.INTERRUPTED else report), str(tmp_path / "r"), int(status)
+
+    monkeypatch.setattr(pytest_plugin, "spread", spread)
+    out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu"])
+    assert out.exit_code == code and said in out.output, out.output

@@ -2,12 +2,14 @@
 
 - GATE: the arm is wrong by construction (exit code 1).
 - CUDA_GATE: right, but declared CUDA-only.
+- CRASH_GATE: its arm ends the process, as a device fault or the kernel's OOM killer would.
 - BENCH_GATE: a whole gate written against the contract alone (no harness file knows it): an
   exact integer output beside a tolerance-judged float one, a saboteur, three contenders and a
   wall-clock bench, so it gates and benches on the CPU.
 """
 
 import dataclasses
+import os
 
 import torch
 
@@ -47,6 +49,10 @@ GATE = Gate(
 CUDA_GATE = dataclasses.replace(
     GATE, name="toy-cuda", summary="needs a GPU", arm_name="toygate.cuda", needs_cuda=True,
     arm=lambda b, p: {"y": b["x"] * 2},
+)
+
+CRASH_GATE = dataclasses.replace(
+    GATE, name="toy-crash", summary="its arm ends the process", arm_name="toygate.crash", arm=lambda b, p: os._exit(9),
 )
 
 
