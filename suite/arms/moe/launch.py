@@ -531,12 +531,15 @@ class LayerPlan:
         return out, a, gu, y_rows
 
     def backward(self, grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map,
-                 reuse_saved=False):
+                 reuse_saved=False, wanted=(True, True, True)):
         """combine_backward, expert_down_backward, expert_up_backward and the combine of dx:
         -> (dx, grad_probs, the weights' gradients in their shapes and layout). reuse_saved: the
         forward's a, gu and y_rows are dead after this backward (autograd keeps no graph), so its
-        temporaries go into them, each once the launches that read it are done."""
+        temporaries go into them, each once the launches that read it are done. wanted: whether
+        dx, gate and up's gradient, and down's are needed; one not wanted is None and its GEMMs
+        are not run (frozen experts cost what they cost stock's grouped_mm)."""
         rows, d, f, layout = self.n_rows, self.d, self.f, self.layout
+        want_dx, want_gate_up, want_down = wanted
         w_down = weights[2] if layout is None else layout.down_view(weights[1])
         grad_rows, grad_probs = self._empty(rows, d), self._empty(self.n_tokens, self.top_k, dtype=torch.float32)
         self.combine_bwd(grad_out, y_rows, row_id_map, probs, grad_rows, grad_probs)
@@ -545,10 +548,14 @@ class LayerPlan:
         pairs = self.halves(gu) if layout is None else (gu,)
         if self.vendor and config.grouped_mm_ready(a.t(), w_down_t, *pairs):
             return self._vendor_backward(grad_rows, grad_probs, x, weights, w_down_t, a, gu, y_rows, token_of_row,
-                                         offsets, row_id_map, reuse_saved)
-        d_down = self._empty(*self.weight_shapes[-1])
-        d_down_view = d_down if layout is None else layout.down_view(d_down)
-        self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, d_down_view, d_down_view)
+                                         offsets, row_id_map, reuse_saved, wanted)
+        d_down = None
+        if want_down:
+            d_down = self._empty(*self.weight_shapes[-1])
+            d_down_view = d_down if layout is None else layout.down_view(d_down)
+            self.dw_down(a, grad_rows, grad_rows, grad_rows, offsets, d_down_view, d_down_view)
+        if not (want_dx or want_gate_up):  # nothing below the SwiGLU is wanted
+            return None, grad_probs, (*self._unwanted_gate_up(), d_down)
         if reuse_saved:  # a read: d_a there; dg and du over g and u (swiglu reads each first)
             d_a, dgu, dx_rows = a, gu, y_rows
         else:
@@ -557,39 +564,49 @@ class LayerPlan:
         self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
         dg, du = self.halves(dgu)
         self.swiglu(d_a, *self.halves(gu), dg, du, offsets)
-        self._dx(weights, dgu, offsets, dx_rows)
-        if layout is None:
-            d_gate, d_up = self._empty(self.n_experts, d, f), self._empty(self.n_experts, d, f)
-            grads = (d_gate, d_up, d_down)
-        else:
-            d_gate_up = self._empty(*self.weight_shapes[0])
-            d_gate, d_up = layout.gate_up_views(d_gate_up)
-            grads = (d_gate_up, d_down)
-        self.dw_gate_up(x, token_of_row, dg, du, offsets, d_gate, d_up)
-        dx = self._empty(self.n_tokens, d)
-        # each token's k slots summed in slot order, so dx repeats its bits run to run
-        self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
-        return dx, grad_probs, grads
+        gate_up_grads = self._unwanted_gate_up()
+        if want_gate_up:
+            if layout is None:
+                gate_up_grads = d_gate, d_up = self._empty(self.n_experts, d, f), self._empty(self.n_experts, d, f)
+            else:
+                gate_up_grads = (self._empty(*self.weight_shapes[0]),)
+                d_gate, d_up = layout.gate_up_views(gate_up_grads[0])
+            self.dw_gate_up(x, token_of_row, dg, du, offsets, d_gate, d_up)
+        dx = self._dx(weights, dgu, offsets, dx_rows, row_id_map) if want_dx else None
+        return dx, grad_probs, (*gate_up_grads, d_down)
 
-    def _dx(self, weights, dgu, offsets, dx_rows):
-        """dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one accumulator: under a layout one
-        GEMM of dgu against gate_up's 2f rows, else the two pairs in turn."""
+    def _unwanted_gate_up(self):
+        """gate and up's gradients where they are not wanted: (None, None), or a layout's (None,)."""
+        return (None,) if self.layout is not None else (None, None)
+
+    def _dx(self, weights, dgu, offsets, dx_rows, row_id_map):
+        """dx: dx_rows = dg @ w_gate[e]^T + du @ w_up[e]^T in one accumulator (under a layout one
+        GEMM of dgu against gate_up's 2f rows, else the two pairs in turn), then each token's k
+        rows summed in slot order, so dx repeats its bits run to run."""
         if self.layout is None:
             self.dx(*self.halves(dgu), weights[0], weights[1], offsets, dx_rows)
         else:
             self.dx(dgu, dgu, weights[0], weights[0], offsets, dx_rows)
+        dx = self._empty(self.n_tokens, self.d)
+        self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
+        return dx
 
     def _vendor_backward(self, grad_rows, grad_probs, x, weights, w_down_t, a, gu, y_rows, token_of_row, offsets,
-                         row_id_map, reuse_saved):
+                         row_id_map, reuse_saved, wanted):
         """backward's rest with torch._grouped_mm for d_a and the weight gradients (`config.vendor_gemms`),
         the same sums as expert_down_backward and expert_up_backward take there. Each gradient
         GEMM's [E, M, N] output is its parameter's layout: [out, in] GEMMs for a model's
         [E, out, in] weights, and gate_up's in one GEMM over dgu."""
         ends = offsets[1:]
         layout = self.layout
+        want_dx, want_gate_up, want_down = wanted
         out_in = layout is not None and not layout.transposed
         grouped_mm = torch._grouped_mm
-        d_down = grouped_mm(grad_rows.t(), a, offs=ends) if out_in else grouped_mm(a.t(), grad_rows, offs=ends)
+        d_down = None
+        if want_down:
+            d_down = grouped_mm(grad_rows.t(), a, offs=ends) if out_in else grouped_mm(a.t(), grad_rows, offs=ends)
+        if not (want_dx or want_gate_up):
+            return None, grad_probs, (*self._unwanted_gate_up(), d_down)
         d_a = grouped_mm(grad_rows, w_down_t, offs=ends)
         if reuse_saved:  # dg and du over g and u (swiglu reads each first); x's rows in y_rows
             dgu, x_rows = gu, y_rows
@@ -597,17 +614,16 @@ class LayerPlan:
             dgu, x_rows = self._empty(*self.gu_shape), self._empty(self.n_rows, self.d)
         dg, du = self.halves(dgu)
         self.swiglu(d_a, *self.halves(gu), dg, du, offsets)
-        self.gather(x, token_of_row, offsets, x_rows)
-        if layout is None:
-            grads = (*vendor_dw_gate_up(x_rows, dg, du, offsets), d_down)
-        else:
-            d_gate_up = grouped_mm(dgu.t(), x_rows, offs=ends) if out_in else grouped_mm(x_rows.t(), dgu, offs=ends)
-            grads = (d_gate_up, d_down)
-        dx_rows = x_rows  # x's rows are read by now
-        self._dx(weights, dgu, offsets, dx_rows)
-        dx = self._empty(self.n_tokens, self.d)
-        self.combine_dx(dx_rows, row_id_map, dx_rows, dx)
-        return dx, grad_probs, grads
+        grads = (*self._unwanted_gate_up(), d_down)
+        if want_gate_up:
+            self.gather(x, token_of_row, offsets, x_rows)
+            if layout is None:
+                grads = (*vendor_dw_gate_up(x_rows, dg, du, offsets), d_down)
+            else:
+                d_gate_up = grouped_mm(dgu.t(), x_rows, offs=ends) if out_in else grouped_mm(x_rows.t(), dgu, offs=ends)
+                grads = (d_gate_up, d_down)
+        # dx's rows go where x's were, which are read by now
+        return self._dx(weights, dgu, offsets, x_rows, row_id_map) if want_dx else None, grad_probs, grads
 
 
 _layer_plans: dict[tuple, LayerPlan] = {}

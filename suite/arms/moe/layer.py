@@ -127,13 +127,15 @@ def _experts_forward(plan, x, probs, weights, layout, token_of_row, offsets, row
 
 
 def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map,
-                      reuse_saved=False):
+                      reuse_saved=False, wanted=(True, True, True)):
     """-> (dx, dprobs, the weights' gradients in their shapes and layout). reuse_saved: a, gu
-    and y_rows are dead after this call, and the plan may write into them."""
+    and y_rows are dead after this call, and the plan may write into them. wanted: dx, gate and
+    up's gradient, down's (`LayerPlan.backward`); the entry points compute each, for the
+    calls no plan takes (they name what they refuse), and the unwanted are dropped."""
     grad_out = grad_out.contiguous()
     if plan is not None:
         return plan.backward(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map,
-                             reuse_saved)
+                             reuse_saved, wanted)
     w_gate, w_up, w_down = weights if layout is None else layout.views(*weights)
     g, u = (t.contiguous() for t in (gu.unbind(0) if layout is None else layout.halves(gu)))
     grad_rows, grad_probs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
@@ -142,11 +144,15 @@ def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, 
     # each token's k slots summed in slot order, so dx repeats its bits run to run
     dx = launch.combine(dx_rows, row_id_map, top_k=probs.shape[1])
     if layout is None:
-        return dx, grad_probs, (dw_gate, dw_up, dw_down)
-    grads = tuple(w.new_empty(w.shape) for w in weights)
-    for view, value in zip(layout.views(*grads), (dw_gate, dw_up, dw_down)):
-        view.copy_(value)
-    return dx, grad_probs, grads
+        grads = (dw_gate, dw_up, dw_down)
+    else:
+        grads = tuple(w.new_empty(w.shape) for w in weights)
+        for view, value in zip(layout.views(*grads), (dw_gate, dw_up, dw_down)):
+            view.copy_(value)
+    want_dx, want_gate_up, want_down = wanted
+    *gate_up, down = grads
+    return (dx if want_dx else None, grad_probs,
+            (*(g if want_gate_up else None for g in gate_up), down if want_down else None))
 
 
 # whether the running backward keeps its graph; where torch lacks the query, assume it does
@@ -192,16 +198,21 @@ class _ExpertsFunction(torch.autograd.Function):
         x, probs, a, gu, y_rows, token_of_row, offsets, row_id_map, logits, lse, expert_ids, *weights = ctx.saved_tensors
         dx = grad_probs = None
         grads = (None,) * len(weights)
+        # frozen weights (or x) get no gradient, and their GEMMs are not run
+        need = ctx.needs_input_grad
+        wanted = (need[0], need[1] or need[2], need[3]) if ctx.layout is None else (need[0], need[1], need[2])
         if grad_out is not None:
             if ctx.compiled:
                 dx, grad_probs, *grads = _experts_backward_op(grad_out.contiguous(), x, probs, weights, a, gu, y_rows,
-                                                              token_of_row, offsets, row_id_map, *_flags(ctx.layout))
+                                                              token_of_row, offsets, row_id_map, *_flags(ctx.layout),
+                                                              *wanted)
+                dx, grads = _unwanted_as_none(dx, grads, wanted)
             else:
                 # the saved activations die with this backward unless the graph is kept
                 # (retain_graph, create_graph): only then may it write its temporaries into them
                 dx, grad_probs, grads = _experts_backward(ctx.plan, grad_out, x, probs, weights, ctx.layout, a, gu,
                                                           y_rows, token_of_row, offsets, row_id_map,
-                                                          reuse_saved=not _graph_kept())
+                                                          reuse_saved=not _graph_kept(), wanted=wanted)
         w1, w2, w3 = (*grads, None) if ctx.layout is not None else grads
         if ctx.route is None:
             return dx, w1, w2, w3, None, grad_probs, None, None, None, None, None
@@ -291,18 +302,31 @@ def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concaten
 @torch.library.custom_op("suite::moe_experts_backward", mutates_args=())
 def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor],
                          a: torch.Tensor, gu: torch.Tensor, y_rows: torch.Tensor, token_of_row: torch.Tensor,
-                         offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool,
-                         concatenated: bool) -> list[torch.Tensor]:
-    """-> [dx, dprobs, the weights' gradients, in their shapes]."""
+                         offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool,
+                         want_dx: bool, want_gate_up: bool, want_down: bool) -> list[torch.Tensor]:
+    """-> [dx, dprobs, the weights' gradients, in their shapes]; an empty tensor for each one
+    not wanted (an op's list holds no None)."""
     layout = _layout_of(weights, transposed, concatenated)
+    wanted = (want_dx, want_gate_up, want_down)
     dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row), grad_out, x, probs,
-                                              weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map)
-    return [dx, grad_probs, *grads]
+                                              weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map,
+                                              wanted=wanted)
+    return [t if t is not None else x.new_empty(0) for t in (dx, grad_probs, *grads)]
 
 
 @_experts_backward_op.register_fake
-def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map, transposed, concatenated):
-    return [x.new_empty(x.shape), probs.new_empty(probs.shape), *(w.new_empty(w.shape) for w in weights)]
+def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map, transposed, concatenated,
+      want_dx, want_gate_up, want_down):
+    wanted_weights = (want_gate_up,) * (len(weights) - 1) + (want_down,)
+    return [x.new_empty(x.shape if want_dx else 0), probs.new_empty(probs.shape),
+            *(w.new_empty(w.shape if wanted else 0) for w, wanted in zip(weights, wanted_weights))]
+
+
+def _unwanted_as_none(dx, grads, wanted):
+    """The backward op's empty placeholders back to None."""
+    want_dx, want_gate_up, want_down = wanted
+    *gate_up, down = grads
+    return dx if want_dx else None, (*(g if want_gate_up else None for g in gate_up), down if want_down else None)
 
 
 EXPERTS_IMPLS = ("fused", "eager")
