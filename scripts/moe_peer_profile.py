@@ -3,9 +3,10 @@
 it is measured against (the gate's own contenders, buffers and routing):
 
     python scripts/moe_peer_profile.py --preset mixtral --contender arm --contender "grouped_mm gate|up compiled"
+    python scripts/moe_peer_profile.py --case block --preset mixtral-4k   (the block a user runs: suite and stock)
 
 On the GPU machine: `bash scripts/device_check.sh python scripts/moe_peer_profile.py --preset olmoe`.
-Each contender's fwd+bwd call is warmed up, then run --calls times under torch.profiler; the
+Each contender's call of the case (default fwd+bwd) is warmed up, then run --calls times under torch.profiler; the
 table gives each contender's device time per call split by kernel (the largest first, grouped by
 kernel name), so a loss to a peer can be traced to the GEMM that holds it. Writes
 $OUT/moe_peer_profile.json (or --json) too.
@@ -43,22 +44,31 @@ def kernel_times(call, calls: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, device: torch.device | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
-    parser.add_argument("--contender", action="append", help=f"contender (repeatable; default {DEFAULT_CONTENDERS})")
+    parser.add_argument("--case", default="fwd+bwd", choices=[case.name for case in GATE.benches],
+                        help="the bench case profiled (default fwd+bwd)")
+    parser.add_argument("--contender", action="append",
+                        help=f"contender (repeatable; default {DEFAULT_CONTENDERS} for fwd+bwd, else the case's own)")
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--top", type=int, default=8, help="kernels listed per contender")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    bench = next(c for c in GATE.benches if c.name == "fwd+bwd")
-    contenders = {c.name: c for c in GATE.contenders_for(bench)}
+    args = parser.parse_args(argv)
+    device = device or torch.device("cuda")
+    bench = next(c for c in GATE.benches if c.name == args.case)
     figures = {}
     for preset_name in args.preset or ["olmoe"]:
         preset = GATE.preset(preset_name)
+        if bench.presets is not None and preset_name not in bench.presets:
+            parser.error(f"case {args.case} is timed at {list(bench.presets)}, not at {preset_name}")
+        contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
+        names = args.contender or (DEFAULT_CONTENDERS if args.case == "fwd+bwd" else list(contenders))
+        unknown = [name for name in names if name not in contenders]
+        if unknown:
+            parser.error(f"{unknown} not timed in case {args.case} at {preset_name}; its contenders: {list(contenders)}")
         buffers = GATE.make_buffers(preset, 0, device)
-        for name in args.contender or DEFAULT_CONTENDERS:
+        for name in names:
             missing = contenders[name].unavailable(device)
             if missing:
                 print(f"\n{preset_name} / {name}: unavailable ({missing})")

@@ -1,0 +1,43 @@
+"""scripts/moe_peer_profile.py: which contenders it profiles in a case, and the errors for a
+preset the case is not timed at or a contender it does not time (the profile itself needs a
+GPU: here the profiler is stubbed and the calls it would time are counted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from scriptload import load_script
+
+CPU = torch.device("cpu")
+
+
+def loaded(monkeypatch):
+    """The script, its profiler stubbed (the calls it would profile are kept)."""
+    profile = load_script("moe_peer_profile")
+    profiled = []
+    monkeypatch.setattr(profile, "kernel_times", lambda call, calls: profiled.append(call) or {"k": 1.0})
+    return profile, profiled
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--case", "block", "--preset", "tiny"], "case block is timed at ['olmoe', 'qwen3-30b-a3b', 'mixtral',"),
+    (["--case", "block", "--preset", "mixtral-4k", "--contender", "arm"],
+     "['arm'] not timed in case block at mixtral-4k; its contenders: ['block grouped_mm', 'block suite']"),
+])
+def test_a_case_or_contender_not_timed_at_the_preset_is_a_usage_error(monkeypatch, capsys, argv, message):
+    profile, profiled = loaded(monkeypatch)
+    with pytest.raises(SystemExit) as stop:
+        profile.main(argv, CPU)
+    assert stop.value.code == 2 and message in capsys.readouterr().err and not profiled
+
+
+def test_a_case_other_than_fwd_bwd_profiles_its_own_contenders(monkeypatch, tmp_path):
+    profile, profiled = loaded(monkeypatch)
+    profile.main(["--case", "combine-bwd", "--preset", "tiny", "--json", str(tmp_path / "p.json")], CPU)
+    timed = json.loads((tmp_path / "p.json").read_text())
+    want = [c.name for c in profile.GATE.contenders_for(next(c for c in profile.GATE.benches if c.name == "combine-bwd"),
+                                                        profile.GATE.preset("tiny"))]
+    assert sorted(timed) == sorted(f"tiny/{name}" for name in want) and len(profiled) == len(want) >= 2
