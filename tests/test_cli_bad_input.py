@@ -767,6 +767,8 @@ CASES = [
          "not 'two'; on the CPU give a number of workers"),
     Case("47", "suite run --gpus all on the CPU", ("run", "--gpus", "all", *CPU), USAGE,
          "--gpus must be 'all' or a number from 1 to this host's GPUs (none), not 'all'"),
+    Case("47", "suite run --gpus 2 with a preset no gate has", ("run", "--gpus", "2", "--preset", "nope", *CPU), USAGE,
+         "no gate of this run has the preset(s) ['nope']"),
     Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
          lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
          COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),
@@ -841,7 +843,9 @@ def test_the_docs_list_every_case():
 
 OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
                # tests of their own in tests/arms/test_checkpoint.py and test_skip_step.py (several processes, optimizer state)
-               ("44.3", 2), ("44.4", 0), ("44.5", 2)}
+               ("44.3", 2), ("44.4", 0), ("44.5", 2),
+               # tests of their own in tests/harness/test_pytest_plugin.py (pytest runs, a worker that dies)
+               ("47", 4), ("47", 3)}
 
 
 def test_every_numbered_item_has_a_test():

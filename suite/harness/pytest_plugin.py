@@ -184,6 +184,29 @@ class _Session:
         """The controller's view of what a worker will run (it collects nothing itself)."""
         self.expected.update(_units_of(ids))
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log):
+        """xdist's loadscope, except that a unit whose worker crashed is not run again."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class CrashedUnitsStay(LoadScopeScheduling):
+            """loadscope puts a crashed worker's whole scope back in the queue, the item that
+            crashed included, so a unit that ends its process (a device fault) would run again
+            on each new worker until xdist's restart limit. Its scope is dropped instead: the
+            crash is reported once, and the rest of the unit could not run without it."""
+
+            def remove_node(self, node):
+                workload = self.assigned_work.get(node, {})
+                crashed = next((nodeid for scope in workload.values() for nodeid, done in scope.items() if not done),
+                               None)
+                if crashed is None:
+                    return super().remove_node(node)
+                self.assigned_work[node] = {name: scope for name, scope in workload.items() if crashed not in scope}
+                super().remove_node(node)  # the rest of its work goes back in the queue
+                return crashed
+
+        return CrashedUnitsStay(config, log) if config.option.dist == "loadscope" else None
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """Keep what each item carried back (on the controller, from every worker)."""
         from suite.harness.results import Ceilings, GateResult, SkippedGate
