@@ -6,13 +6,11 @@ Thin on purpose: parse, call the runner, print, set the exit code (README: "Exit
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import inspect
 import json
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -169,25 +167,6 @@ def _guarded(command: Callable) -> Callable:
     return guarded
 
 
-# a write that failed for lack of room could not run; one to a path that cannot be written
-# (a file, read-only, no permission) is a bad option
-_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EIO}
-
-
-def _unwritable(option: str, path: Path, exc: OSError) -> SuiteError:
-    # the nearest existing ancestor: where a path "exists" as a file, mkdir only says EEXIST
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    if path.is_file():
-        reason = "it is a file, not a directory"
-    elif existing is not None and not existing.is_dir():
-        reason = f"{existing} is a file, not a directory"
-    else:
-        reason = exc.strerror or str(exc)
-    if exc.errno in _NO_ROOM:
-        return CouldNotRun(f"cannot write {option} {path}: {reason}; free space there or pass another {option}")
-    return UsageError(f"cannot write {option} {path}: {reason}; pass {option} a directory you can write to")
-
-
 class _RichProgress:
     """Drives a rich progress bar from the runner's callbacks; off a terminal, one line a phase."""
 
@@ -224,7 +203,7 @@ def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
     settings = _setup(flags.device, flags.profile)
     import gates
     from suite.harness.runner import RunOptions, Runner
-    from suite.harness.store import check_writable
+    from suite.harness.store import check_writable, unwritable
 
     selected = gates.select(name)
     options = RunOptions(
@@ -241,7 +220,7 @@ def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
     try:
         check_writable(flags.reports)  # now, not after an hour of gates
     except OSError as exc:
-        raise _unwritable("--reports", flags.reports, exc) from exc
+        raise unwritable("--reports", flags.reports, exc) from exc
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         report = Runner(options, _RichProgress(bar)).run(selected, what)
@@ -257,22 +236,15 @@ def _save_report(report, reports: Path, what: str) -> tuple[Path | None, int]:
     """Write the report under --reports or, when that fails at the end of a run (the disk
     filled meanwhile), into a temporary directory: the figures are kept, and so is the gates'
     exit code. Returns where it went (None: nowhere) and the exit code."""
-    from suite.harness.store import write_report
+    from suite.harness.store import save_report
 
-    try:
-        return write_report(report, reports, what), report.exit_code
-    except OSError as exc:
-        first = exc
-    try:
-        path = write_report(report, Path(tempfile.mkdtemp(prefix="suite-reports-")), what)
-    except OSError as exc:
-        err.print(f"[bold red]error:[/] cannot write the report under {escape(str(reports))} "
-                  f"({escape(first.strerror or str(first))}) nor into a temporary directory "
-                  f"({escape(exc.strerror or str(exc))}); the summary below is all that is kept", soft_wrap=True)
+    path, trouble = save_report(report, reports, what)
+    if path is None:
+        err.print(f"[bold red]error:[/] {escape(trouble)}", soft_wrap=True)
         # a failed gate still exits 1; a run that kept nothing otherwise could not run
         return None, report.exit_code if report.exit_code == ExitCode.FAILED else int(ExitCode.COULD_NOT_RUN)
-    err.print(f"[yellow]warning:[/] cannot write the report under {escape(str(reports))} "
-              f"({escape(first.strerror or str(first))}); wrote it to {escape(str(path))} instead", soft_wrap=True)
+    if trouble is not None:
+        err.print(f"[yellow]warning:[/] {escape(trouble)}", soft_wrap=True)
     return path, report.exit_code
 
 
@@ -363,9 +335,14 @@ def _spread(flags: RunFlags, gpus: str) -> None:
     import gates
     from suite.harness.pytest_plugin import spread
     from suite.harness.runner import check_presets
+    from suite.harness.store import check_writable, unwritable
 
     settings = _setup(flags.device, flags.profile)
     check_presets(gates.select("all"), flags.preset)
+    try:
+        check_writable(flags.reports)
+    except OSError as exc:
+        raise unwritable("--reports", flags.reports, exc) from exc
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None
     workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
     if workers is None or (count is not None and workers > count):
@@ -380,12 +357,14 @@ def _spread(flags: RunFlags, gpus: str) -> None:
                           f"`pytest --suite --suite-bench -n {workers}` to see why")
     _print_summary(report)
     _print_tracebacks(report, flags.verbose)
-    console.print(f"report: {path}", markup=False, highlight=False)
+    console.print(f"report: {path or 'not written (see the warning above)'}", markup=False, highlight=False)
     if status not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED):
         raise CouldNotRun(f"pytest ended with exit status {status} ({pytest.ExitCode(status).name.lower()}), "
                           "not with its items' outcomes: the report may be incomplete")
     if status == pytest.ExitCode.TESTS_FAILED and report.exit_code == ExitCode.OK:
         raise CouldNotRun("pytest failed an item that the report passes: the report is incomplete")
+    if path is None and report.exit_code != ExitCode.FAILED:  # a run that kept nothing could not run
+        raise typer.Exit(int(ExitCode.COULD_NOT_RUN))
     raise typer.Exit(report.exit_code)
 
 
@@ -406,6 +385,7 @@ def record(
     settings = _setup(device, None)
     import gates
     from suite.files.buffers import check_destination, save_buffers
+    from suite.harness.store import unwritable
 
     chosen = gates.get(name)
     p = chosen.preset(preset)
@@ -417,7 +397,7 @@ def record(
         path = save_buffers(tensors, out, gate=chosen.name, preset=p.name, seed=seed, params=dict(p.params),
                             overwrite=overwrite)
     except OSError as exc:
-        raise _unwritable("--out", out, exc) from exc
+        raise unwritable("--out", out, exc) from exc
     console.print(f"recorded {', '.join(f'{n} {list(t.shape)} {t.dtype}' for n, t in tensors.items())} into {path}",
                   markup=False, highlight=False)
 
@@ -454,12 +434,13 @@ def baseline_save(
     names each preset's runs)."""
     from suite.harness.baseline import save_baseline
     from suite.harness.results import load_report
+    from suite.harness.store import unwritable
 
     run = load_report(_report_path(report, reports))
     try:
         saved = save_baseline(run, baselines, gate_names, replace=replace, add=add)
     except OSError as exc:
-        raise _unwritable("--baselines", baselines, exc) from exc
+        raise unwritable("--baselines", baselines, exc) from exc
     for path in saved:
         console.print(f"saved {path}", markup=False, highlight=False)
     if saved:  # the pages docs/results holds are rendered from these files; CI fails on a stale one
@@ -502,6 +483,7 @@ def baseline_show(
     """Render the saved figures as Markdown pages: per preset its runs, per case each contender's
     median ms in both timing modes, throughput, share of the ceiling, host time, spread."""
     from suite.harness.render import baseline_pages
+    from suite.harness.store import unwritable
 
     if not baselines.is_dir():
         raise UsageError(f"--baselines {baselines} is not a directory; pass the baselines directory")
@@ -521,7 +503,7 @@ def baseline_show(
             (write / page).parent.mkdir(parents=True, exist_ok=True)
             (write / page).write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise _unwritable("--write", write, exc) from exc
+        raise unwritable("--write", write, exc) from exc
     console.print(f"wrote {len(pages)} pages under {write}", markup=False, highlight=False)
 
 

@@ -90,10 +90,19 @@ def pytest_configure(config: pytest.Config) -> None:
             config.option.dist = "loadscope"
         _check_workers(config.option.numprocesses, config.option.suite_device)
     session = _Session(config)
+    from pathlib import Path
+
     from suite.errors import SuiteError
+    from suite.harness.store import check_writable, unwritable
 
     try:  # a gate, preset or device that is not there stops the run before anything is collected
         session.plan()
+        if not hasattr(config, "workerinput") and not config.option.collectonly:  # now, not after the gates
+            reports = Path(config.option.suite_reports)
+            try:
+                check_writable(reports)
+            except OSError as exc:
+                raise unwritable("--suite-reports", reports, exc) from None
     except SuiteError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(session, "suite-session")
@@ -235,7 +244,7 @@ class _Session:
             return
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:
             return
-        from suite.harness.store import write_report
+        from suite.harness.store import save_report
 
         opt = self.config.option
         runner = self.setup()
@@ -250,11 +259,13 @@ class _Session:
             " ".join(["pytest", *self.config.invocation_params.args]), self.started,
             time.perf_counter() - self.clock, ceilings=self.ceilings)
         self.config.stash[REPORT] = report
-        path = write_report(report, self.config.option.suite_reports, report.what)
-        self.config.stash[REPORT_PATH] = str(path)
+        path, trouble = save_report(report, self.config.option.suite_reports, report.what)
+        self.config.stash[REPORT_PATH] = str(path) if path is not None else None
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_line(f"suite: report {path} (the suite's exit code {report.exit_code})")
+            if trouble is not None:
+                reporter.write_line(f"suite: {trouble}", yellow=True)
+            reporter.write_line(f"suite: report {path or 'not written'} (the suite's exit code {report.exit_code})")
 
 
 _ORDER, _RESULT, _SKIPPED, _CEILINGS = "suite-order", "suite-result", "suite-skipped", "suite-ceilings"

@@ -7,12 +7,15 @@ leaves the whole directory or none.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import re
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from suite.errors import CouldNotRun, SuiteError, UsageError
 from suite.files import atomic
 from suite.harness.render import render_markdown, to_json
 from suite.harness.render_ci import render_junit, render_pytest_benchmark
@@ -40,6 +43,42 @@ def check_writable(reports_dir: str | Path) -> None:
     reports_dir: it is a file, read-only, or has no room for a report's worth of bytes."""
     with atomic.staging_directory(Path(reports_dir), "probe") as probe:
         atomic.write_bytes(probe / "probe", bytes(_PROBE_BYTES))
+
+
+# a write that failed for lack of room could not run; one to a path that cannot be written
+# (a file, read-only, no permission) is a bad option
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EIO}
+
+
+def unwritable(option: str, path: Path, exc: OSError) -> SuiteError:
+    """The error for an output directory `option` that cannot be written, naming why."""
+    # the nearest existing ancestor: where a path "exists" as a file, mkdir only says EEXIST
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if path.is_file():
+        reason = "it is a file, not a directory"
+    elif existing is not None and not existing.is_dir():
+        reason = f"{existing} is a file, not a directory"
+    else:
+        reason = exc.strerror or str(exc)
+    if exc.errno in _NO_ROOM:
+        return CouldNotRun(f"cannot write {option} {path}: {reason}; free space there or pass another {option}")
+    return UsageError(f"cannot write {option} {path}: {reason}; pass {option} a directory you can write to")
+
+
+def save_report(report: RunReport, reports_dir: str | Path, what: str | None = None) -> tuple[Path | None, str | None]:
+    """`write_report` under reports_dir or, when that fails at the end of a run (the disk filled
+    meanwhile), into a temporary directory, so the figures are kept: -> (where it went, None if
+    nowhere; what to tell the user about it, None if all went as asked)."""
+    try:
+        return write_report(report, reports_dir, what), None
+    except OSError as exc:
+        first = exc.strerror or str(exc)
+    try:
+        path = write_report(report, Path(tempfile.mkdtemp(prefix="suite-reports-")), what)
+    except OSError as exc:
+        return None, (f"cannot write the report under {reports_dir} ({first}) nor into a temporary directory "
+                      f"({exc.strerror or exc}); the summary is all that is kept")
+    return path, f"cannot write the report under {reports_dir} ({first}); wrote it to {path} instead"
 
 
 def write_report(report: RunReport, reports_dir: str | Path, what: str | None = None) -> Path:

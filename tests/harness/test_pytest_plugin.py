@@ -148,16 +148,40 @@ def test_a_unit_cut_short_by_k_or_x_could_not_run_and_one_left_out_is_not_in_the
     (("--suite-seed", "-3"), "--suite-seed: must be a whole number from 0 to 2^64-1, not '-3'"),
     (("--suite-profile", "rxt"), "--suite-profile: invalid choice: 'rxt'"),
     (("--suite-gate", "nope", "-n", "2"), "ERROR: no gate named 'nope'"),
+    (("--suite-reports", "{tmp}/a-file"), "ERROR: cannot write --suite-reports {tmp}/a-file: it is a file"),
 ])
 def test_a_bad_name_or_option_is_a_usage_error_and_leaves_no_report(suite_dir, args, message):
     if "cuda" in args and torch_cuda_available():
         pytest.skip("this host has a GPU")
+    (suite_dir.path / "a-file").write_text("")
+    args = [arg.replace("{tmp}", str(suite_dir.path)) for arg in args]
     result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "--suite", "--suite-reports",
                                             str(suite_dir.path / "reports"), *args, timeout=300)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert message in result.stderr.str() + result.stdout.str()
+    assert message.replace("{tmp}", str(suite_dir.path)) in result.stderr.str() + result.stdout.str()
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
     assert not (suite_dir.path / "reports").exists()
+
+
+def test_a_report_the_disk_refuses_at_the_end_is_written_to_a_temporary_directory(suite_dir):
+    suite_dir.makeconftest(CONFTEST + """
+import suite.harness.store as store
+real_write = store.write_report
+
+def full(report, reports_dir, what=None):
+    if "suite-reports-" not in str(reports_dir):
+        raise OSError(28, "No space left on device")
+    return real_write(report, reports_dir, what)
+
+store.write_report = full
+""")
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "--suite", "--suite-device", "cpu",
+                                            "--suite-gate", "toy-bench", timeout=300)
+    out = result.stdout.str()
+    assert "cannot write the report under reports (No space left on device); wrote it to" in out
+    saved = Path(re.search(r"suite: report (\S+suite-reports-\S+) ", out)[1])
+    assert RunReport.model_validate_json((saved / "report.json").read_text()).exit_code == 0
+    shutil.rmtree(saved.parent)
 
 
 def test_collect_only_lists_the_items_and_writes_no_report(suite_dir):
