@@ -20,6 +20,7 @@ import argparse
 import os
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -89,23 +90,26 @@ def pytest_configure(config: pytest.Config) -> None:
         if config.option.dist in ("no", "load"):
             config.option.dist = "loadscope"
         _check_workers(config.option.numprocesses, config.option.suite_device)
-    session = _Session(config)
-    from pathlib import Path
-
     from suite.errors import SuiteError
-    from suite.harness.store import check_writable, unwritable
 
-    try:  # a gate, preset or device that is not there stops the run before anything is collected
+    session = _Session(config)
+    try:  # a gate, preset, device or report directory that is not there stops the run first
         session.plan()
-        if not hasattr(config, "workerinput") and not config.option.collectonly:  # now, not after the gates
-            reports = Path(config.option.suite_reports)
-            try:
-                check_writable(reports)
-            except OSError as exc:
-                raise unwritable("--suite-reports", reports, exc) from None
+        if not hasattr(config, "workerinput") and not config.option.collectonly:
+            _check_reports(Path(config.option.suite_reports))
     except SuiteError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(session, "suite-session")
+
+
+def _check_reports(reports: Path) -> None:
+    """The merged report's directory, now, not after the gates."""
+    from suite.harness.store import check_writable, unwritable
+
+    try:
+        check_writable(reports)
+    except OSError as exc:
+        raise unwritable("--suite-reports", reports, exc) from None
 
 
 def _check_workers(workers: int, device: str) -> None:
