@@ -149,10 +149,8 @@ def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, 
         grads = tuple(w.new_empty(w.shape) for w in weights)
         for view, value in zip(layout.views(*grads), (dw_gate, dw_up, dw_down)):
             view.copy_(value)
-    want_dx, want_gate_up, want_down = wanted
-    *gate_up, down = grads
-    return (dx if want_dx else None, grad_probs,
-            (*(g if want_gate_up else None for g in gate_up), down if want_down else None))
+    dx, grads = _drop_unwanted(dx, grads, wanted)
+    return dx, grad_probs, grads
 
 
 # whether the running backward keeps its graph; where torch lacks the query, assume it does
@@ -206,7 +204,7 @@ class _ExpertsFunction(torch.autograd.Function):
                 dx, grad_probs, *grads = _experts_backward_op(grad_out.contiguous(), x, probs, weights, a, gu, y_rows,
                                                               token_of_row, offsets, row_id_map, *_flags(ctx.layout),
                                                               *wanted)
-                dx, grads = _unwanted_as_none(dx, grads, wanted)
+                dx, grads = _drop_unwanted(dx, grads, wanted)
             else:
                 # the saved activations die with this backward unless the graph is kept
                 # (retain_graph, create_graph): only then may it write its temporaries into them
@@ -322,8 +320,9 @@ def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_
             *(w.new_empty(w.shape if wanted else 0) for w, wanted in zip(weights, wanted_weights))]
 
 
-def _unwanted_as_none(dx, grads, wanted):
-    """The backward op's empty placeholders back to None."""
+def _drop_unwanted(dx, grads, wanted):
+    """dx and the weights' gradients with None for each one not wanted (the backward op's empty
+    placeholders, or what the entry points computed anyway)."""
     want_dx, want_gate_up, want_down = wanted
     *gate_up, down = grads
     return dx if want_dx else None, (*(g if want_gate_up else None for g in gate_up), down if want_down else None)

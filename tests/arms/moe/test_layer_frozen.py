@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from suite.arms import moe
-from suite.arms.moe import GateUpLayout, config, launch
+from suite.arms.moe import GateUpLayout, config, launch, layer
 from moepaths import force_path
 
 T, D, F, E, K = 13, 24, 20, 5, 2
@@ -114,6 +114,18 @@ def test_a_frozen_input_gets_no_gradient_and_its_gemms_do_not_run(monkeypatch, p
     else:
         assert len(counts.grouped_mm) == vendor_gemms(layout, frozen), counts.grouped_mm
         assert calls["dx"] == ("x" not in frozen)
+
+
+@pytest.mark.parametrize("layout, frozen", [(None, (2,)), (FUSED, (0,))])
+def test_without_a_kept_plan_a_frozen_input_leaves_the_rest_as_they_are(monkeypatch, layout, frozen):
+    """The calls no plan takes run through the entry points, which compute every gradient and
+    drop the ones not wanted: the rest keep a full backward's bits."""
+    x, weights, logits, grad_out = inputs(layout, seed=2)
+    monkeypatch.setattr(layer, "_plan", lambda *args: None)
+    full, _ = run(layout, x, weights, logits, grad_out)
+    got, _ = run(layout, x, weights, logits, grad_out, frozen)
+    for name, want, have in zip(["x", *range(len(weights)), "logits"], full, got):
+        assert have is None if name in frozen else torch.equal(have, want), name
 
 
 def test_compiled_a_frozen_weight_gets_no_gradient_and_the_rest_keep_their_bits():
