@@ -564,6 +564,7 @@ class LayerPlan:
         self.d_a(grad_rows, grad_rows, w_down, w_down, offsets, d_a)
         dg, du = self.halves(dgu)
         self.swiglu(d_a, *self.halves(gu), dg, du, offsets)
+        dx = self._dx(weights, dgu, offsets, dx_rows, row_id_map) if want_dx else None
         gate_up_grads = self._unwanted_gate_up()
         if want_gate_up:
             if layout is None:
@@ -572,7 +573,6 @@ class LayerPlan:
                 gate_up_grads = (self._empty(*self.weight_shapes[0]),)
                 d_gate, d_up = layout.gate_up_views(gate_up_grads[0])
             self.dw_gate_up(x, token_of_row, dg, du, offsets, d_gate, d_up)
-        dx = self._dx(weights, dgu, offsets, dx_rows, row_id_map) if want_dx else None
         return dx, grad_probs, (*gate_up_grads, d_down)
 
     def _unwanted_gate_up(self):
