@@ -203,7 +203,7 @@ def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
     settings = _setup(flags.device, flags.profile)
     import gates
     from suite.harness.runner import RunOptions, Runner
-    from suite.harness.store import check_writable, unwritable
+    from suite.harness.store import check_writable
 
     selected = gates.select(name)
     options = RunOptions(
@@ -217,10 +217,7 @@ def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
         explicit=name != "all",
         strict=flags.strict,
     )
-    try:
-        check_writable(flags.reports)  # now, not after an hour of gates
-    except OSError as exc:
-        raise unwritable("--reports", flags.reports, exc) from exc
+    check_writable(flags.reports)  # now, not after an hour of gates
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
         report = Runner(options, _RichProgress(bar)).run(selected, what)
@@ -239,13 +236,15 @@ def _save_report(report, reports: Path, what: str) -> tuple[Path | None, int]:
     from suite.harness.store import save_report
 
     path, trouble = save_report(report, reports, what)
-    if path is None:
-        err.print(f"[bold red]error:[/] {escape(trouble)}", soft_wrap=True)
-        # a failed gate still exits 1; a run that kept nothing otherwise could not run
-        return None, report.exit_code if report.exit_code == ExitCode.FAILED else int(ExitCode.COULD_NOT_RUN)
     if trouble is not None:
-        err.print(f"[yellow]warning:[/] {escape(trouble)}", soft_wrap=True)
-    return path, report.exit_code
+        err.print(f"[bold red]error:[/] {escape(trouble)}" if path is None else f"[yellow]warning:[/] {escape(trouble)}",
+                  soft_wrap=True)
+    return path, _kept_exit_code(report, path)
+
+
+def _kept_exit_code(report, path: Path | None) -> int:
+    """A failed gate still exits 1; a run whose report was kept nowhere otherwise could not run."""
+    return report.exit_code if path is not None or report.exit_code == ExitCode.FAILED else int(ExitCode.COULD_NOT_RUN)
 
 
 def _print_tracebacks(report, verbose: bool) -> None:
@@ -335,14 +334,11 @@ def _spread(flags: RunFlags, gpus: str) -> None:
     import gates
     from suite.harness.pytest_plugin import spread
     from suite.harness.runner import check_presets
-    from suite.harness.store import check_writable, unwritable
+    from suite.harness.store import check_writable
 
     settings = _setup(flags.device, flags.profile)
     check_presets(gates.select("all"), flags.preset)
-    try:
-        check_writable(flags.reports)
-    except OSError as exc:
-        raise unwritable("--reports", flags.reports, exc) from exc
+    check_writable(flags.reports)
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None
     workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
     if workers is None or (count is not None and workers > count):
@@ -363,9 +359,7 @@ def _spread(flags: RunFlags, gpus: str) -> None:
                           "not with its items' outcomes: the report may be incomplete")
     if status == pytest.ExitCode.TESTS_FAILED and report.exit_code == ExitCode.OK:
         raise CouldNotRun("pytest failed an item that the report passes: the report is incomplete")
-    if path is None and report.exit_code != ExitCode.FAILED:  # a run that kept nothing could not run
-        raise typer.Exit(int(ExitCode.COULD_NOT_RUN))
-    raise typer.Exit(report.exit_code)
+    raise typer.Exit(_kept_exit_code(report, path))
 
 
 # ---- the other commands --------------------------------------------------------------------

@@ -20,7 +20,6 @@ import argparse
 import os
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -91,25 +90,18 @@ def pytest_configure(config: pytest.Config) -> None:
             config.option.dist = "loadscope"
         _check_workers(config.option.numprocesses, config.option.suite_device)
     from suite.errors import SuiteError
+    from suite.harness.store import check_writable
 
     session = _Session(config)
     try:  # a gate, preset, device or report directory that is not there stops the run first
         session.plan()
         if not hasattr(config, "workerinput") and not config.option.collectonly:
-            _check_reports(Path(config.option.suite_reports))
+            check_writable(config.option.suite_reports, "--suite-reports")  # now, not after the gates
     except SuiteError as exc:
         raise pytest.UsageError(str(exc)) from None
     config.pluginmanager.register(session, "suite-session")
 
 
-def _check_reports(reports: Path) -> None:
-    """The merged report's directory, now, not after the gates."""
-    from suite.harness.store import check_writable, unwritable
-
-    try:
-        check_writable(reports)
-    except OSError as exc:
-        raise unwritable("--suite-reports", reports, exc) from None
 
 
 def _check_workers(workers: int, device: str) -> None:

@@ -38,11 +38,14 @@ def _utc_stamp(iso: str) -> str:
     return when.astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def check_writable(reports_dir: str | Path) -> None:
-    """Raise OSError now, before any gate runs, if no report could be written under
-    reports_dir: it is a file, read-only, or has no room for a report's worth of bytes."""
-    with atomic.staging_directory(Path(reports_dir), "probe") as probe:
-        atomic.write_bytes(probe / "probe", bytes(_PROBE_BYTES))
+def check_writable(reports_dir: str | Path, option: str = "--reports") -> None:
+    """Refuse now, before any gate runs, a reports_dir (given as `option`) under which no
+    report could be written: it is a file, read-only, or has no room for a report's bytes."""
+    try:
+        with atomic.staging_directory(Path(reports_dir), "probe") as probe:
+            atomic.write_bytes(probe / "probe", bytes(_PROBE_BYTES))
+    except OSError as exc:
+        raise unwritable(option, Path(reports_dir), exc) from exc
 
 
 # a write that failed for lack of room could not run; one to a path that cannot be written
