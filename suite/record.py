@@ -55,15 +55,14 @@ class Recording:
 
 def _rms_norm_params(module: nn.Module) -> dict | None:
     from suite.arms.rmsnorm import RMSNorm
-    from suite.integrations.transformers import RMS_NORMS
+    from suite.integrations.transformers import rms_norm_rule
 
     if isinstance(module, RMSNorm):
         return dict(eps=float(module.eps), offset=float(module.offset))
-    known = RMS_NORMS.get(type(module).__name__)
-    if known is None:
+    rule = rms_norm_rule(module)
+    if rule is None:
         return None
-    eps_attr, offset, _ = known
-    return dict(eps=float(getattr(module, eps_attr)), offset=offset)
+    return dict(eps=float(getattr(module, rule.eps_attr)), offset=rule.offset)
 
 
 def _watch(model: nn.Module, modules: tuple[str, ...], step: int) -> list[_Watched]:

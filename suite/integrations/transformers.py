@@ -16,7 +16,12 @@ way (`gate_up_experts`).
 
 from __future__ import annotations
 
+import ast
+import builtins
 import functools
+import inspect
+import textwrap
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -156,14 +161,22 @@ def use_suite_experts(model: nn.Module) -> int:
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
-# Each recognised class: (its eps attribute, offset: the scale is offset + weight, whether its
-# output takes the weight's dtype by promotion as Llama's `weight * x.to(input_dtype)` does)
-RMS_NORMS = {
-    **{name: ("variance_epsilon", 0.0, True) for name in (
-        "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
-        "OlmoeRMSNorm")},
-    **{name: ("variance_epsilon", 0.0, False) for name in ("Olmo2RMSNorm", "Olmo3RMSNorm")},
-    **{name: ("eps", 1.0, False) for name in ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")},
+class NormRule(NamedTuple):
+    """What a norm computes, in `rms_norm`'s terms: the attribute holding its eps, its offset
+    (the scale is offset + weight), and whether its output takes the weight's dtype by promotion,
+    as Llama's `weight * x.to(input_dtype)` does."""
+
+    eps_attr: str
+    offset: float
+    promotes: bool
+
+
+# One class of each computation this knows; any RMSNorm class whose code is one of theirs is
+# known too (transformers copies these into most of its models under their own names).
+_EXEMPLARS = {
+    ("llama", "LlamaRMSNorm"): NormRule("variance_epsilon", 0.0, True),   # weight * x.to(dtype)
+    ("olmo2", "Olmo2RMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight * x).to(dtype)
+    ("gemma", "GemmaRMSNorm"): NormRule("eps", 1.0, False),               # x * (1 + weight), fp32
 }
 RMS_NORM_IMPLS = ("auto", "fused")
 
@@ -172,34 +185,116 @@ def _is_rms_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RMSNorm")
 
 
+def _method(cls: type, name: str):
+    value = inspect.getattr_static(cls, name, None)
+    value = getattr(value, "__func__", value)  # a staticmethod's or classmethod's function
+    return value if inspect.isfunction(value) else None
+
+
+def _method_code(fn, cls: type) -> tuple[tuple, list[str]]:
+    """A method as code: its syntax without docstring, annotations or the class's own name, and
+    what each global name it reads is (the same text in another module may call other things);
+    with the names of the class's methods it calls on self."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    reads, calls = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+            if node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+                    and isinstance(node.body[0].value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+        elif isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, ast.Name):
+            if node.id == cls.__name__:
+                node.id = "<class>"
+            elif isinstance(node.ctx, ast.Load) and node.id not in fn.__code__.co_varnames:
+                reads.add((node.id, id(fn.__globals__.get(node.id, getattr(builtins, node.id, None)))))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if _method(cls, node.attr) is not None:
+                calls.append(node.attr)
+            elif hasattr(cls, node.attr):  # a value the class holds, not the instance
+                reads.add((node.attr, repr(getattr(cls, node.attr))))
+    tree.body[0].name = "<method>"
+    return (ast.dump(tree, annotate_fields=False), tuple(sorted(reads))), calls
+
+
+@functools.cache
+def _code_of(cls: type) -> tuple | None:
+    """What a norm class computes, as code: forward and every method of the class it calls,
+    wherever its bases define them. None where a source cannot be read."""
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        return None
+    code, todo = {}, ["forward"]
+    try:
+        while todo:
+            name = todo.pop()
+            if name not in code:
+                if (fn := _method(cls, name)) is None:
+                    return None
+                code[name], calls = _method_code(fn, cls)
+                todo += calls
+    except (OSError, TypeError, SyntaxError):
+        return None
+    return tuple(sorted(code.items()))
+
+
+@functools.cache
+def _exemplar_codes() -> dict[tuple, NormRule]:
+    import importlib
+
+    codes = {}
+    for (package, name), rule in _EXEMPLARS.items():
+        try:
+            cls = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
+        except (ImportError, AttributeError):
+            continue
+        if (code := _code_of(cls)) is not None:
+            codes[code] = rule
+    return codes
+
+
+def rms_norm_rule(module: nn.Module) -> NormRule | None:
+    """How `apply_rms_norm` computes this norm: the rule of the known class whose code its class
+    has, word for word (names, docstrings and annotations aside); None for any other module."""
+    if not _is_rms_norm(module):
+        return None
+    code = _code_of(type(module))
+    return None if code is None else _exemplar_codes().get(code)
+
+
 def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     """Swap the forward of every RMSNorm module of `model` for the suite's `rms_norm` and return
     how many. impl="auto": the suite's kernels in eager calls (`rms_norm`'s own "auto", which
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
-    kernels everywhere. Every RMSNorm class is checked first: one this does not know raises
-    IntegrationError naming it, and nothing of the model is patched. `restore_rms_norm` undoes it."""
+    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's or
+    Gemma's, or a copy of one under another name, as most of transformers' models carry. Every
+    RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
+    and nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
-    unknown = sorted({type(module).__name__ for _, module in norms if type(module).__name__ not in RMS_NORMS})
+    unknown = sorted({type(module).__name__ for _, module in norms if rms_norm_rule(module) is None})
     if unknown:
-        raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows "
-                               f"({', '.join(sorted(RMS_NORMS))}); the model was left unchanged")
+        known = ", ".join(name for _, name in _EXEMPLARS)
+        raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows: its code is none of "
+                               f"{known}'s, nor a copy of one; the model was left unchanged")
     for _, module in norms:
         # a partial of a module-level function, not a closure: a deepcopy (an EMA or reference
         # model) rebinds it to the copy, and pickle and torch.save can name it
         module.forward = functools.partial(_rms_norm_forward, module)
         module._suite_rms_norm = impl
+        module._suite_norm_rule = rms_norm_rule(module)  # found once: torch.compile reads it, never the code
     return len(norms)
 
 
 def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
     impl = module._suite_rms_norm
-    eps_attr, offset, promotes = RMS_NORMS[type(module).__name__]
+    eps_attr, offset, promotes = module._suite_norm_rule
     if impl == "auto" and (torch.compiler.is_compiling() or not triton_support.runs_on(x)):
         return type(module).forward(module, x)
     y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
@@ -212,7 +307,7 @@ def restore_rms_norm(model: nn.Module) -> int:
     restored = 0
     for module in model.modules():
         if hasattr(module, "_suite_rms_norm"):
-            del module.forward, module._suite_rms_norm
+            del module.forward, module._suite_rms_norm, module._suite_norm_rule
             restored += 1
     return restored
 

@@ -31,7 +31,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral", "deepseek-v3"])
 def test_suite_experts_give_the_models_loss_and_gradients(family):
     model = tiny(family)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -160,10 +160,12 @@ def test_register_is_idempotent():
 # ---- RMSNorm ----
 
 
-@pytest.mark.parametrize("family, norms", [("llama", 5), ("olmoe", 9), ("gemma", 5), ("olmo2", 9), ("qwen3-moe", 9)])
+@pytest.mark.parametrize("family, norms", [("llama", 5), ("olmoe", 9), ("gemma", 5), ("olmo2", 9), ("qwen3-moe", 9),
+                                           ("deepseek-v3", 9)])
 def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits(family, norms):
     """Llama's weight * x.to(dtype), OLMo2's (weight * x).to(dtype), Gemma's x * (1 + w): each
-    through the suite's kernels (impl="fused"; interpreted here), then the model's own again."""
+    through the suite's kernels (impl="fused"; interpreted here), then the model's own again.
+    DeepSeek-V3's norm is known by its code, a copy of Llama's under its own name."""
     model = tiny(family)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
     stock_loss, stock = loss_and_grads(model, ids)
@@ -227,6 +229,60 @@ def test_auto_leaves_the_norm_to_the_model_where_the_kernels_cannot_run_or_induc
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(triton_support, "runs_on", lambda t: True)
     assert torch.equal(norm(x), type(norm).forward(norm, x)) and len(calls) == 1
+
+
+def _norm_class(tmp_path, name: str, edit=lambda source: source, header: str = ""):
+    """LlamaRMSNorm's own source, written again as class `name` (after `edit`) into a module of
+    its own beside modeling_llama's imports (then `header`): a copy another model might ship."""
+    import importlib.util
+    import inspect
+
+    from transformers.models.llama import modeling_llama
+
+    source = inspect.getsource(modeling_llama.LlamaRMSNorm).replace("class LlamaRMSNorm", f"class {name}")
+    path = tmp_path / f"{name.lower()}.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "from transformers.models.llama.modeling_llama import use_kernel_forward_from_hub\n"
+                    f"{header}\n\n{edit(source)}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def test_a_norm_is_known_by_its_code_not_its_name(tmp_path):
+    """A class is known when forward and the methods it calls are a known class's code (names,
+    docstrings, annotations aside) reading the same globals; one changed token, a global that
+    is something else, or an overridden helper leaves it unknown, and the model unchanged."""
+    import transformers.models.gemma.modeling_gemma as gemma
+
+    norm = _norm_class(tmp_path, "CopiedRMSNorm")(32, eps=1e-5)
+    assert hf.rms_norm_rule(norm) == hf.NormRule("variance_epsilon", 0.0, True)
+
+    class GemmaChildRMSNorm(gemma.GemmaRMSNorm):  # inherits every method it runs
+        pass
+
+    class GemmaOwnNormRMSNorm(gemma.GemmaRMSNorm):
+        def _norm(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 2 * self.eps)
+
+    assert hf.rms_norm_rule(GemmaChildRMSNorm(32)) == hf.NormRule("eps", 1.0, False)
+    twice_eps = _norm_class(tmp_path, "TwiceEpsRMSNorm",
+                            lambda source: source.replace("+ self.variance_epsilon", "+ 2 * self.variance_epsilon"))
+    other_torch = _norm_class(tmp_path, "OtherTorchRMSNorm", header="import types\ntorch = types.SimpleNamespace("
+                              "float32=torch.float32, rsqrt=torch.rsqrt, Tensor=torch.Tensor, ones=torch.ones)")
+    for unknown in (twice_eps(32), other_torch(32), GemmaOwnNormRMSNorm(32)):
+        assert hf.rms_norm_rule(unknown) is None, type(unknown).__name__
+    model = tiny("llama")
+    model.model.layers[0].input_layernorm, model.model.norm = norm, twice_eps(32)
+    with pytest.raises(hf.IntegrationError, match="TwiceEpsRMSNorm is not a norm this knows.*left unchanged"):
+        hf.apply_rms_norm(model)
+    assert not any(hasattr(m, "_suite_rms_norm") for m in model.modules())
+    model.model.norm = _norm_class(tmp_path, "AnotherCopyRMSNorm")(32)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    stock_loss, _ = loss_and_grads(model, ids)
+    assert hf.apply_rms_norm(model, impl="fused") == 5
+    torch.testing.assert_close(loss_and_grads(model, ids)[0], stock_loss, rtol=1e-5, atol=0)
 
 
 def test_an_unknown_rms_norm_is_refused_and_nothing_is_patched():

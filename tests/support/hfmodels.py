@@ -23,6 +23,12 @@ def tiny(family: str, **extra):
     if family == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **_SHAPE)
         return transformers.MixtralForCausalLM(config)
+    if family == "deepseek-v3":  # shared experts, sigmoid routing with a bias, MLA; its RMSNorm a copy of Llama's
+        config = transformers.DeepseekV3Config(
+            moe_intermediate_size=16, intermediate_size=40, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **{**_SHAPE, "num_key_value_heads": 4})
+        return transformers.DeepseekV3ForCausalLM(config)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=48, **_SHAPE))
     if family == "gemma":
