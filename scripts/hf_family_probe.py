@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Which transformers model families the integrations take, and whether they then give the
+family's own numbers. For each model type whose modeling file has an experts class under
+`@use_experts_implementation`: a tiny causal LM from its config (random init, fp32, no
+download), its loss and every gradient with its own experts ("eager") against
+`use_suite_experts`, and with its own norms against `apply_rms_norm(impl="fused")`. Rerun it
+when transformers moves; docs/arms/moe.md says what it found.
+
+    TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
+
+On a CPU the kernels run interpreted (a few minutes for every family). A family whose tiny
+model cannot be built from its config's defaults, or has no experts at this size, is listed
+with why. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
+a family the integrations take gives numbers off its own (relative error over TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+TOLERANCE = 1e-4  # fp32: the kernels' sums run in another order than the family's own
+# One small shape for every family: each field is set where the family's config has it.
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=8, max_position_embeddings=64, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+            n_routed_experts=4, num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=0, n_shared_experts=1, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+            mlp_only_layers=[], kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, pad_token_id=0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", action="append", default=[],
+                        help="a model type (e.g. mixtral, deepseek_v3); every one with experts when not given")
+    return parser.parse_args(argv)
+
+
+def families_with_experts() -> list[str]:
+    """The model types whose modeling file declares an experts class for the experts interface."""
+    import transformers
+
+    models = Path(transformers.__file__).parent / "models"
+    return sorted(path.parent.name for path in models.glob("*/modeling_*.py")
+                  if re.search(r"^@use_experts_implementation", path.read_text(), re.M))
+
+
+def build(family: str):
+    """A tiny causal LM of `family` (seeded), or why there is none."""
+    import transformers
+
+    if family not in transformers.CONFIG_MAPPING:
+        return None, "this transformers has no config for it"
+    config = transformers.CONFIG_MAPPING[family]()
+    if getattr(config, "text_config", None) is not None:
+        return None, "multimodal: not probed"
+    for key, value in TINY.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    torch.manual_seed(0)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config).float(), None
+    except Exception as error:  # noqa: BLE001 - a config whose defaults do not shrink: reported, not fatal
+        return None, f"no tiny model from its config: {type(error).__name__}: {str(error)[:80]}"
+
+
+def loss_and_grads(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same draws each step where a family's router is noisy in training (PhiMoE's jitter)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def worst_error(stock, switched) -> float:
+    """The largest relative error of the loss or any gradient; inf where a gradient went missing."""
+    (stock_loss, stock_grads), (loss, grads) = stock, switched
+    if grads.keys() != stock_grads.keys():
+        return float("inf")
+    errors = [((loss - stock_loss).abs() / stock_loss.abs()).item()]
+    errors += [((grads[n].double() - g.double()).norm() / g.double().norm().clamp_min(1e-30)).item()
+               for n, g in stock_grads.items()]
+    return max(errors)
+
+
+def probe(family: str, device: torch.device) -> dict:
+    """One family: each integration switched on alone, then off again, against the stock step."""
+    from suite.integrations import transformers as hf
+
+    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None)
+    model, row["experts"] = build(family)
+    if model is None:
+        return row
+    model = model.to(device)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    model.set_experts_implementation("eager")
+    try:
+        stock = loss_and_grads(model, ids)
+    except Exception as error:  # noqa: BLE001 - as build(): the family's own step fails at this size
+        row["experts"] = f"its own tiny step fails: {type(error).__name__}: {str(error)[:80]}"
+        return row
+    switches = (("experts", hf.use_suite_experts, lambda m: m.set_experts_implementation("eager")),
+                ("norms", lambda m: hf.apply_rms_norm(m, impl="fused"), hf.restore_rms_norm))
+    for part, switch_on, switch_off in switches:
+        try:
+            taken = switch_on(model)
+        except hf.IntegrationError as refusal:  # its first clause: the module path or call left out
+            row[part] = "refused: " + re.sub(r"^[\w.]+: ", "", str(refusal)).split("; ")[0].split(": its code")[0].split(" that ")[0]
+            continue
+        if not taken:
+            row[part] = "none in the model"
+            continue
+        row[part] = f"taken ({taken})"
+        row[f"{part}_error"] = worst_error(stock, loss_and_grads(model, ids))
+        switch_off(model)
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    known = families_with_experts()
+    unknown = sorted(set(args.family) - set(known))
+    if unknown:
+        print(f"hf_family_probe: {unknown} declare no experts class in this transformers; choose from {known}")
+        return 2
+    import transformers
+    import transformers.utils.logging
+
+    transformers.utils.logging.set_verbosity_error()
+    rows = [probe(family, device) for family in args.family or known]
+    errors = {row["family"]: [row[f"{part}_error"] for part in ("experts", "norms") if row[f"{part}_error"] is not None]
+              for row in rows}
+    off = [family for family, found in errors.items() if any(error > TOLERANCE for error in found)]
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "hf_family_probe.json"), "w") as fh:
+            json.dump(dict(transformers=transformers.__version__, torch=torch.__version__, device=str(device),
+                           tolerance=TOLERANCE, rows=rows), fh, indent=2)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, fp32 on {device}; "
+          f"error: the largest relative error of the loss or a gradient against the family's own")
+    shown = lambda error: "" if error is None else f"{error:.1e}"  # noqa: E731
+    print(tabulate([[r["family"], r["experts"], shown(r["experts_error"]), r["norms"], shown(r["norms_error"])]
+                    for r in rows], headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error"]))
+    taken = sum(1 for found in errors.values() if found)
+    print(f"{taken} of {len(rows)} families probed; " + (f"OFF their own numbers: {off}" if off else
+                                                          f"every one within {TOLERANCE:g}"))
+    return 1 if off else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""scripts/hf_family_probe.py on the CPU (kernels interpreted): a family taken gives its own
+numbers, a family refused says why, and a switched-on integration that is off fails the probe."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scriptload import load_script
+
+transformers = pytest.importorskip("transformers", minversion="5")
+
+
+def test_each_family_taken_refused_or_without_norms_is_said_and_within_tolerance(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    probe = load_script("hf_family_probe")
+    # PhiMoE's router draws jitter noise in training: the same draws each step, else no two steps agree
+    assert probe.main(["--family", "mixtral", "--family", "gpt_oss", "--family", "phimoe"]) == 0
+    rows = {row["family"]: row for row in json.loads((tmp_path / "hf_family_probe.json").read_text())["rows"]}
+    assert rows["mixtral"]["experts"] == "taken (2)" and rows["mixtral"]["norms"] == "taken (5)"
+    assert rows["gpt_oss"]["experts"] == "refused: GptOssExperts has has_bias=True"
+    assert rows["gpt_oss"]["experts_error"] is None and rows["phimoe"]["norms"] == "none in the model"
+    for family, part in (("mixtral", "experts"), ("mixtral", "norms"), ("gpt_oss", "norms"), ("phimoe", "experts")):
+        assert 0 < rows[family][f"{part}_error"] < probe.TOLERANCE, (family, part)
+    assert "3 of 3 families probed; every one within" in capsys.readouterr().out
+
+
+def test_numbers_off_the_familys_own_fail_the_probe(capsys, monkeypatch):
+    from suite.integrations import transformers as hf
+
+    probe = load_script("hf_family_probe")
+    real = hf.gate_up_experts
+    monkeypatch.setattr(hf, "gate_up_experts", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    assert probe.main(["--family", "mixtral"]) == 1
+    assert "OFF their own numbers: ['mixtral']" in capsys.readouterr().out
+
+
+def test_a_family_without_experts_is_a_usage_error(capsys):
+    assert load_script("hf_family_probe").main(["--family", "llama"]) == 2
+    assert "['llama'] declare no experts class" in capsys.readouterr().out
