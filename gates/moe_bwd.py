@@ -10,7 +10,9 @@ transformers 5 is installed, the MoE block a user runs (gates/moe_block.py): its
 gradients of x, its router's weight and the fused expert weights, experts implementation suite
 against stock grouped_mm, both against a float64 truth of the block. Buffers are drawn
 at the scales of a trained layer: unit-RMS activations, fan-in-scaled weights, router logits of
-a few units, gradients of order 1e-3.
+a few units, gradients of order 1e-3 (gates/moe_buffers.py). A model's recording carries its own
+top-k choice and weights: the gate then routes with those, as use_suite_experts does, and
+judges no dlogits or z-loss (the router is the model's).
 
 Tiny presets run everywhere (the CPU under Triton's interpreter, fp32); the GPU presets are
 real models' layers at 8192 tokens in bf16, and the edge cases at a smaller size.
@@ -37,6 +39,7 @@ from suite.arms.moe import (
     route_reference,
     router_z_loss,
     routing_from_topk,
+    routing_from_topk_reference,
 )
 from gates.moe_block import (
     BLOCK_OUTPUTS,
@@ -47,6 +50,7 @@ from gates.moe_block import (
     block_truth,
     build_block,
 )
+from gates.moe_buffers import SKEWS, buffer_params, make_buffers, routed_by_model
 from gates.moe_truth import experts_truth, routing_truth
 from gates.moe_peers import (
     COMPILED_AT,
@@ -75,17 +79,8 @@ from suite.harness.gate import (
     Saboteur,
     Tolerance,
 )
-from suite.errors import BadBuffers
-from suite.files.buffers import expect_buffer
 from suite.harness.results import Check
 
-# How the router logits are skewed: the edge cases are made by the routing itself.
-#   none            plain random logits
-#   empty-expert    expert 1 is never chosen
-#   one-expert      every token's first choice is expert 0
-#   skewed          logits in halves plus a linear bias over the experts: the first experts
-#                   overflow a capacity, and equal probabilities (ties to the lower id) occur
-SKEWS = ("none", "empty-expert", "one-expert", "skewed")
 # How the arm takes its weights:
 #   apart   w_gate, w_up [E, d, f] and w_down [E, f, d], through `experts` (as MoEExperts holds them)
 #   model   as transformers stores a model's experts, gate_up_proj [E, 2f, d] and down_proj [E, d, f],
@@ -189,59 +184,17 @@ PRESETS = (
 )
 
 
-def _router_logits(p: dict[str, Any], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    tokens, num_experts = p["tokens"], p["experts"]
-    logits = 2.0 * torch.randn(tokens, num_experts, generator=gen, device=device)
-    if p["skew"] == "empty-expert":
-        logits[:, 1] = -30.0
-    elif p["skew"] == "one-expert":
-        logits[:, 0] = 30.0
-    elif p["skew"] == "skewed":
-        logits = logits.mul(2).round().div(2) + torch.linspace(2.0, -1.0, num_experts, device=device)
-    return logits
-
-
-def make_buffers(preset: Preset, seed: int, device: torch.device) -> Buffers:
-    p = preset.params
-    tokens, d, f, num_experts = p["tokens"], p["hidden"], p["ffn"], p["experts"]
-    dtype = getattr(torch, p["dtype"])
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def normal(*shape, std):
-        return (std * torch.randn(*shape, generator=gen, device=device)).to(dtype)
-
-    return {
-        "x": normal(tokens, d, std=1.0),
-        "logits": _router_logits(p, gen, device),
-        "w_gate": normal(num_experts, d, f, std=d**-0.5),
-        "w_up": normal(num_experts, d, f, std=d**-0.5),
-        "w_down": normal(num_experts, f, d, std=f**-0.5),
-        "grad_out": normal(tokens, d, std=1e-3),
-    }
-
-
-def buffer_params(buffers: Buffers) -> dict[str, Any]:
-    floats = (torch.float32, torch.bfloat16, torch.float16)
-    x = expect_buffer("moe-bwd", buffers, "x", dtypes=floats)
-    w_gate = expect_buffer("moe-bwd", buffers, "w_gate", dtypes=(x.dtype,))
-    if x.dim() != 2 or w_gate.dim() != 3 or w_gate.shape[1] != x.shape[1]:
-        raise BadBuffers(f"moe-bwd buffers 'x' [tokens, hidden] and 'w_gate' [experts, hidden, ffn] must agree on "
-                         f"hidden, got {list(x.shape)} and {list(w_gate.shape)}; record them again with "
-                         "`suite record moe-bwd --out DIR`")
-    num_experts, d, f = w_gate.shape
-    expect_buffer("moe-bwd", buffers, "w_up", shape=(num_experts, d, f), dtypes=(x.dtype,))
-    expect_buffer("moe-bwd", buffers, "w_down", shape=(num_experts, f, d), dtypes=(x.dtype,))
-    expect_buffer("moe-bwd", buffers, "grad_out", shape=tuple(x.shape), dtypes=(x.dtype,))
-    expect_buffer("moe-bwd", buffers, "logits", shape=(x.shape[0], num_experts), dtypes=floats)
-    return dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
-
-
 def _route(buffers: Buffers, preset: Preset, route_fn=route, ties_to_higher_id: bool = False):
-    """-> (logits leaf, routing with its z-loss): routed by route_fn (the arm's kernels or the
-    reference's torch ops) with a gradient path to the logits. ties_to_higher_id: a saboteur,
-    the routing kernel breaking equal logits the other way."""
-    logits = buffers["logits"].detach().requires_grad_()
+    """-> (router leaf, routing): the router logits routed by route_fn (the arm's kernels or the
+    reference's torch ops) with their z-loss, or a recorded model's own top-k laid out by the
+    matching routing_from_topk, its weights the leaf. ties_to_higher_id: a saboteur, the routing
+    kernel breaking equal logits the other way."""
     p = preset.params
+    if routed_by_model(preset):
+        weights = buffers["top_k_weights"].detach().float().requires_grad_()
+        from_topk = routing_from_topk if route_fn is route else routing_from_topk_reference
+        return weights, from_topk(buffers["top_k_index"], weights, p["experts"])
+    logits = buffers["logits"].detach().requires_grad_()
     if not ties_to_higher_id:
         return logits, route_fn(logits, p["top_k"], capacity_factor=p["capacity_factor"], z_loss=True)
     routed = route(logits.detach(), p["top_k"], capacity_factor=p["capacity_factor"])
@@ -261,10 +214,14 @@ def _z_loss_reference(logits: torch.Tensor) -> torch.Tensor:
     return (lse * lse).mean()
 
 
-def _to_logits(logits, routing, dprobs, z_loss) -> torch.Tensor:
-    """dlogits of the judged loss: through probs, and through the z-loss at Z_WEIGHT."""
+def _router_outputs(logits, routing, dprobs, z_loss_of, preset: Preset) -> Outputs:
+    """dlogits of the judged loss (through probs, and through the z-loss at Z_WEIGHT) and the
+    z-loss; none where a recorded model routed (its router is the model's, not the gate's)."""
+    if routed_by_model(preset):
+        return {}
+    z_loss = z_loss_of(logits, routing)
     (dlogits,) = torch.autograd.grad((routing.probs, z_loss), logits, (dprobs, torch.full_like(z_loss, Z_WEIGHT)))
-    return dlogits
+    return {"dlogits": dlogits, "z_loss": z_loss.detach()}
 
 
 # The layout the routing kernels make, judged exactly against the reference's torch routing
@@ -289,9 +246,8 @@ def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_
     if in_model_layout:
         dweights = [grad.contiguous() for grad in GateUpLayout().views(*dweights)]
     dw_gate, dw_up, dw_down = dweights
-    z_loss = z_loss_of(logits, routing)
     return {"out": out.detach(), "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down,
-            "dprobs": dprobs, "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
+            "dprobs": dprobs, **_router_outputs(logits, routing, dprobs, z_loss_of, preset),
             **_routing_outputs(routing)}
 
 
@@ -317,16 +273,20 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
     """`experts_truth` and `routing_truth`: closed form in float64, independent of the
     reference's autograd; the choices are the reference routing's, its probabilities recomputed
     in float64 from the logits; the z-loss and its gradient in closed form."""
+    weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
+    block = block_truth(buffers, preset) if block_judged(preset) else {}
+    if routed_by_model(preset):
+        routing = routing_from_topk_reference(buffers["top_k_index"], buffers["top_k_weights"], preset.params["experts"])
+        routing = dataclasses.replace(routing, probs=buffers["top_k_weights"].double())
+        return {**experts_truth(buffers["x"], routing, *weights, buffers["grad_out"]), **block}
     routing = route_reference(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
     probs, wide = routing_truth(buffers["logits"], routing)
-    weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
     got = experts_truth(buffers["x"], dataclasses.replace(routing, probs=probs.detach()), *weights, buffers["grad_out"])
     (dlogits,) = torch.autograd.grad(probs, wide, got["dprobs"])
     # d/dl mean(lse^2) = 2 lse softmax / T
     lse = torch.logsumexp(wide.detach(), dim=-1)
     dlogits += Z_WEIGHT * 2 * lse[:, None] * torch.softmax(wide.detach(), dim=-1) / max(lse.numel(), 1)
-    return {**got, "dlogits": dlogits, "z_loss": lse.square().mean(),
-            **(block_truth(buffers, preset) if block_judged(preset) else {})}
+    return {**got, "dlogits": dlogits, "z_loss": lse.square().mean(), **block}
 
 
 # ---- saboteurs: known-bad variants assembled from the arm's kernels ----
@@ -337,7 +297,6 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
     """The arm's forward and backward launched kernel by kernel (the same bits as `experts`),
     so that a saboteur can tamper between them."""
     logits, routing = _route(buffers, preset, ties_to_higher_id=ties_to_higher_id)
-    z_loss = torch.logsumexp(logits.float(), dim=-1).mean() if z_unsquared else routing.z_loss
     x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
     probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
     a, g, u = launch.expert_up(x, w_gate, w_up, tor, offsets)
@@ -355,8 +314,10 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
     if slot_order is not None:
         row_id_map = slot_order(row_id_map.view(routing.num_tokens, routing.k)).reshape(-1).contiguous()
     dx = launch.combine(dx_rows, row_id_map, top_k=routing.k)
+    z_loss_of = ((lambda logits, _: torch.logsumexp(logits.float(), dim=-1).mean()) if z_unsquared
+                 else (lambda _, routing: routing.z_loss))
     return {"out": out, "dx": dx, "dw_gate": dw_gate, "dw_up": dw_up, "dw_down": dw_down, "dprobs": dprobs,
-            "dlogits": _to_logits(logits, routing, dprobs, z_loss), "z_loss": z_loss.detach(),
+            **_router_outputs(logits, routing, dprobs, z_loss_of, preset),
             # the sabotage is in the kernels: the block's outputs are stock's (its own saboteur
             # is block-router-detached), which also spares a saboteur an interpreted block
             **_routing_outputs(routing), **_block(buffers, preset, "grouped_mm")}
@@ -382,9 +343,9 @@ SABOTEURS = (
              lambda b, p: _kernel_chain(b, p, dx_gate_term_only=True)),
     Saboteur("ties-to-higher-id", "equal probabilities go to the higher expert id, not the lower",
              lambda b, p: _kernel_chain(b, p, ties_to_higher_id=True),
-             applies=lambda p: p.params["skew"] == "skewed"),
+             applies=lambda p: p.params["skew"] == "skewed" and not routed_by_model(p)),
     Saboteur("z-loss-unsquared", "the router z-loss as the mean of logsumexp(logits), not of its square",
-             lambda b, p: _kernel_chain(b, p, z_unsquared=True)),
+             lambda b, p: _kernel_chain(b, p, z_unsquared=True), applies=lambda p: not routed_by_model(p)),
     Saboteur("block-router-detached", "the block's experts take the router's top-k probabilities without their "
              "gradient: the router learns nothing through the experts",
              lambda b, p: {**_kernel_chain(b, p), **_block(b, p, "suite", scores_detached=True)},
@@ -405,8 +366,7 @@ SABOTEURS = (
 
 def _leaves(buffers: Buffers, preset: Preset):
     """-> (x, [w_gate, w_up, w_down], routing with probs a leaf), all requiring grad."""
-    p = preset.params
-    routing = route(buffers["logits"], p["top_k"], capacity_factor=p["capacity_factor"])
+    _, routing = _route(buffers, preset)
     routing = dataclasses.replace(routing, probs=routing.probs.detach().requires_grad_())
     x = buffers["x"].detach().requires_grad_()
     weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]

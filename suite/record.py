@@ -11,7 +11,8 @@ per module (the format `suite gate NAME --buffers DIR` reads), named by its modu
 RMSNorm modules (transformers' RMSNorm classes that `apply_rms_norm` knows, and the suite's
 `RMSNorm`) give gate `rmsnorm` x, weight, dy with their eps and offset; transformers experts
 modules (see `suite.integrations.transformers`) give gate `moe-bwd` x, the router's logits, the
-expert weights in the gate's layout and grad_out. Works on any device; the tensors are copied to
+model's own top-k choice and weights (which the gate routes with), the expert weights in the
+gate's layout and grad_out. Works on any device; the tensors are copied to
 the host when written.
 """
 
@@ -105,7 +106,7 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
             router = getattr(parent, "gate", None) or getattr(parent, "router", None)
             if isinstance(router, nn.Module):
                 routers[id(w.module)] = router
-    handles = [w.module.register_forward_hook(_recorder(w)) for w in watched]
+    handles = [w.module.register_forward_hook(_recorder(w), with_kwargs=True) for w in watched]
     for w in watched:
         router = routers.get(id(w.module))
         if router is not None:
@@ -135,21 +136,26 @@ def _recorder(w: _Watched):
     """The forward hook of a watched module: its inputs and weights at call `w.step`, and a hook
     on its output for the gradient that reaches it."""
 
-    def hook(module, args, output):
+    def hook(module, args, kwargs, output):
         call, w.calls = w.calls, w.calls + 1
         if call != w.step:
             return
-        if w.gate == "rmsnorm":
-            w.tensors.update(x=args[0].detach().clone(), weight=module.weight.detach().clone())
+        if w.gate == "rmsnorm":  # a norm takes one tensor, by position or by its name
+            x = args[0] if args else next(iter(kwargs.values()))
+            w.tensors.update(x=x.detach().clone(), weight=module.weight.detach().clone())
             _keep_grad(w, "dy", output)
             return
         from suite.integrations.transformers import expert_weights
 
-        hidden_states, top_k_index = args[0], args[1]
-        # the experts as the model holds them: the gate judges the arm on that layout's path
+        # transformers' experts forward, its arguments by position or by name
+        given = {**dict(zip(("hidden_states", "top_k_index", "top_k_weights"), args)), **kwargs}
+        hidden_states, top_k_index, top_k_weights = given["hidden_states"], given["top_k_index"], given["top_k_weights"]
+        # the experts as the model holds them and its own routing: the gate judges the arm on
+        # the path use_suite_experts runs, whatever the model's router computes
         w.params.update(top_k=top_k_index.shape[-1], weights="model")
         w_gate, w_up, w_down = (t.detach().contiguous() for t in expert_weights(module))
-        w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down)
+        w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down,
+                         top_k_index=top_k_index.detach().clone(), top_k_weights=top_k_weights.detach().clone())
         _keep_grad(w, "grad_out", output)
 
     return hook

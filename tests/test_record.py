@@ -38,6 +38,44 @@ def test_capture_records_each_norm_and_experts_module_and_the_gates_pass_on_them
         assert result.exit_code == 0, result.output
 
 
+def test_a_recording_carries_the_models_own_routing_and_the_gate_replays_it(tmp_path):
+    """DeepSeek-V3 routes by sigmoid scores with a bias, in groups, scaled by 2.5: the gate's own
+    top-k of the logits would pick other experts with other weights. Its recording holds the
+    model's top-k, and the gate's arm gives the experts' own output from it; the gate passes on
+    it, judging the layout and dprobs but no dlogits or z-loss."""
+    import json
+
+    from gates import moe_bwd
+    from suite.harness.gate import Preset
+
+    model = tiny("deepseek-v3")
+    experts = model.model.layers[1].mlp.experts
+    seen = []
+    experts.register_forward_hook(lambda module, args, out: seen.append((args, out.detach().clone())))
+    with capture(model, tmp_path / "rec", modules=("experts",)) as recording:
+        step(model)
+    assert len(recording.saved) == 2 and recording.skipped == {}
+    buffers, _ = load_buffers(tmp_path / "rec" / "model.layers.1.mlp.experts", expect_gate="moe-bwd")
+    (x, top_k_index, top_k_weights), out = seen[0]
+    assert torch.equal(buffers["top_k_index"], top_k_index) and torch.equal(buffers["top_k_weights"], top_k_weights)
+    assert not torch.allclose(top_k_weights.sum(-1), torch.ones(18))  # no softmax of the logits gives these
+    params = moe_bwd.GATE.buffer_params(buffers)
+    assert params["routing"] == "model" and params["top_k"] == 2
+    preset = Preset("recorded", {"capacity_factor": None, "skew": "none", **params}, where="any")
+    judged = moe_bwd.arm(buffers, preset)
+    torch.testing.assert_close(judged["out"], out, rtol=1e-5, atol=1e-6)
+    assert "dlogits" not in judged and "z_loss" not in judged  # the router is the model's, not the gate's
+    result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", "cpu", "--buffers",
+                                      str(tmp_path / "rec" / "model.layers.1.mlp.experts"),
+                                      "--reports", str(tmp_path / "reports")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (report,) = (tmp_path / "reports").glob("*/report.json")
+    (unit,) = [u for u in json.loads(report.read_text())["results"] if u["preset"] == "recorded"]
+    judged_names = [t["name"] for t in unit["parity"]["tensors"]]
+    assert unit["status"] == "passed" and unit["preset_params"]["routing"] == "model"
+    assert {"dprobs", "row_id_map", "dw_down"} <= set(judged_names) and "dlogits" not in judged_names
+
+
 def test_capture_takes_the_step_asked_for_and_names_what_did_not_run(tmp_path):
     model = tiny("llama")
     seen = []

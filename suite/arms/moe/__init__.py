@@ -2,7 +2,8 @@
 Triton kernels, forward and backward, beside their eager references. The modules read in the
 order data flows through a layer:
 
-    routing        Routing, route / route_reference, routing_from_topk (a model's own top-k)
+    routing        Routing, route / route_reference, routing_from_topk (a model's own top-k) / its
+                   reference in torch ops
     route_kernels  the routing's Triton kernels: top-k and the layout, and their backward
     weights        GateUpLayout: how a model stores its fused gate_up and down weights
     layer          experts / experts_reference over a Routing, gate_up_experts (a model's own
@@ -33,10 +34,11 @@ from suite.arms.moe.routing import (
     route_reference,
     router_z_loss,
     routing_from_topk,
+    routing_from_topk_reference,
     trusted_routing,
 )
 from suite.arms.moe.weights import GateUpLayout
 
 __all__ = ["EXPERTS_IMPLS", "GateUpLayout", "MoEExperts", "Routing", "expert_capacity", "expert_rows", "experts",
-           "experts_reference", "fused_layer", "gate_up_experts", "jittered", "route", "route_reference", "router_z_loss", "routing_from_topk",
-           "trusted_routing"]
+           "experts_reference", "fused_layer", "gate_up_experts", "jittered", "route", "route_reference",
+           "router_z_loss", "routing_from_topk", "routing_from_topk_reference", "trusted_routing"]

@@ -354,7 +354,20 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
 
     The expert ids come from user code, so they are checked on the device: an id outside
     0..num_experts-1 is a ValueError on the CPU and a device-side assert on a GPU, no sync."""
-    fn = "routing_from_topk"
+    expert_ids, probs = _checked_topk("routing_from_topk", top_k_index, top_k_weights, num_experts, capacity_factor)
+    return _layout(expert_ids, probs, num_experts, capacity_factor, fused=runs_on(top_k_index))
+
+
+def routing_from_topk_reference(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int,
+                                capacity_factor: float | None = None) -> Routing:
+    """`routing_from_topk` in torch ops alone, the routing kernels' reference: the same layout."""
+    expert_ids, probs = _checked_topk("routing_from_topk_reference", top_k_index, top_k_weights, num_experts,
+                                      capacity_factor)
+    return _layout(expert_ids, probs, num_experts, capacity_factor, fused=False)
+
+
+def _checked_topk(fn: str, top_k_index, top_k_weights, num_experts, capacity_factor):
+    """-> (expert ids int32, combine weights fp32 with their autograd link), each argument checked."""
     for name, t in (("top_k_index", top_k_index), ("top_k_weights", top_k_weights)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -375,8 +388,7 @@ def routing_from_topk(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, nu
         lowest, highest = torch.aminmax(top_k_index)
         _require(lowest.ge(0) & highest.lt(num_experts),
                  f"{fn}: top_k_index holds an expert id outside 0..{num_experts - 1}")
-    return _layout(top_k_index.to(torch.int32).contiguous(), top_k_weights.float(), num_experts, capacity_factor,
-                   fused=runs_on(top_k_index))
+    return top_k_index.to(torch.int32).contiguous(), top_k_weights.float()
 
 
 def _layout(expert_ids: torch.Tensor, probs: torch.Tensor, num_experts: int, capacity_factor: float | None,

@@ -44,13 +44,15 @@ def same_layout(a: moe.Routing, b: moe.Routing) -> None:
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75, 1.0])
-def test_routing_from_topk_lays_out_what_route_lays_out(capacity_factor):
+@pytest.mark.parametrize("from_topk", [moe.routing_from_topk, moe.routing_from_topk_reference])
+def test_routing_from_topk_lays_out_what_route_lays_out(capacity_factor, from_topk):
+    """The kernels' layout and the reference's torch ops' alike (the gate judges one by the other)."""
     given = logits(2)
     routed = moe.route(given, K, capacity_factor=capacity_factor)
     for dtype in (torch.int64, torch.int32, torch.int16):
-        from_topk = moe.routing_from_topk(routed.expert_ids.to(dtype), routed.probs, EXPERTS, capacity_factor)
-        same_layout(from_topk, routed)
-        assert torch.equal(from_topk.probs, routed.probs)
+        laid_out = from_topk(routed.expert_ids.to(dtype), routed.probs, EXPERTS, capacity_factor)
+        same_layout(laid_out, routed)
+        assert torch.equal(laid_out.probs, routed.probs)
 
 
 def test_routing_from_topk_keeps_the_weights_autograd_link():
@@ -80,8 +82,9 @@ def test_routing_from_topk_refuses_an_expert_id_out_of_range(bad_id):
     ((torch.zeros(TOKENS, K, dtype=torch.long), torch.ones(TOKENS, K), 4.0), ValueError, "num_experts must be a positive int"),
 ])
 def test_routing_from_topk_names_a_malformed_argument(args, error, says):
-    with pytest.raises(error, match=re.escape(says)):
-        moe.routing_from_topk(*args)
+    for from_topk in (moe.routing_from_topk, moe.routing_from_topk_reference):
+        with pytest.raises(error, match=rf"^{from_topk.__name__}: .*{re.escape(says)}"):
+            from_topk(*args)
 
 
 def test_a_token_may_name_an_expert_twice():
