@@ -18,8 +18,8 @@ from suite.harness.gate import Buffers, Preset
 #   skewed          logits in halves plus a linear bias over the experts: the first experts
 #                   overflow a capacity, and equal probabilities (ties to the lower id) occur
 SKEWS = ("none", "empty-expert", "one-expert", "skewed")
-# A recording of a model holds its own top-k choice and combine weights beside the router's
-# logits: the gate then routes with those (`routing_from_topk`, the path use_suite_experts runs),
+# A recording of a model holds its own top-k choice and combine weights in place of router
+# logits: the gate routes with those (`routing_from_topk`, the path use_suite_experts runs),
 # whatever the model's router computes (softmax or sigmoid, groups, biases, a scaling factor).
 MODEL_ROUTING = ("top_k_index", "top_k_weights")
 
@@ -72,9 +72,15 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     expect_buffer("moe-bwd", buffers, "w_up", shape=(num_experts, d, f), dtypes=(x.dtype,))
     expect_buffer("moe-bwd", buffers, "w_down", shape=(num_experts, f, d), dtypes=(x.dtype,))
     expect_buffer("moe-bwd", buffers, "grad_out", shape=tuple(x.shape), dtypes=(x.dtype,))
-    expect_buffer("moe-bwd", buffers, "logits", shape=(x.shape[0], num_experts), dtypes=floats)
     params = dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
-    return {**params, **_model_routing_params(buffers, x.shape[0], num_experts)}
+    routed = _model_routing_params(buffers, x.shape[0], num_experts)
+    if not routed:
+        if "logits" not in buffers:
+            raise BadBuffers("moe-bwd buffers hold neither the router's 'logits' nor a model's 'top_k_index' and "
+                             "'top_k_weights': the gate has nothing to route; record them again with "
+                             "`suite record moe-bwd --out DIR` or suite.record.capture")
+        expect_buffer("moe-bwd", buffers, "logits", shape=(x.shape[0], num_experts), dtypes=floats)
+    return {**params, **routed}
 
 
 def _model_routing_params(buffers: Buffers, tokens: int, num_experts: int) -> dict[str, Any]:

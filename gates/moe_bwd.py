@@ -626,7 +626,8 @@ GATE = Gate(
     needs_cuda=False,
     presets=PRESETS,
     make_buffers=make_buffers,
-    required_buffers=("x", "logits", "w_gate", "w_up", "w_down", "grad_out"),
+    # and the router's "logits", or a model's own routing (buffer_params checks which)
+    required_buffers=("x", "w_gate", "w_up", "w_down", "grad_out"),
     buffer_params=buffer_params,
     reference=reference,
     arm=arm,

@@ -3,15 +3,18 @@
 family's own numbers. For each model type whose modeling file has an experts class under
 `@use_experts_implementation`: a tiny causal LM from its config (random init, fp32, no
 download), its loss and every gradient with its own experts ("eager") against
-`use_suite_experts`, and with its own norms against `apply_rms_norm(impl="fused")`. Rerun it
-when transformers moves; docs/arms/moe.md says what it found.
+`use_suite_experts`, and with its own norms against `apply_rms_norm(impl="fused")`, each
+switched on alone; then its first experts module recorded by `suite.record.capture` and judged
+by `suite gate moe-bwd --buffers`. Rerun it when transformers moves; docs/arms/moe.md says what
+it found.
 
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
 
-On a CPU the kernels run interpreted (a few minutes for every family). A family whose tiny
+On a CPU the kernels run interpreted (about three minutes for every family). A family whose tiny
 model cannot be built from its config's defaults, or has no experts at this size, is listed
 with why. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
-a family the integrations take gives numbers off its own (relative error over TOLERANCE).
+a family the integrations take gives numbers off its own (relative error over TOLERANCE), or the
+gate fails on its recording.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -89,11 +93,29 @@ def worst_error(stock, switched) -> float:
     return max(errors)
 
 
+def recorded_and_judged(model, ids, device: torch.device) -> str:
+    """Gate moe-bwd's verdict on capture's recording of the model's first experts module (its
+    own experts running), or why nothing was recorded."""
+    from typer.testing import CliRunner
+
+    from cli import app
+    from suite.record import capture
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with capture(model, f"{tmp}/rec", modules=("experts",)) as recording:
+            loss_and_grads(model, ids)
+        if not recording.saved:
+            return next(iter(recording.skipped.values()), "not recorded: no experts module ran").split("; ")[0]
+        result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", device.type, "--buffers",
+                                          str(recording.saved[0]), "--no-sabotage", "--reports", f"{tmp}/reports"])
+    return "passed" if result.exit_code == 0 else f"exit {result.exit_code}: {result.output.strip()[-100:]}"
+
+
 def probe(family: str, device: torch.device) -> dict:
     """One family: each integration switched on alone, then off again, against the stock step."""
     from suite.integrations import transformers as hf
 
-    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None)
+    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="")
     model, row["experts"] = build(family)
     if model is None:
         return row
@@ -119,6 +141,7 @@ def probe(family: str, device: torch.device) -> dict:
         row[part] = f"taken ({taken})"
         row[f"{part}_error"] = worst_error(stock, loss_and_grads(model, ids))
         switch_off(model)
+    row["gate"] = recorded_and_judged(model, ids, device)
     return row
 
 
@@ -138,6 +161,7 @@ def main(argv=None) -> int:
     errors = {row["family"]: [row[f"{part}_error"] for part in ("experts", "norms") if row[f"{part}_error"] is not None]
               for row in rows}
     off = [family for family, found in errors.items() if any(error > TOLERANCE for error in found)]
+    failed = [row["family"] for row in rows if row["gate"].startswith("exit")]
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hf_family_probe.json"), "w") as fh:
             json.dump(dict(transformers=transformers.__version__, torch=torch.__version__, device=str(device),
@@ -145,12 +169,14 @@ def main(argv=None) -> int:
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, fp32 on {device}; "
           f"error: the largest relative error of the loss or a gradient against the family's own")
     shown = lambda error: "" if error is None else f"{error:.1e}"  # noqa: E731
-    print(tabulate([[r["family"], r["experts"], shown(r["experts_error"]), r["norms"], shown(r["norms_error"])]
-                    for r in rows], headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error"]))
+    print(tabulate([[r["family"], r["experts"], shown(r["experts_error"]), r["norms"], shown(r["norms_error"]),
+                     r["gate"]] for r in rows],
+                   headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error", "capture -> moe-bwd"]))
     taken = sum(1 for found in errors.values() if found)
     print(f"{taken} of {len(rows)} families probed; " + (f"OFF their own numbers: {off}" if off else
-                                                          f"every one within {TOLERANCE:g}"))
-    return 1 if off else 0
+                                                          f"every one within {TOLERANCE:g}")
+          + (f"; the gate failed on the recording of {failed}" if failed else ""))
+    return 1 if off or failed else 0
 
 
 if __name__ == "__main__":

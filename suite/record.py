@@ -10,9 +10,9 @@ per module (the format `suite gate NAME --buffers DIR` reads), named by its modu
 
 RMSNorm modules (transformers' RMSNorm classes that `apply_rms_norm` knows, and the suite's
 `RMSNorm`) give gate `rmsnorm` x, weight, dy with their eps and offset; transformers experts
-modules (see `suite.integrations.transformers`) give gate `moe-bwd` x, the router's logits, the
-model's own top-k choice and weights (which the gate routes with), the expert weights in the
-gate's layout and grad_out. Works on any device; the tensors are copied to
+modules (see `suite.integrations.transformers`) that the suite's kernels take give gate
+`moe-bwd` x, the model's own top-k choice and weights (which the gate routes with, whatever the
+model's router computes), the expert weights in the gate's layout and grad_out. Works on any device; the tensors are copied to
 the host when written.
 """
 
@@ -40,7 +40,6 @@ class _Watched:
     params: dict
     step: int = 0
     calls: int = 0
-    router_calls: int = 0
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -66,7 +65,9 @@ def _rms_norm_params(module: nn.Module) -> dict | None:
     return dict(eps=float(getattr(module, rule.eps_attr)), offset=rule.offset)
 
 
-def _watch(model: nn.Module, modules: tuple[str, ...], step: int) -> list[_Watched]:
+def _watch(model: nn.Module, modules: tuple[str, ...], step: int, recording: Recording) -> list[_Watched]:
+    """The modules to record; an experts module the suite's kernels cannot take (no gate
+    projection, biases, its own activation) goes to `recording.skipped` with the reason."""
     from suite.integrations import transformers as hf
 
     watched = []
@@ -77,7 +78,12 @@ def _watch(model: nn.Module, modules: tuple[str, ...], step: int) -> list[_Watch
                 watched.append(_Watched(path, module, "rmsnorm", params, step))
                 continue
         if "experts" in modules and hf.is_experts_module(module):
-            watched.append(_Watched(path, module, "moe-bwd", dict(capacity_factor=None, skew="none"), step))
+            hf.register()  # experts_unsupported compares against transformers' own gate
+            reason = hf.experts_unsupported(module)
+            if reason is None:
+                watched.append(_Watched(path, module, "moe-bwd", dict(capacity_factor=None, skew="none"), step))
+            else:
+                recording.skipped[path] = f"not recorded: {reason}"
     return watched
 
 
@@ -86,7 +92,8 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
             overwrite: bool = False) -> Iterator[Recording]:
     """Record the `step`-th forward (0: the first) of each eligible module inside the block, and
     its backward, then write each module's recording under out_dir/<module path> on exit. A
-    module whose forward or backward did not run inside the block is listed in `skipped`."""
+    module whose forward or backward did not run inside the block is listed in `skipped`, as is an
+    experts module the suite's kernels cannot take (with the flag that rules it out)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture: model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(modules, str) or not isinstance(modules, (tuple, list, set, frozenset)):
@@ -98,19 +105,8 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"capture: step must be an int >= 0, got {step!r}")
     recording = Recording(Path(out_dir))
-    watched = _watch(model, modules, step)
-    routers = {}  # an experts module's parent's router, whose logits the gate routes
-    for w in watched:
-        if w.gate == "moe-bwd":
-            parent = model.get_submodule(w.path.rpartition(".")[0]) if "." in w.path else model
-            router = getattr(parent, "gate", None) or getattr(parent, "router", None)
-            if isinstance(router, nn.Module):
-                routers[id(w.module)] = router
+    watched = _watch(model, modules, step, recording)
     handles = [w.module.register_forward_hook(_recorder(w), with_kwargs=True) for w in watched]
-    for w in watched:
-        router = routers.get(id(w.module))
-        if router is not None:
-            handles.append(router.register_forward_hook(_router_recorder(w)))
     try:
         yield recording
     finally:
@@ -118,7 +114,8 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
             handle.remove()
     for w in watched:
         missing = [n for n in (("x", "weight", "dy") if w.gate == "rmsnorm" else
-                               ("x", "logits", "w_gate", "w_up", "w_down", "grad_out")) if n not in w.tensors]
+                               ("x", "top_k_index", "top_k_weights", "w_gate", "w_up", "w_down", "grad_out"))
+                   if n not in w.tensors]
         if missing:
             recording.skipped[w.path] = (f"its call {step} ran no {'forward' if w.calls <= step else 'backward'} "
                                          f"inside the block (missing {missing})")
@@ -157,17 +154,5 @@ def _recorder(w: _Watched):
         w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down,
                          top_k_index=top_k_index.detach().clone(), top_k_weights=top_k_weights.detach().clone())
         _keep_grad(w, "grad_out", output)
-
-    return hook
-
-
-def _router_recorder(w: _Watched):
-    """The forward hook of an experts module's router: its logits at call `w.step`."""
-
-    def hook(module, args, output):
-        call, w.router_calls = w.router_calls, w.router_calls + 1
-        if call == w.step:
-            logits = output[0] if isinstance(output, tuple) else output
-            w.tensors["logits"] = logits.detach().float().clone()
 
     return hook

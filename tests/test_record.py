@@ -30,7 +30,8 @@ def test_capture_records_each_norm_and_experts_module_and_the_gates_pass_on_them
     assert recording.skipped == {}
     experts, manifest = load_buffers(tmp_path / "rec" / "model.layers.1.mlp.experts", expect_gate="moe-bwd")
     assert manifest.params == {"capacity_factor": None, "skew": "none", "top_k": 2, "weights": "model"}
-    assert experts["w_gate"].shape == (6, 32, 24) and experts["logits"].shape == (18, 6)
+    assert experts["w_gate"].shape == (6, 32, 24) and experts["top_k_index"].shape == (18, 2)
+    assert "logits" not in experts  # the model's own routing, not its router's logits
     for gate, name in (("rmsnorm", "model.layers.1.post_attention_layernorm"), ("moe-bwd", "model.layers.0.mlp.experts")):
         result = CliRunner().invoke(app, ["gate", gate, "--device", "cpu", "--buffers", str(tmp_path / "rec" / name),
                                           "--reports", str(tmp_path / "reports"), "--no-sabotage"],
@@ -40,7 +41,7 @@ def test_capture_records_each_norm_and_experts_module_and_the_gates_pass_on_them
 
 def test_a_recording_carries_the_models_own_routing_and_the_gate_replays_it(tmp_path):
     """DeepSeek-V3 routes by sigmoid scores with a bias, in groups, scaled by 2.5: the gate's own
-    top-k of the logits would pick other experts with other weights. Its recording holds the
+    top-k of its logits would pick other experts with other weights. Its recording holds the
     model's top-k, and the gate's arm gives the experts' own output from it; the gate passes on
     it, judging the layout and dprobs but no dlogits or z-loss."""
     import json
@@ -74,6 +75,17 @@ def test_a_recording_carries_the_models_own_routing_and_the_gate_replays_it(tmp_
     judged_names = [t["name"] for t in unit["parity"]["tensors"]]
     assert unit["status"] == "passed" and unit["preset_params"]["routing"] == "model"
     assert {"dprobs", "row_id_map", "dw_down"} <= set(judged_names) and "dlogits" not in judged_names
+
+
+def test_an_experts_module_the_kernels_cannot_take_is_named_and_the_step_runs(tmp_path):
+    """A GELU experts module (as a has_gate=False or biased one) is skipped with its reason; the
+    model's forward and backward run as without capture, and the other layer is recorded."""
+    model = tiny("olmoe")
+    model.model.layers[1].mlp.experts.act_fn = torch.nn.GELU()
+    with capture(model, tmp_path / "rec", modules=("experts",)) as recording:
+        step(model)
+    assert [p.name for p in recording.saved] == ["model.layers.0.mlp.experts"]
+    assert "act_fn GELU" in recording.skipped["model.layers.1.mlp.experts"]
 
 
 def test_capture_takes_the_step_asked_for_and_names_what_did_not_run(tmp_path):

@@ -1,5 +1,6 @@
 """scripts/hf_family_probe.py on the CPU (kernels interpreted): a family taken gives its own
-numbers, a family refused says why, and a switched-on integration that is off fails the probe."""
+numbers and its recording passes the gate, a family refused says why, and an integration or a
+gate verdict that is off fails the probe."""
 
 from __future__ import annotations
 
@@ -21,19 +22,25 @@ def test_each_family_taken_refused_or_without_norms_is_said_and_within_tolerance
     assert rows["mixtral"]["experts"] == "taken (2)" and rows["mixtral"]["norms"] == "taken (5)"
     assert rows["gpt_oss"]["experts"] == "refused: GptOssExperts has has_bias=True"
     assert rows["gpt_oss"]["experts_error"] is None and rows["phimoe"]["norms"] == "none in the model"
+    assert rows["mixtral"]["gate"] == rows["phimoe"]["gate"] == "passed"
+    assert rows["gpt_oss"]["gate"] == "not recorded: GptOssExperts has has_bias=True"
     for family, part in (("mixtral", "experts"), ("mixtral", "norms"), ("gpt_oss", "norms"), ("phimoe", "experts")):
         assert 0 < rows[family][f"{part}_error"] < probe.TOLERANCE, (family, part)
     assert "3 of 3 families probed; every one within" in capsys.readouterr().out
 
 
-def test_numbers_off_the_familys_own_fail_the_probe(capsys, monkeypatch):
+def test_numbers_off_the_familys_own_or_a_failing_gate_fail_the_probe(capsys, monkeypatch):
+    """The experts off by 1% in the model (the integration's call) and in the gate's arm."""
+    from gates import moe_bwd
     from suite.integrations import transformers as hf
 
     probe = load_script("hf_family_probe")
     real = hf.gate_up_experts
-    monkeypatch.setattr(hf, "gate_up_experts", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
+    for module in (hf, moe_bwd):
+        monkeypatch.setattr(module, "gate_up_experts", lambda *args, **kwargs: real(*args, **kwargs) * 1.01)
     assert probe.main(["--family", "mixtral"]) == 1
-    assert "OFF their own numbers: ['mixtral']" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OFF their own numbers: ['mixtral']" in out and "the gate failed on the recording of ['mixtral']" in out
 
 
 def test_a_family_without_experts_is_a_usage_error(capsys):
