@@ -55,8 +55,10 @@ def families_with_experts() -> list[str]:
                   if re.search(r"^@use_experts_implementation", path.read_text(), re.M))
 
 
-def build(family: str):
-    """A tiny causal LM of `family` (seeded), or why there is none."""
+def build(family: str, last_layers: bool):
+    """A tiny causal LM of `family` (seeded), or why there is none. last_layers: a per-layer
+    list of the config (attention kinds, dense or sparse MLPs) cut to its last layers, every MLP
+    sparse: for families whose first layers are dense, or whose lists must match the depth."""
     import transformers
 
     if family not in transformers.CONFIG_MAPPING:
@@ -64,6 +66,10 @@ def build(family: str):
     config = transformers.CONFIG_MAPPING[family]()
     if getattr(config, "text_config", None) is not None:
         return None, "multimodal: not probed"
+    depth, layers = getattr(config, "num_hidden_layers", None), TINY["num_hidden_layers"]
+    for key, value in vars(config).copy().items():
+        if last_layers and isinstance(value, list) and len(value) == depth:
+            setattr(config, key, ["sparse"] * layers if key == "mlp_layer_types" else value[-layers:])
     for key, value in TINY.items():
         if hasattr(config, key):
             setattr(config, key, value)
@@ -72,6 +78,26 @@ def build(family: str):
         return transformers.AutoModelForCausalLM.from_config(config).float(), None
     except Exception as error:  # noqa: BLE001 - a config whose defaults do not shrink: reported, not fatal
         return None, f"no tiny model from its config: {type(error).__name__}: {str(error)[:80]}"
+
+
+def tiny_step(family: str, device: torch.device, ids):
+    """(model, its own loss and gradients) of the first tiny build that holds experts and whose
+    own step runs, or (None, why not)."""
+    from suite.integrations import transformers as hf
+
+    why = None
+    for last_layers in (False, True):
+        model, reason = build(family, last_layers)
+        if model is None or not any(hf.is_experts_module(m) for m in model.modules()):
+            why = why or reason or "no experts module at this size"
+            continue
+        model = model.to(device)
+        model.set_experts_implementation("eager")
+        try:
+            return model, loss_and_grads(model, ids)
+        except Exception as error:  # noqa: BLE001 - as build(): the family's own step fails at this size
+            why = f"its own tiny step fails: {type(error).__name__}: {str(error)[:80]}"
+    return None, why
 
 
 def loss_and_grads(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -116,16 +142,10 @@ def probe(family: str, device: torch.device) -> dict:
     from suite.integrations import transformers as hf
 
     row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="")
-    model, row["experts"] = build(family)
-    if model is None:
-        return row
-    model = model.to(device)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
-    model.set_experts_implementation("eager")
-    try:
-        stock = loss_and_grads(model, ids)
-    except Exception as error:  # noqa: BLE001 - as build(): the family's own step fails at this size
-        row["experts"] = f"its own tiny step fails: {type(error).__name__}: {str(error)[:80]}"
+    model, stock = tiny_step(family, device, ids)
+    if model is None:
+        row["experts"] = stock
         return row
     switches = (("experts", hf.use_suite_experts, lambda m: m.set_experts_implementation("eager")),
                 ("norms", lambda m: hf.apply_rms_norm(m, impl="fused"), hf.restore_rms_norm))
