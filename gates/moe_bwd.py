@@ -272,12 +272,14 @@ def arm(buffers: Buffers, preset: Preset) -> Outputs:
 def truth(buffers: Buffers, preset: Preset) -> Outputs:
     """`experts_truth` and `routing_truth`: closed form in float64, independent of the
     reference's autograd; the choices are the reference routing's, its probabilities recomputed
-    in float64 from the logits; the z-loss and its gradient in closed form."""
+    in float64 from the logits; the z-loss and its gradient in closed form. A model's recording:
+    its own choices and weights (in float64), no logits."""
     weights = [buffers[n] for n in ("w_gate", "w_up", "w_down")]
     block = block_truth(buffers, preset) if block_judged(preset) else {}
     if routed_by_model(preset):
-        routing = routing_from_topk_reference(buffers["top_k_index"], buffers["top_k_weights"], preset.params["experts"])
-        routing = dataclasses.replace(routing, probs=buffers["top_k_weights"].double())
+        chosen, weights_given = buffers["top_k_index"], buffers["top_k_weights"]
+        routing = routing_from_topk_reference(chosen, weights_given, preset.params["experts"])
+        routing = dataclasses.replace(routing, probs=weights_given.double())
         return {**experts_truth(buffers["x"], routing, *weights, buffers["grad_out"]), **block}
     routing = route_reference(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
     probs, wide = routing_truth(buffers["logits"], routing)

@@ -152,8 +152,9 @@ def probe(family: str, device: torch.device) -> dict:
     for part, switch_on, switch_off in switches:
         try:
             taken = switch_on(model)
-        except hf.IntegrationError as refusal:  # its first clause: the module path or call left out
-            row[part] = "refused: " + re.sub(r"^[\w.]+: ", "", str(refusal)).split("; ")[0].split(": its code")[0].split(" that ")[0]
+        except hf.IntegrationError as refusal:  # its first clause, the module path or call left out
+            reason = re.sub(r"^[\w.]+: ", "", str(refusal)).split("; ")[0]
+            row[part] = "refused: " + reason.split(": its code")[0].split(" that ")[0]
             continue
         if not taken:
             row[part] = "none in the model"

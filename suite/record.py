@@ -12,8 +12,8 @@ RMSNorm modules (transformers' RMSNorm classes that `apply_rms_norm` knows, and 
 `RMSNorm`) give gate `rmsnorm` x, weight, dy with their eps and offset; transformers experts
 modules (see `suite.integrations.transformers`) that the suite's kernels take give gate
 `moe-bwd` x, the model's own top-k choice and weights (which the gate routes with, whatever the
-model's router computes), the expert weights in the gate's layout and grad_out. Works on any device; the tensors are copied to
-the host when written.
+model's router computes), the expert weights in the gate's layout and grad_out. Works on any
+device; the tensors are copied to the host when written.
 """
 
 from __future__ import annotations
