@@ -10,7 +10,7 @@ it found.
 
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
 
-On a CPU the kernels run interpreted (about three minutes for every family). A family whose tiny
+On a CPU the kernels run interpreted (minutes for every family). A family whose tiny
 model cannot be built from its config's defaults, or has no experts at this size, is listed
 with why. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
 a family the integrations take gives numbers off its own (relative error over TOLERANCE), or the
@@ -81,8 +81,8 @@ def build(family: str, last_layers: bool):
 
 
 def tiny_step(family: str, device: torch.device, ids):
-    """(model, its own loss and gradients) of the first tiny build that holds experts and whose
-    own step runs, or (None, why not)."""
+    """(model, its own loss and gradients, None) of the first tiny build that holds experts and
+    whose own step runs, or (None, None, why not)."""
     from suite.integrations import transformers as hf
 
     why = None
@@ -94,10 +94,10 @@ def tiny_step(family: str, device: torch.device, ids):
         model = model.to(device)
         model.set_experts_implementation("eager")
         try:
-            return model, loss_and_grads(model, ids)
+            return model, loss_and_grads(model, ids), None
         except Exception as error:  # noqa: BLE001 - as build(): the family's own step fails at this size
             why = f"its own tiny step fails: {type(error).__name__}: {str(error)[:80]}"
-    return None, why
+    return None, None, why
 
 
 def loss_and_grads(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -143,9 +143,9 @@ def probe(family: str, device: torch.device) -> dict:
 
     row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="")
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
-    model, stock = tiny_step(family, device, ids)
+    model, stock, why = tiny_step(family, device, ids)
     if model is None:
-        row["experts"] = stock
+        row["experts"] = why
         return row
     switches = (("experts", hf.use_suite_experts, lambda m: m.set_experts_implementation("eager")),
                 ("norms", lambda m: hf.apply_rms_norm(m, impl="fused"), hf.restore_rms_norm))
