@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from suite.arms.moe import SwiGLU
 from suite.errors import BadBuffers
 from suite.files.buffers import expect_buffer
 from suite.harness.gate import Buffers, Preset
@@ -22,6 +23,16 @@ SKEWS = ("none", "empty-expert", "one-expert", "skewed")
 # logits: the gate routes with those (`routing_from_topk`, the path use_suite_experts runs),
 # whatever the model's router computes (softmax or sigmoid, groups, biases, a scaling factor).
 MODEL_ROUTING = ("top_k_index", "top_k_weights")
+
+
+# A recording of an experts module with a clamped SwiGLU holds its limit (float64, 0-d) and
+# whether the limit clamps silu's output rather than the gate (bool, 0-d): `activation_of`.
+SWIGLU_BUFFERS = ("swiglu_limit", "swiglu_clamps_silu")
+
+
+def activation_of(preset: Preset) -> SwiGLU:
+    """The experts' activation the preset names: plain SwiGLU unless it sets swiglu_limit."""
+    return SwiGLU(preset.params.get("swiglu_limit"), preset.params.get("swiglu_clamp", "gate"))
 
 
 def routed_by_model(preset: Preset) -> bool:
@@ -73,7 +84,7 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     expect_buffer("moe-bwd", buffers, "w_down", shape=(num_experts, f, d), dtypes=(x.dtype,))
     expect_buffer("moe-bwd", buffers, "grad_out", shape=tuple(x.shape), dtypes=(x.dtype,))
     params = dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
-    routed = _model_routing_params(buffers, x.shape[0], num_experts)
+    routed = {**_model_routing_params(buffers, x.shape[0], num_experts), **_swiglu_params(buffers)}
     if not routed:
         if "logits" not in buffers:
             raise BadBuffers("moe-bwd buffers hold neither the router's 'logits' nor a model's 'top_k_index' and "
@@ -81,6 +92,24 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
                              "`suite record moe-bwd --out DIR` or suite.record.capture")
         expect_buffer("moe-bwd", buffers, "logits", shape=(x.shape[0], num_experts), dtypes=floats)
     return {**params, **routed}
+
+
+def _swiglu_params(buffers: Buffers) -> dict[str, Any]:
+    """swiglu_limit and swiglu_clamp where the recording holds a clamped SwiGLU; else none."""
+    held = [name for name in SWIGLU_BUFFERS if name in buffers]
+    if not held:
+        return {}
+    if len(held) == 1:
+        raise BadBuffers(f"moe-bwd buffers hold {held[0]!r} without {sorted(set(SWIGLU_BUFFERS) - set(held))[0]!r}: "
+                         "a clamped SwiGLU is both; record them again with suite.record.capture")
+    limit = expect_buffer("moe-bwd", buffers, "swiglu_limit", shape=(), dtypes=(torch.float64, torch.float32))
+    clamps_silu = expect_buffer("moe-bwd", buffers, "swiglu_clamps_silu", shape=(), dtypes=(torch.bool,))
+    try:
+        swiglu = SwiGLU(limit.item(), "silu" if clamps_silu.item() else "gate")
+    except ValueError as error:
+        raise BadBuffers(f"moe-bwd buffer 'swiglu_limit': {error}; record them again with suite.record.capture") \
+            from None
+    return dict(swiglu_limit=swiglu.limit, swiglu_clamp=swiglu.clamp)
 
 
 def _model_routing_params(buffers: Buffers, tokens: int, num_experts: int) -> dict[str, Any]:

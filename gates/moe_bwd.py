@@ -29,6 +29,7 @@ import torch
 
 from suite.arms.moe import (
     GateUpLayout,
+    SwiGLU,
     expert_rows,
     experts,
     experts_reference,
@@ -50,7 +51,7 @@ from gates.moe_block import (
     block_truth,
     build_block,
 )
-from gates.moe_buffers import SKEWS, buffer_params, make_buffers, routed_by_model
+from gates.moe_buffers import SKEWS, activation_of, buffer_params, make_buffers, routed_by_model
 from gates.moe_truth import experts_truth, routing_truth
 from gates.moe_peers import (
     COMPILED_AT,
@@ -97,12 +98,14 @@ Z_WEIGHT = 1e-3
 
 
 def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none",
-            weights="apart") -> dict[str, Any]:
+            weights="apart", swiglu=None) -> dict[str, Any]:
     if skew not in SKEWS or weights not in WEIGHTS:
         raise ValueError(f"moe-bwd: skew must be one of {SKEWS} and weights one of {WEIGHTS}, not {skew!r}, "
                          f"{weights!r}")
+    clamped = {} if swiglu is None else dict(swiglu_limit=swiglu.limit, swiglu_clamp=swiglu.clamp)
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
-                capacity_factor=capacity_factor, skew=skew, **({"weights": weights} if weights != "apart" else {}))
+                capacity_factor=capacity_factor, skew=skew, **({"weights": weights} if weights != "apart" else {}),
+                **clamped)
 
 
 def memory_bytes(p: dict[str, Any]) -> int:
@@ -133,9 +136,9 @@ def experts_bytes(p: dict[str, Any]) -> int:
 
 
 def _tiny(name, top_k, experts, capacity_factor=None, skew="none", tokens=19, hidden=40, ffn=24, standard=False,
-          note="", weights="apart") -> Preset:
+          note="", weights="apart", swiglu=None) -> Preset:
     # hidden and ffn are no multiple of the interpreter's 16-wide tiles, nor T * k of its rows
-    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew, weights)
+    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew, weights, swiglu)
     return Preset(name, params, where="any", standard=standard, note=note, memory_bytes=memory_bytes(params))
 
 
@@ -162,6 +165,12 @@ PRESETS = (
     _tiny("tiny-one-expert", 2, 4, skew="one-expert"),
     _tiny("tiny-capacity", 2, 4, capacity_factor=0.75, skew="skewed"),
     _tiny("tiny-model-layout", 2, 6, weights="model", note="a model's gate_up_proj and down_proj"),
+    # the clamped SwiGLUs (DeepSeek-V4's, Step-3's), at limits that clamp a quarter to a half of
+    # the values (pre-activations ~ N(0, 1)); parity alone: the bench's peers compute plain SwiGLU
+    _tiny("tiny-clamped", 2, 6, weights="model", swiglu=SwiGLU(0.6, "gate"),
+          note="clamped SwiGLU: gate before silu, limit 0.6; parity only"),
+    _tiny("tiny-clamped-silu", 3, 5, swiglu=SwiGLU(0.3, "silu"), note="clamped SwiGLU: silu's output, limit 0.3; "
+          "parity only"),
     # the models' layers, their weights as transformers stores them (the arm as use_suite_experts runs it)
     _gpu("olmoe", 8192, 2048, 1024, 64, 8, weights="model"),
     _gpu("qwen3-30b-a3b", 8192, 2048, 768, 128, 8, weights="model"),
@@ -241,7 +250,7 @@ def _forward_backward(layer, route_fn, buffers: Buffers, preset: Preset, z_loss_
     weights = [buffers[n].detach().requires_grad_() for n in ("w_gate", "w_up", "w_down")]
     if in_model_layout:
         weights = gate_up_layout(weights)
-    out = layer(x, routing, *weights)
+    out = layer(x, routing, *weights, activation=activation_of(preset))
     dx, *dweights, dprobs = torch.autograd.grad(out, (x, *weights, routing.probs), buffers["grad_out"])
     if in_model_layout:
         dweights = [grad.contiguous() for grad in GateUpLayout().views(*dweights)]
@@ -280,10 +289,11 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
         chosen, weights_given = buffers["top_k_index"], buffers["top_k_weights"]
         routing = routing_from_topk_reference(chosen, weights_given, preset.params["experts"])
         routing = dataclasses.replace(routing, probs=weights_given.double())
-        return {**experts_truth(buffers["x"], routing, *weights, buffers["grad_out"]), **block}
+        return {**experts_truth(buffers["x"], routing, *weights, buffers["grad_out"], activation_of(preset)), **block}
     routing = route_reference(buffers["logits"], preset.params["top_k"], capacity_factor=preset.params["capacity_factor"])
     probs, wide = routing_truth(buffers["logits"], routing)
-    got = experts_truth(buffers["x"], dataclasses.replace(routing, probs=probs.detach()), *weights, buffers["grad_out"])
+    got = experts_truth(buffers["x"], dataclasses.replace(routing, probs=probs.detach()), *weights, buffers["grad_out"],
+                        activation_of(preset))
     (dlogits,) = torch.autograd.grad(probs, wide, got["dprobs"])
     # d/dl mean(lse^2) = 2 lse softmax / T
     lse = torch.logsumexp(wide.detach(), dim=-1)
@@ -295,13 +305,15 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
 
 
 def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, dropped_unwritten=False,
-                  dx_gate_term_only=False, slot_order=None, ties_to_higher_id=False, z_unsquared=False) -> Outputs:
+                  dx_gate_term_only=False, slot_order=None, ties_to_higher_id=False, z_unsquared=False,
+                  other_swiglu_backward=False) -> Outputs:
     """The arm's forward and backward launched kernel by kernel (the same bits as `experts`),
     so that a saboteur can tamper between them."""
     logits, routing = _route(buffers, preset, ties_to_higher_id=ties_to_higher_id)
     x, w_gate, w_up, w_down, grad_out = (buffers[n] for n in ("x", "w_gate", "w_up", "w_down", "grad_out"))
     probs, tor, offsets, row_id_map = routing.probs.detach(), routing.token_of_row, routing.offsets, routing.row_id_map
-    a, g, u = launch.expert_up(x, w_gate, w_up, tor, offsets)
+    activation = activation_of(preset)
+    a, g, u = launch.expert_up(x, w_gate, w_up, tor, offsets, activation=activation)
     y_rows = launch.expert_down(a, w_down, offsets)
     out = launch.combine(y_rows, row_id_map, probs)
     grad_rows, dprobs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
@@ -309,7 +321,9 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
         _, dprobs = launch.combine_backward(grad_out.bfloat16(), y_rows.bfloat16(), probs, row_id_map)
     if dropped_unwritten:
         dprobs = torch.where(routing.kept, dprobs, torch.empty_like(dprobs))
-    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    if other_swiglu_backward:  # clamped where the forward was not, or plain where it clamped
+        activation = SwiGLU() if activation.limit is not None else SwiGLU(0.5)
+    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets, activation=activation)
     dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
     if dx_gate_term_only:
         dx_rows, _, _ = launch.expert_up_backward(dg, torch.zeros_like(du), x, w_gate, w_up, tor, offsets)
@@ -352,6 +366,9 @@ SABOTEURS = (
              "gradient: the router learns nothing through the experts",
              lambda b, p: {**_kernel_chain(b, p), **_block(b, p, "suite", scores_detached=True)},
              applies=block_judged),
+    Saboteur("swiglu-backward-differs", "the SwiGLU's backward not the forward's: plain where the forward clamps "
+             "(gradient through clamped values), clamped at 0.5 where it does not",
+             lambda b, p: _kernel_chain(b, p, other_swiglu_backward=True)),
     Saboteur("slot-order-varies", "dx sums each token's k slots in an order that changes from call to call",
              lambda b, p: _kernel_chain(b, p, slot_order=_rotated_slots), caught_by=Check.DETERMINISM,
              # two fp32 terms add the same either way round
@@ -449,6 +466,8 @@ def _build_arm(compile_it: bool = False) -> Callable[[BenchCase, Buffers, Preset
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         in_model_layout = _weights(preset) == "model"
         layer = gate_up_experts if in_model_layout else experts
+        if activation_of(preset).limit is not None:  # else the function itself: compiled() keys on it
+            layer = partial(layer, activation=activation_of(preset))
         return _build(lambda routing, preset: compiled(layer, preset) if compile_it else layer,
                       gate_up_layout if in_model_layout else None, route_fn=route)(case, buffers, preset)
 
@@ -490,7 +509,8 @@ KERNEL_CASES = (*EXPERT_CASES, "combine-bwd", "layer")  # the block cases have a
 
 CONTENDERS = (
     Contender("reference", "reference", cases=KERNEL_CASES, build=
-              _per_case(_build(lambda routing, _: partial(experts_reference, rows=expert_rows(routing))),
+              _per_case(_build(lambda routing, preset: partial(experts_reference, rows=expert_rows(routing),
+                                                        activation=activation_of(preset))),
                         _build_combine_backward(kernel=False)),
               note="experts_reference: eager, one expert at a time (each expert's rows found at build, so "
                    "it can be captured); eager torch for the combine's backward"),

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from suite.arms.moe import Routing
+from suite.arms.moe import Routing, SwiGLU
 
 
-def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> dict[str, torch.Tensor]:
+def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None,
+                  activation: SwiGLU = SwiGLU()) -> dict[str, torch.Tensor]:
     """The layer in closed form in float64, apart from any autograd, one expert at a time (its
     temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
-    "dw_down" and "dprobs"."""
+    "dw_down" and "dprobs". activation: plain or clamped SwiGLU, its derivative in closed form
+    (`SwiGLU.backward`)."""
     x, probs = x.double(), routing.probs.detach().double()
     chosen, kept = routing.expert_ids.long(), routing.kept
     out = torch.zeros_like(x)
@@ -25,8 +27,7 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> d
         wg, wu, wd = w_gate[e].double(), w_up[e].double(), w_down[e].double()
         v = x[tokens]
         g, u = v @ wg, v @ wu
-        sig = torch.sigmoid(g)
-        h = g * sig * u
+        h = activation(g, u)
         y = h @ wd
         p = probs[tokens, slots][:, None]
         out.index_add_(0, tokens, p * y)
@@ -34,7 +35,7 @@ def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None) -> d
             dprobs[tokens, slots] = (grad_out[tokens] * y).sum(-1)
             dy = grad_out[tokens] * p
             dh = dy @ wd.T
-            dg, du = dh * u * sig * (1 + g * (1 - sig)), dh * g * sig
+            dg, du = activation.backward(dh, g, u)
             dws[0][e], dws[1][e], dws[2][e] = v.T @ dg, v.T @ du, h.T @ dy
             dx.index_add_(0, tokens, dg @ wg.T + du @ wu.T)
     if not grads:

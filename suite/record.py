@@ -129,6 +129,17 @@ def _keep_grad(w: _Watched, name: str, output) -> None:
         output.register_hook(lambda grad: w.tensors.__setitem__(name, grad.detach().clone()))
 
 
+def _swiglu_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """A clamped SwiGLU's limit and what it clamps, as gate moe-bwd reads them; none of a plain one."""
+    from suite.integrations.transformers import gate_rule, swiglu_of
+
+    activation = swiglu_of(module, gate_rule(module))
+    if activation.limit is None:
+        return {}
+    return dict(swiglu_limit=torch.tensor(activation.limit, dtype=torch.float64),
+                swiglu_clamps_silu=torch.tensor(activation.clamp == "silu"))
+
+
 def _recorder(w: _Watched):
     """The forward hook of a watched module: its inputs and weights at call `w.step`, and a hook
     on its output for the gradient that reaches it."""
@@ -152,7 +163,8 @@ def _recorder(w: _Watched):
         w.params.update(top_k=top_k_index.shape[-1], weights="model")
         w_gate, w_up, w_down = (t.detach().contiguous() for t in expert_weights(module))
         w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down,
-                         top_k_index=top_k_index.detach().clone(), top_k_weights=top_k_weights.detach().clone())
+                         top_k_index=top_k_index.detach().clone(), top_k_weights=top_k_weights.detach().clone(),
+                         **_swiglu_buffers(module))
         _keep_grad(w, "grad_out", output)
 
     return hook

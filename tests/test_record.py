@@ -77,6 +77,38 @@ def test_a_recording_carries_the_models_own_routing_and_the_gate_replays_it(tmp_
     assert {"dprobs", "row_id_map", "dw_down"} <= set(judged_names) and "dlogits" not in judged_names
 
 
+def test_a_recording_carries_a_clamped_swiglu_and_the_gate_judges_the_clamp(tmp_path):
+    """DeepSeek-V4 clamps its gate before silu: the recording holds the limit and what it clamps,
+    the gate passes on it; judged as plain SwiGLU instead, its own output is not the module's."""
+    from scriptload import load_script
+
+    from gates import moe_bwd
+    from suite.harness.gate import Preset
+
+    if "deepseek_v4" not in __import__("transformers").CONFIG_MAPPING:
+        pytest.skip("this transformers has no DeepSeek-V4")
+    model, _ = load_script("hf_family_probe").build("deepseek_v4", False)
+    experts = model.model.layers[0].mlp.experts
+    experts.limit = 0.02  # bites at init: the tiny model's pre-activations reach 0.4
+    seen = []
+    experts.register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
+    with capture(model, tmp_path / "rec", modules=("experts",)) as recording:
+        step(model)
+    path = tmp_path / "rec" / "model.layers.0.mlp.experts"
+    assert path in recording.saved
+    buffers, _ = load_buffers(path, expect_gate="moe-bwd")
+    assert buffers["swiglu_limit"].item() == 0.02 and not buffers["swiglu_clamps_silu"].item()
+    params = moe_bwd.GATE.buffer_params(buffers)
+    assert (params["swiglu_limit"], params["swiglu_clamp"]) == (0.02, "gate")
+    preset = Preset("recorded", {"capacity_factor": None, "skew": "none", **params}, where="any")
+    torch.testing.assert_close(moe_bwd.arm(buffers, preset)["out"], seen[0], rtol=1e-5, atol=1e-6)
+    plain = Preset("recorded", {k: v for k, v in preset.params.items() if not k.startswith("swiglu")}, where="any")
+    assert not torch.allclose(moe_bwd.arm(buffers, plain)["out"], seen[0], rtol=1e-3, atol=1e-4)
+    result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", "cpu", "--buffers", str(path), "--reports",
+                                      str(tmp_path / "reports")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
 def test_an_experts_module_the_kernels_cannot_take_is_named_and_the_step_runs(tmp_path):
     """A GELU experts module (as a has_gate=False or biased one) is skipped with its reason; the
     model's forward and backward run as without capture, and the other layer is recorded."""

@@ -8,7 +8,8 @@ switches it over. The model keeps its own router and top-k (router gradients flo
 router, via `routing_from_topk`), and its own weights: the kernels read `gate_up_proj` and
 `down_proj` in place, in each of the layouts transformers declares (concatenated or interleaved
 gate and up, transposed or not), and write their gradients in that same layout: no copy either
-way (`gate_up_experts`).
+way (`gate_up_experts`). An experts class whose `_apply_gate` is a clamped SwiGLU that
+transformers ships (DeepSeek-V4's, HY-V4's, Step-3's and their copies) runs the kernels' clamp.
 
     from suite.integrations.transformers import use_suite_experts
     use_suite_experts(model)   # -> how many experts modules now run the suite's kernels
@@ -28,7 +29,7 @@ from torch import nn
 
 from suite import triton_support
 from suite.arms import rmsnorm
-from suite.arms.moe import GateUpLayout, gate_up_experts, routing_from_topk
+from suite.arms.moe import GateUpLayout, SwiGLU, gate_up_experts, routing_from_topk
 from suite.errors import CouldNotRun
 
 EXPERTS_IMPLEMENTATION = "suite"
@@ -50,9 +51,31 @@ def _transformers():
     return transformers
 
 
-# transformers' own gate, silu(gate) * up: a class that overrides it computes something else.
-# Read at register(), not in the forward: dynamo cannot trace an import of transformers' lazy modules.
+# transformers' own gate, silu(gate) * up; a class that overrides it is known by its code
+# (`gate_rule`). Read at register(), not in the forward: dynamo cannot trace an import of
+# transformers' lazy modules.
 _default_apply_gate = None
+
+
+class GateRule(NamedTuple):
+    """What an experts class's `_apply_gate` computes, in `SwiGLU`'s terms: the attribute
+    holding its limit (None: never clamped; the attribute may hold None: not clamped), what the
+    limit clamps, and whether its silu is the module's act_fn (which must then be SiLU)."""
+
+    limit_attr: str | None
+    clamp: str
+    act_fn: bool
+
+
+_PLAIN_GATE = GateRule(None, "gate", True)
+# One class of each gate this knows besides transformers' own; a class whose _apply_gate is
+# one of theirs, word for word, is known too (transformers copies them into other models).
+_GATE_EXEMPLARS = {
+    ("beam", "BeamExperts"): _PLAIN_GATE,                                   # act_fn(g) * u in fp32
+    ("deepseek_v4", "DeepseekV4Experts"): GateRule("limit", "gate", True),  # act_fn(min(g, L)) * clamp(u)
+    ("hy_v4", "HYV4Experts"): GateRule("swiglu_limit", "gate", False),      # F.silu(min(g, L)) * clamp(u)
+    ("step3p7", "Step3p7Experts"): GateRule("limit", "silu", True),         # min(act_fn(g), L) * clamp(u)
+}
 
 
 def register() -> None:
@@ -85,17 +108,40 @@ def experts_unsupported(module: nn.Module) -> str | None:
         return f"{name} has has_post_expert_norm=True; the suite's experts have no norm after each expert"
     if getattr(module, "_is_expert_parallel", False):
         return f"{name} is expert-parallel (_is_expert_parallel=True); the suite's experts hold every expert"
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate:
-        return f"{name} defines its own _apply_gate; the suite's experts compute silu(gate) * up"
+    rule = gate_rule(module)
+    if rule is None:
+        return (f"{name} defines its own _apply_gate, and its code is none this knows; the suite's experts "
+                "compute silu(gate) * up, or its clamped form (suite.arms.moe.SwiGLU)")
     act = getattr(module, "act_fn", None)
-    if type(act).__name__ not in ("SiLU", "SiLUActivation"):
+    if rule.act_fn and type(act).__name__ not in ("SiLU", "SiLUActivation"):
         return f"{name} has act_fn {type(act).__name__}; the suite's experts compute silu(gate) * up"
+    try:
+        swiglu_of(module, rule)
+    except (TypeError, ValueError) as error:
+        return f"{name}'s {rule.limit_attr} is {getattr(module, rule.limit_attr, None)!r}: {error}"
     gate_up, down = getattr(module, "gate_up_proj", None), module.down_proj
     if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 3 or down.dim() != 3:
         return f"{name} has no 3-D gate_up_proj and down_proj"
     if gate_up.dtype not in _EXPERTS_DTYPES or down.dtype != gate_up.dtype:
         return f"{name}'s weights are {gate_up.dtype} / {down.dtype}; the suite's experts take one of bf16, fp16, fp32"
     return None
+
+
+def gate_rule(module: nn.Module) -> GateRule | None:
+    """How the suite's experts compute this experts module's `_apply_gate`: transformers' own
+    gate, or the rule of the known class whose `_apply_gate` its class has, word for word
+    (names, docstrings and annotations aside); None for any other (after `register()`)."""
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is None or apply_gate is _default_apply_gate:
+        return _PLAIN_GATE
+    code = _code_of(type(module), "_apply_gate")
+    return None if code is None else _exemplar_codes("_apply_gate").get(code)
+
+
+def swiglu_of(module: nn.Module, rule: GateRule) -> SwiGLU:
+    """The SwiGLU the module's gate computes under `rule`, its limit read from the module now."""
+    limit = None if rule.limit_attr is None else getattr(module, rule.limit_attr)
+    return SwiGLU(limit, rule.clamp)
 
 
 def layout_of(module: nn.Module) -> GateUpLayout:
@@ -115,14 +161,17 @@ def suite_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     """transformers' experts forward signature, on the suite's kernels: the model's own top-k
     choice laid out by `routing_from_topk`, gate_up_proj and down_proj read in place and their
     gradients written in their own layout (`gate_up_experts`)."""
-    reason = experts_unsupported(self)
-    if reason is not None:
-        raise IntegrationError(f"experts implementation 'suite': {reason}; use another experts_implementation")
+    rule = getattr(self, "_suite_gate_rule", None)  # use_suite_experts found it: compile never traces the code
+    if rule is None:
+        reason = experts_unsupported(self)
+        if reason is not None:
+            raise IntegrationError(f"experts implementation 'suite': {reason}; use another experts_implementation")
+        rule = self._suite_gate_rule = gate_rule(self)
     layout = layout_of(self)
     gate_up, down = self.gate_up_proj, self.down_proj
     routing = routing_from_topk(top_k_index, top_k_weights, self.num_experts)
     out = gate_up_experts(hidden_states.to(gate_up.dtype), routing, gate_up, down, transposed=layout.transposed,
-                          concatenated=layout.concatenated)
+                          concatenated=layout.concatenated, activation=swiglu_of(self, rule))
     return out.to(hidden_states.dtype)
 
 
@@ -152,6 +201,8 @@ def use_suite_experts(model: nn.Module) -> int:
                                "on a CPU only under Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
                                "imported (tests, tiny models), or leave the model's experts as they are; the model "
                                "was left unchanged")
+    for _, module in found:
+        module._suite_gate_rule = gate_rule(module)
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     else:
@@ -220,12 +271,12 @@ def _method_code(fn, cls: type) -> tuple[tuple, list[str]]:
 
 
 @functools.cache
-def _code_of(cls: type) -> tuple | None:
-    """What a norm class computes, as code: forward and every method of the class it calls,
-    wherever its bases define them. None where a source cannot be read."""
+def _code_of(cls: type, root: str = "forward") -> tuple | None:
+    """What a module class computes, as code: its method `root` and every method of the class
+    it calls, wherever its bases define them. None where a source cannot be read."""
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         return None
-    code, todo = {}, ["forward"]
+    code, todo = {}, [root]
     try:
         while todo:
             name = todo.pop()
@@ -240,16 +291,18 @@ def _code_of(cls: type) -> tuple | None:
 
 
 @functools.cache
-def _exemplar_codes() -> dict[tuple, NormRule]:
+def _exemplar_codes(root: str = "forward") -> dict[tuple, NormRule | GateRule]:
+    """The code of each exemplar this transformers has -> its rule: the norms' forward, or
+    the experts' _apply_gate."""
     import importlib
 
     codes = {}
-    for (package, name), rule in _EXEMPLARS.items():
+    for (package, name), rule in (_EXEMPLARS if root == "forward" else _GATE_EXEMPLARS).items():
         try:
             cls = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
         except (ImportError, AttributeError):
             continue
-        if (code := _code_of(cls)) is not None:
+        if (code := _code_of(cls, root)) is not None:
             codes[code] = rule
     return codes
 

@@ -460,3 +460,67 @@ def test_rms_norm_on_the_gpu_eager_and_under_compile():
     auto_loss, auto_grads = compiled_loss()
     assert torch.equal(auto_loss, stock_compiled[0])
     assert all(torch.equal(auto_grads[n], g) for n, g in stock_compiled[1].items())
+
+
+# ---- clamped SwiGLU experts ----
+
+
+def _tiny_with_experts(probe, family):
+    """The probe's tiny build of `family` that holds experts modules, or a skip."""
+    if family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    for last_layers in (False, True):
+        model, _ = probe.build(family, last_layers)
+        if model is not None and any(hf.is_experts_module(m) for m in model.modules()):
+            return model
+    pytest.skip(f"no tiny {family} with experts")
+
+
+@pytest.mark.parametrize("family, limit_attr", [("deepseek_v4", "limit"), ("hy_v4", "swiglu_limit"),
+                                                ("bailing_hybrid", "limit")])
+def test_a_clamped_swiglu_gives_the_models_loss_and_gradients(family, limit_attr):
+    """DeepSeek-V4's and HY-V4's gate clamped before silu, Bailing's (Step-3's code) after it, at a
+    limit that bites at init (the tiny models' pre-activations reach 0.4)."""
+    from scriptload import load_script
+
+    probe = load_script("hf_family_probe")
+    model = _tiny_with_experts(probe, family)
+    experts = [m for m in model.modules() if hf.is_experts_module(m)]
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model.set_experts_implementation("eager")
+    unclamped = probe.loss_and_grads(model, ids)
+    for module in experts:
+        setattr(module, limit_attr, 0.02)
+    stock = probe.loss_and_grads(model, ids)
+    assert probe.worst_error(unclamped, stock) > 1e-3  # the clamp changes the model's numbers
+    assert hf.use_suite_experts(model) == len(experts)
+    assert {hf.swiglu_of(m, m._suite_gate_rule).limit for m in experts} == {0.02}
+    assert probe.worst_error(stock, probe.loss_and_grads(model, ids)) < probe.TOLERANCE
+
+
+def test_a_gate_is_known_by_its_code_and_a_changed_one_refused():
+    deepseek_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+    class CopiedExperts(deepseek_v4.DeepseekV4Experts):
+        def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+            """Another model's copy, its comments and docstring its own."""
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return self.act_fn(gate) * up
+
+    class TwiceLimitExperts(deepseek_v4.DeepseekV4Experts):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate = gate.clamp(max=2 * self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return self.act_fn(gate) * up
+
+    hf.register()
+    config = deepseek_v4.DeepseekV4Config(hidden_size=16, intermediate_size=8, num_local_experts=2)
+    assert hf.gate_rule(CopiedExperts(config)) == hf.GateRule("limit", "gate", True)
+    assert hf.gate_rule(TwiceLimitExperts(config)) is None
+    assert "its code is none this knows" in hf.experts_unsupported(TwiceLimitExperts(config))
+    module = CopiedExperts(config)
+    module.limit = -1.0
+    assert "limit is -1.0: SwiGLU: limit must be finite and > 0" in hf.experts_unsupported(module)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from scriptload import load_script
 
@@ -46,3 +47,16 @@ def test_numbers_off_the_familys_own_or_a_failing_gate_fail_the_probe(capsys, mo
 def test_a_family_without_experts_is_a_usage_error(capsys):
     assert load_script("hf_family_probe").main(["--family", "llama"]) == 2
     assert "['llama'] declare no experts class" in capsys.readouterr().out
+
+
+def test_a_gradient_that_cancelled_is_judged_against_the_largest_not_its_own_size():
+    """DeepSeek-V4's router gradient at init is 1e-11 of the model's largest: its bits are the
+    rounding of larger terms, and its own relative error says nothing. A gradient of real size
+    that is off still fails."""
+    probe = load_script("hf_family_probe")
+    stock = (torch.tensor(2.0), {"big": torch.ones(100), "cancelled": torch.full((4,), 1e-11)})
+    rounded = (torch.tensor(2.0), {"big": torch.ones(100), "cancelled": torch.full((4,), 2e-11)})
+    assert probe.worst_error(stock, rounded) < probe.TOLERANCE
+    off = (torch.tensor(2.0), {"big": torch.ones(100) * 1.001, "cancelled": torch.full((4,), 1e-11)})
+    assert probe.worst_error(stock, off) > probe.TOLERANCE
+    assert probe.worst_error(stock, (torch.tensor(2.0), {"big": torch.ones(100)})) == float("inf")

@@ -68,14 +68,15 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 @triton.jit
 def up_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U,
-    n_experts, d, f, stride_x, s_gu, c_gu, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n,
+    n_experts, d, f, stride_x, s_gu, c_gu, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n, LIMIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, CLAMP: tl.constexpr,
 ):
     """a = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for one [BLOCK_M, BLOCK_N] tile of
-    rows, gate and up in two accumulators over one pass of the gathered x rows; SAVE also
-    stores the pre-activations g and u (the backward's inputs). A: [R_max, f]; G, U: [R_max, f]
-    views with row stride s_gu and column step c_gu (two halves of one buffer, see `_store_up`)."""
+    rows (clamped at LIMIT as CLAMP says, see `_swiglu`), gate and up in two accumulators over
+    one pass of the gathered x rows; SAVE also stores the pre-activations g and u (the
+    backward's inputs). A: [R_max, f]; G, U: [R_max, f] views with row stride s_gu and column
+    step c_gu (two halves of one buffer, see `_store_up`)."""
     tile_m, tile_n = _tile_ids(n_tiles_m, n_tiles_n, GROUP_M)
     expert, row_start, row_end = _expert_tile(OFFSETS, n_experts, tile_m, BLOCK_M, BLOCK_E)
     if expert < n_experts:
@@ -99,16 +100,32 @@ def up_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * sw_k
             wu_ptrs += BLOCK_K * su_k
-        _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, SAVE)
+        _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, LIMIT, SAVE, CLAMP)
 
 
 @triton.jit
-def _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, SAVE: tl.constexpr):
-    """The up GEMMs' epilogue: a = silu(g) * u in fp32, stored with g and u (SAVE) at the
+def _swiglu(g, u, LIMIT, CLAMP: tl.constexpr):
+    """silu(g) * u in fp32; CLAMP (`activation.SwiGLU.mode`) 0: as it is; 1: u clamped to
+    [-LIMIT, LIMIT] and g to at most LIMIT before silu; 2: u so, and silu(g) to at most LIMIT.
+    NaN passes through a clamp, as through torch's."""
+    if CLAMP != 0:
+        u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        if CLAMP == 1:
+            g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    a = g * tl.sigmoid(g)
+    if CLAMP == 2:
+        a = tl.minimum(a, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+    return a * u
+
+
+@triton.jit
+def _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, LIMIT, SAVE: tl.constexpr,
+              CLAMP: tl.constexpr):
+    """The up GEMMs' epilogue: a = `_swiglu`(g, u) in fp32, stored with g and u (SAVE) at the
     tile's rows of the expert and columns below f. g and u are laid out as the weights' gate
     and up are (row stride s_gu, column step c_gu): the backward's dg and du then take their
     place and form the fused weight's gradient operand as they are."""
-    a = acc_g * tl.sigmoid(acc_g) * acc_u
+    a = _swiglu(acc_g, acc_u, LIMIT, CLAMP)
     wide_rows = rows.to(tl.int64)[:, None]
     mask = row_mask[:, None] & (cols < f)[None, :]
     tl.store(A + wide_rows * f + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
@@ -190,8 +207,8 @@ def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 @triton.jit
 def up_tma_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, s_gu, c_gu, n_tiles_m, n_tiles_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr,
+    LIMIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr, CLAMP: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`up_kernel`'s tile, sums and bits, the weights' tiles through TMA descriptors (x's
@@ -212,7 +229,8 @@ def up_tma_kernel(
             acc_g = _dot(x, _weight_tile(W_GATE, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_g, UPCAST)
             acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_u, UPCAST)
             x_ptrs += BLOCK_K
-        _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, s_gu, c_gu, acc_g, acc_u, SAVE)
+        _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, s_gu, c_gu, acc_g, acc_u, LIMIT,
+                  SAVE, CLAMP)
 
 
 @triton.jit
@@ -242,13 +260,15 @@ def rows_tma_kernel(
 
 
 @triton.jit
-def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu, c_gu,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu, c_gu, LIMIT,
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLAMP: tl.constexpr):
     """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
-    (the first offsets[E] rows), one [BLOCK_R, BLOCK_C] tile a program. D_A: [R_max, f], row
-    stride s_da; G, U, DG, DU: [R_max, f] views with row stride s_gu and column step c_gu (the
-    halves of one buffer laid out as the weights' gate and up). D_A may be DU itself, and DG
-    and DU may be G and U (each element is read before the same program writes it)."""
+    (the first offsets[E] rows), one [BLOCK_R, BLOCK_C] tile a program; with CLAMP (`_swiglu`)
+    through the clamped values, and no gradient where a clamp held its value past a bound (as
+    torch's clamp: at the bound it passes). D_A: [R_max, f], row stride s_da; G, U, DG, DU:
+    [R_max, f] views with row stride s_gu and column step c_gu (the halves of one buffer laid
+    out as the weights' gate and up). D_A may be DU itself, and DG and DU may be G and U (each
+    element is read before the same program writes it)."""
     n_rows = tl.load(OFFSETS + n_experts)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if tl.program_id(0) * BLOCK_R < n_rows:
@@ -259,9 +279,25 @@ def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu,
         d_a = tl.load(D_A + wide_rows * s_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + pair, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + pair, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(g)
-        tl.store(DG + pair, (d_a * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
-        tl.store(DU + pair, (d_a * g * sig).to(DU.dtype.element_ty), mask=mask)
+        if CLAMP == 0:
+            sig = tl.sigmoid(g)
+            dg = d_a * u * sig * (1.0 + g * (1.0 - sig))
+            du = d_a * g * sig
+        else:
+            u_passes = (u >= -LIMIT) & (u <= LIMIT)
+            u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+            g_passes = g <= LIMIT
+            if CLAMP == 1:
+                g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+            sig = tl.sigmoid(g)
+            silu = g * sig
+            if CLAMP == 2:
+                g_passes = silu <= LIMIT
+                silu = tl.minimum(silu, LIMIT, propagate_nan=tl.PropagateNan.ALL)
+            dg = tl.where(g_passes, d_a * u * sig * (1.0 + g * (1.0 - sig)), 0.0)
+            du = tl.where(u_passes, d_a * silu, 0.0)
+        tl.store(DG + pair, dg.to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + pair, du.to(DU.dtype.element_ty), mask=mask)
 
 
 @triton.jit

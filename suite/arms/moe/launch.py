@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from suite.arms.moe import config, kernels
+from suite.arms.moe.activation import PLAIN, SwiGLU, as_swiglu
 from suite.arms.moe.weights import GateUpLayout
 from suite.triton_support import (
     FLOAT_DTYPES,
@@ -117,7 +118,8 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 
 def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
-              tma=True, warp_specialize=False, pair_strides=None) -> PlannedLaunch | DescriptorLaunch:
+              tma=True, warp_specialize=False, pair_strides=None,
+              activation: SwiGLU = PLAIN) -> PlannedLaunch | DescriptorLaunch:
     """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
     descriptors where `config.tma_gemms` takes the layer (unless tma is False) and their strides allow,
     each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike.
@@ -126,11 +128,12 @@ def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, 
     tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(f, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
-                SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, CLAMP=activation.mode,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair = pair_strides or (f, 1)
+    limit = activation.kernel_limit
     pointers = PlannedLaunch(kernels.up_kernel, grid,
-                             (n_experts, d, f, x_stride, *pair, *wg_strides, *wu_strides, *tiles),
+                             (n_experts, d, f, x_stride, *pair, *wg_strides, *wu_strides, *tiles, limit),
                              (dtype, dtype, dtype, torch.int32, torch.int32, dtype, dtype, dtype), **meta)
     w_nk = wg_strides[2] != 1  # stored [E, f, d]: d the unit-stride dim, if any
     stored = [(e, n, k) if w_nk else (e, k, n) for e, k, n in (wg_strides, wu_strides)]
@@ -138,7 +141,7 @@ def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, 
             and all(descriptor_strides(s, dtype.itemsize) for s in stored)):
         return pointers
     w_block = [1, cfg.block_n, cfg.block_k] if w_nk else [1, cfg.block_k, cfg.block_n]
-    return DescriptorLaunch(kernels.up_tma_kernel, grid, (n_experts, d, f, x_stride, *pair, *tiles),
+    return DescriptorLaunch(kernels.up_tma_kernel, grid, (n_experts, d, f, x_stride, *pair, *tiles, limit),
                             (None, w_block, w_block, None, None, None, None, None), pointers, **meta, W_NK=w_nk,
                             WARP_SPECIALIZE=warp_specialize)
 
@@ -177,15 +180,16 @@ def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, d
                             WARP_SPECIALIZE=warp_specialize)
 
 
-def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device) -> PlannedLaunch:
+def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device,
+                   activation: SwiGLU = PLAIN) -> PlannedLaunch:
     """dg, du from d_a (row stride da_stride) and the pre-activations (g, u, dg and du all of
     pair_strides: row stride, column step); called with (d_a, gate, up, dg, du, offsets)."""
     block = 64 if interpreted() and device.type != "cuda" else config.SWIGLU_BLOCK
     block_c = min(config.SWIGLU_COLUMNS, next_pow2(f), block)
     block_r = block // block_c
     return PlannedLaunch(kernels.swiglu_backward_kernel, (cdiv(n_rows, block_r), cdiv(f, block_c)),
-                         (n_experts, f, da_stride, *pair_strides), (dtype,) * 5 + (torch.int32,),
-                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+                         (n_experts, f, da_stride, *pair_strides, activation.kernel_limit),
+                         (dtype,) * 5 + (torch.int32,), BLOCK_R=block_r, BLOCK_C=block_c, CLAMP=activation.mode, num_warps=4)
 
 
 def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device, grad_strides=None,
@@ -236,12 +240,14 @@ def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
 
 
 def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None, up_out=None,
-              save_preactivations: bool = True):
+              save_preactivations: bool = True, activation: SwiGLU | None = None):
     """a[r] = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for every sorted row r of expert e
-    (tok = token_of_row[r]); x [T, d], w_gate and w_up [E, d, f]. -> (a, g, u), each [R_max, f]
-    in x's dtype, g and u the pre-activations (None without save_preactivations). Rows past
-    offsets[E] are left unwritten. out / gate_out / up_out: caller-owned buffers, reused."""
+    (tok = token_of_row[r]; clamped as `activation` says); x [T, d], w_gate and w_up [E, d, f].
+    -> (a, g, u), each [R_max, f] in x's dtype, g and u the pre-activations (None without
+    save_preactivations). Rows past offsets[E] are left unwritten. out / gate_out / up_out:
+    caller-owned buffers, reused."""
     fn = "expert_up"
+    activation = as_swiglu(activation, fn)
     _check_dtype(x, fn)
     require_runnable(x, fn)
     _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
@@ -258,7 +264,7 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     if n_rows and n_experts and f:
         up_launch(n_rows, n_experts, d, f, x.stride(0), w_gate.stride(), w_up.stride(), x.dtype, x.device,
-                   save_preactivations)(x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g,
+                   save_preactivations, activation=activation)(x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g,
                                         a if u is None else u)
     return a, g, u
 
@@ -296,12 +302,12 @@ def grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides
                      a.device)(a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c)
 
 
-def swiglu_backward(d_a, gate, up, offsets, dg, du):
+def swiglu_backward(d_a, gate, up, offsets, dg, du, activation: SwiGLU = PLAIN):
     """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place).
     gate, up, dg and du share one layout (row stride, column step), d_a has unit columns."""
     if d_a.numel():
         _swiglu_launch(d_a.shape[0], d_a.shape[1], offsets.shape[0] - 1, d_a.stride(0), gate.stride(), d_a.dtype,
-                       d_a.device)(d_a, gate, up, dg, du, offsets)
+                       d_a.device, activation)(d_a, gate, up, dg, du, offsets)
 
 
 def weight_grad(x, token_of_row, grad, offsets, dw, grad2=None, dw2=None):
@@ -368,14 +374,16 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
     return grad_rows, grad_probs
 
 
-def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None):
+def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None,
+                         activation: SwiGLU | None = None):
     """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T (written in
     du's buffer, in a's dtype as eager autograd keeps it), then one elementwise pass gives
     dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32 (gate, up: the forward's
-    pre-activations); dW_down[e] = a_e^T @ grad_rows_e. -> (dg, du [R_max, f] in a's dtype,
-    dw_down [E, f, d] in w_down's dtype; an empty expert's is zero). dg_out / du_out /
-    dw_down_out: caller-owned, reused."""
+    pre-activations; through the clamps `activation` names, if any); dW_down[e] = a_e^T @
+    grad_rows_e. -> (dg, du [R_max, f] in a's dtype, dw_down [E, f, d] in w_down's dtype; an
+    empty expert's is zero). dg_out / du_out / dw_down_out: caller-owned, reused."""
     fn = "expert_down_backward"
+    activation = as_swiglu(activation, fn)
     _check_dtype(a, fn)
     require_runnable(a, fn)
     _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
@@ -396,12 +404,12 @@ def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None
     if (dw_down_out is None and n_rows and config.vendor_gemms(n_rows, n_experts, d, f, a.dtype, a.device)
             and config.grouped_mm_ready(grad_rows, a.t(), w_down_t)):
         ends = offsets[1:]  # torch._grouped_mm's groups end there; rows past offsets[E] are not read
-        swiglu_backward(torch._grouped_mm(grad_rows, w_down_t, offs=ends), gate, up, offsets, dg, du)
+        swiglu_backward(torch._grouped_mm(grad_rows, w_down_t, offs=ends), gate, up, offsets, dg, du, activation)
         return dg, du, torch._grouped_mm(a.t(), grad_rows, offs=ends)
     dw_down = _buffer(dw_down_out, fn, "dw_down_out", (n_experts, f, d), w_down.dtype, a.device)
     s_e, s_f, s_d = w_down.stride()
     grouped_rows("swiglu_grad", grad_rows, w_down, (s_e, s_d, s_f), offsets, du)  # d_a, in du's buffer
-    swiglu_backward(du, gate, up, offsets, dg, du)
+    swiglu_backward(du, gate, up, offsets, dg, du, activation)
     weight_grad(a, None, grad_rows, offsets, dw_down)
     return dg, du, dw_down
 
@@ -468,7 +476,7 @@ class LayerPlan:
     gate_up's 2f) and of gate_up's gradient, written in the parameter's own layout."""
 
     def __init__(self, n_tokens, d, f, n_experts, top_k, n_rows, x_stride, weights, layout: GateUpLayout | None,
-                 dtype, device):
+                 dtype, device, activation: SwiGLU = PLAIN):
         self.n_tokens, self.d, self.f, self.n_experts, self.top_k, self.n_rows = n_tokens, d, f, n_experts, top_k, n_rows
         self.dtype, self.device, self.layout = dtype, device, layout
         self.weight_shapes = [tuple(w.shape) for w in weights]
@@ -478,13 +486,14 @@ class LayerPlan:
         # the strides the weight gradients' [E, d, f] and [E, f, d] views are written through
         dwg, _, dwd = (w.stride() for w in self.views([torch.empty(s, device="meta") for s in self.weight_shapes]))
         (g_e, g_d, g_f), (u_e, u_d, u_f), (s_e, s_f, s_d) = wg, wu, wd
-        self.up = up_launch(n_rows, n_experts, d, f, x_stride, wg, wu, dtype, device, pair_strides=self.pair_strides)
+        self.up = up_launch(n_rows, n_experts, d, f, x_stride, wg, wu, dtype, device, pair_strides=self.pair_strides,
+                            activation=activation)
         self.down = rows_launch("rows", n_rows, f, d, n_experts, wd, wd, False, dtype, device)
         self.combine = _combine_launch(n_tokens, d, top_k, True, dtype, device)
         self.combine_bwd = _combine_bwd_launch(n_tokens, d, top_k, dtype, device)
         self.d_a = rows_launch("swiglu_grad", n_rows, d, f, n_experts, (s_e, s_d, s_f), (s_e, s_d, s_f), False, dtype,
                                device)
-        self.swiglu = _swiglu_launch(n_rows, f, n_experts, f, self.pair_strides, dtype, device)
+        self.swiglu = _swiglu_launch(n_rows, f, n_experts, f, self.pair_strides, dtype, device, activation)
         self.dw_down = _weight_grad_launch(n_experts, f, d, f, False, False, dtype, device, dw_strides=dwd)
         if layout is None:
             self.dx = rows_launch("dx", n_rows, f, d, n_experts, (g_e, g_f, g_d), (u_e, u_f, u_d), True, dtype, device)
@@ -630,10 +639,11 @@ _layer_plans: dict[tuple, LayerPlan] = {}
 config.kept_choices.append(_layer_plans)
 
 
-def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int) -> LayerPlan | None:
-    """The kept LayerPlan of this call shape, or None where the entry points must take the call
-    (an empty dimension, a dtype or device they refuse: they name it). weights: (w_gate, w_up,
-    w_down), or a model's (gate_up, down) in `layout`."""
+def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int,
+               activation: SwiGLU = PLAIN) -> LayerPlan | None:
+    """The kept LayerPlan of this call shape and activation, or None where the entry points must
+    take the call (an empty dimension, a dtype or device they refuse: they name it). weights:
+    (w_gate, w_up, w_down), or a model's (gate_up, down) in `layout`."""
     n_tokens, d = x.shape
     n_experts, _, f = weights[0].shape if layout is None else layout.dims(weights[0])
     dtype, device = x.dtype, x.device
@@ -642,11 +652,11 @@ def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int)
             and (device.type == "cuda" or interpreted())):
         return None
     key = (n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), tuple(w.stride() for w in weights), layout,
-           dtype, device, os.environ.get("SUITE_PROFILE"))
+           activation, dtype, device, os.environ.get("SUITE_PROFILE"))
     plan = _layer_plans.get(key)
     if plan is None:
         if len(_layer_plans) >= config.MAX_KEPT_CONFIGS:
             _layer_plans.clear()
         plan = _layer_plans[key] = LayerPlan(n_tokens, d, f, n_experts, top_k, n_rows, x.stride(0), weights, layout,
-                                             dtype, device)
+                                             dtype, device, activation)
     return plan

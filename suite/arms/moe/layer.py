@@ -4,6 +4,8 @@ w_down [E, f, d]:
     out[t] = sum over kept slots s of probs[t, s] * FFN_e(x[t]),  e = expert_ids[t, s]
     FFN_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
 
+or with a clamped SwiGLU (`activation.SwiGLU`: a limit on gate and up) in its place,
+
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager autograd
 reference (gradients for x, the weights and probs, hence the logits); `experts` is the same
 layer on the Triton kernels of `launch` (forward and backward, no host sync) behind one autograd
@@ -19,11 +21,11 @@ from __future__ import annotations
 from fractions import Fraction
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from suite.arms.moe import launch, route_kernels
+from suite.arms.moe.activation import PLAIN, SwiGLU, as_swiglu
 from suite.arms.moe.routing import (
     Routing,
     check_capacity_factor,
@@ -81,13 +83,15 @@ def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [torch.nonzero((chosen == e) & kept, as_tuple=True) for e in range(routing.num_experts)]
 
 
-def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> torch.Tensor:
+def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None, activation: SwiGLU | None = None
+                      ) -> torch.Tensor:
     """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
     weighted sum in fp32 (float64 when x is float64); autograd gives every gradient.
 
     rows: `expert_rows(routing)`, found once by the caller; then the call itself never syncs
-    (a benchmark can capture it in a CUDA graph)."""
+    (a benchmark can capture it in a CUDA graph). activation: a clamped SwiGLU, None for plain."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
+    activation = as_swiglu(activation, "experts_reference")
     wide = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
     for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
@@ -95,18 +99,18 @@ def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None) -> t
         # below adds each row once: the sum's order is the expert order, run to run (a top-k
         # from routing_from_topk that names an expert twice for one token adds in any order)
         v = x[tokens]
-        hidden = F.silu((v @ w_gate[e]).to(wide)) * (v @ w_up[e]).to(wide)
+        hidden = activation((v @ w_gate[e]).to(wide), (v @ w_up[e]).to(wide))
         y = hidden.to(x.dtype) @ w_down[e]
         weight = routing.probs[tokens, slots].to(wide)
         out = out.index_add(0, tokens, weight[:, None] * y.to(wide))
     return out.to(x.dtype)
 
 
-def _plan(x, probs, weights, layout, token_of_row) -> launch.LayerPlan | None:
-    return launch.layer_plan(x, weights, layout, token_of_row.shape[0], probs.shape[1])
+def _plan(x, probs, weights, layout, token_of_row, activation) -> launch.LayerPlan | None:
+    return launch.layer_plan(x, weights, layout, token_of_row.shape[0], probs.shape[1], activation)
 
 
-def _experts_forward(plan, x, probs, weights, layout, token_of_row, offsets, row_id_map, eager=False):
+def _experts_forward(plan, x, probs, weights, layout, activation, token_of_row, offsets, row_id_map, eager=False):
     """-> (out, and what the backward reads: a, gu, y_rows). Every buffer is sized by the
     routing's max_rows (a host bound), so neither pass reads R on the host; rows past R are
     never read. Through the call shape's kept LayerPlan (`launch.layer_plan`) where there is one
@@ -115,7 +119,7 @@ def _experts_forward(plan, x, probs, weights, layout, token_of_row, offsets, row
     if plan is not None:
         return plan.forward(x, probs, weights, token_of_row, offsets, row_id_map, one_buffer=eager)
     w_gate, w_up, w_down = weights if layout is None else layout.views(*weights)
-    a, g, u = launch.expert_up(x, w_gate, w_up, token_of_row, offsets)
+    a, g, u = launch.expert_up(x, w_gate, w_up, token_of_row, offsets, activation=activation)
     y_rows = launch.expert_down(a, w_down, offsets)
     if layout is None:
         gu = torch.stack((g, u))
@@ -126,8 +130,8 @@ def _experts_forward(plan, x, probs, weights, layout, token_of_row, offsets, row
     return launch.combine(y_rows, row_id_map, probs), a, gu, y_rows
 
 
-def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map,
-                      reuse_saved=False, wanted=(True, True, True)):
+def _experts_backward(plan, grad_out, x, probs, weights, layout, activation, a, gu, y_rows, token_of_row, offsets,
+                      row_id_map, reuse_saved=False, wanted=(True, True, True)):
     """-> (dx, dprobs, the weights' gradients in their shapes and layout). reuse_saved: a, gu
     and y_rows are dead after this call, and the plan may write into them. wanted: dx, gate and
     up's gradient, down's (`LayerPlan.backward`); the entry points compute each, for the
@@ -139,7 +143,7 @@ def _experts_backward(plan, grad_out, x, probs, weights, layout, a, gu, y_rows, 
     w_gate, w_up, w_down = weights if layout is None else layout.views(*weights)
     g, u = (t.contiguous() for t in (gu.unbind(0) if layout is None else layout.halves(gu)))
     grad_rows, grad_probs = launch.combine_backward(grad_out, y_rows, probs, row_id_map)
-    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets)
+    dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets, activation=activation)
     dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, token_of_row, offsets)
     # each token's k slots summed in slot order, so dx repeats its bits run to run
     dx = launch.combine(dx_rows, row_id_map, top_k=probs.shape[1])
@@ -160,7 +164,7 @@ _graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", 
 class _ExpertsFunction(torch.autograd.Function):
     """The experts' one autograd node, eager and under torch.compile. Its weights are w1, w2,
     w3 = (w_gate, w_up, w_down), or with a GateUpLayout, (gate_up, down, None): a model's own
-    tensors, whose gradients it returns in their layout. `experts` gives it a routing's probs
+    tensors, whose gradients it returns in their layout; its activation a SwiGLU. `experts` gives it a routing's probs
     and layout; `fused_layer` gives it the logits and `route`, the routing's arguments (k,
     renormalize, capacity, max_rows, z_loss), and the routing's launches run in the same node
     (one node's dispatch instead of two; the same bits as route() then experts()). Eager calls
@@ -168,9 +172,9 @@ class _ExpertsFunction(torch.autograd.Function):
     run as the custom ops below, which dynamo cannot see into."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, layout, probs, token_of_row, offsets, row_id_map, logits, route):
+    def forward(ctx, x, w1, w2, w3, layout, activation, probs, token_of_row, offsets, row_id_map, logits, route):
         weights = (w1, w2) if layout is not None else (w1, w2, w3)
-        ctx.compiled, ctx.layout = torch.compiler.is_compiling(), layout
+        ctx.compiled, ctx.layout, ctx.activation = torch.compiler.is_compiling(), layout, activation
         ctx.route, lse, expert_ids, z = route, None, None, None
         if route is not None:
             k, renormalize, capacity, max_rows, z_loss = route
@@ -180,11 +184,12 @@ class _ExpertsFunction(torch.autograd.Function):
             z = z if z_loss else None
         if ctx.compiled:
             ctx.plan = None
-            out, *saved = _experts_op(x, probs, list(weights), token_of_row, offsets, row_id_map, *_flags(layout))
+            out, *saved = _experts_op(x, probs, list(weights), token_of_row, offsets, row_id_map, *_flags(layout),
+                                      activation.mode, activation.kernel_limit)
         else:
-            ctx.plan = _plan(x, probs, weights, layout, token_of_row)  # the backward's too: one lookup
-            out, *saved = _experts_forward(ctx.plan, x, probs, weights, layout, token_of_row, offsets, row_id_map,
-                                           eager=True)
+            ctx.plan = _plan(x, probs, weights, layout, token_of_row, activation)  # the backward's too: one lookup
+            out, *saved = _experts_forward(ctx.plan, x, probs, weights, layout, activation, token_of_row, offsets,
+                                           row_id_map, eager=True)
         ctx.save_for_backward(x, probs, *saved, token_of_row, offsets, row_id_map, logits, lse, expert_ids, *weights)
         # the z-loss's gradient may never come (set_materialize_grads: no zeros made for it)
         ctx.set_materialize_grads(False)
@@ -203,57 +208,61 @@ class _ExpertsFunction(torch.autograd.Function):
             if ctx.compiled:
                 dx, grad_probs, *grads = _experts_backward_op(grad_out.contiguous(), x, probs, weights, a, gu, y_rows,
                                                               token_of_row, offsets, row_id_map, *_flags(ctx.layout),
-                                                              *wanted)
+                                                              ctx.activation.mode, ctx.activation.kernel_limit, *wanted)
                 dx, grads = _drop_unwanted(dx, grads, wanted)
             else:
                 # the saved activations die with this backward unless the graph is kept
                 # (retain_graph, create_graph): only then may it write its temporaries into them
-                dx, grad_probs, grads = _experts_backward(ctx.plan, grad_out, x, probs, weights, ctx.layout, a, gu,
-                                                          y_rows, token_of_row, offsets, row_id_map,
-                                                          reuse_saved=not _graph_kept(), wanted=wanted)
+                dx, grad_probs, grads = _experts_backward(ctx.plan, grad_out, x, probs, weights, ctx.layout,
+                                                          ctx.activation, a, gu, y_rows, token_of_row, offsets,
+                                                          row_id_map, reuse_saved=not _graph_kept(), wanted=wanted)
         w1, w2, w3 = (*grads, None) if ctx.layout is not None else grads
         if ctx.route is None:
-            return dx, w1, w2, w3, None, grad_probs, None, None, None, None, None
+            return dx, w1, w2, w3, None, None, grad_probs, None, None, None, None, None
         renormalize, z_loss = ctx.route[1], ctx.route[4]
         backward = torch.ops.suite.moe_route_backward if ctx.compiled else route_kernels.route_backward
         dlogits = route_grads(grad_probs, grad_z if z_loss else None, backward, logits, lse, expert_ids, probs,
                               renormalize)
-        return dx, w1, w2, w3, None, None, None, None, None, dlogits, None
+        return dx, w1, w2, w3, None, None, None, None, None, None, dlogits, None
 
 
-def experts(x, routing: Routing, w_gate, w_up, w_down) -> torch.Tensor:
+def experts(x, routing: Routing, w_gate, w_up, w_down, activation: SwiGLU | None = None) -> torch.Tensor:
     """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
     autograd the gradients for x, the three weights and routing.probs (hence the logits).
     x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout. Under
-    torch.compile the same kernels run as custom ops (no graph break, the same bits)."""
+    torch.compile the same kernels run as custom ops (no graph break, the same bits).
+    activation: a clamped SwiGLU (`SwiGLU(limit, clamp)`), None for plain."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
+    activation = as_swiglu(activation, "experts")
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, probs, routing.token_of_row,
-                                    routing.offsets, routing.row_id_map, None, None)
+    out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, activation, probs,
+                                    routing.token_of_row, routing.offsets, routing.row_id_map, None, None)
     return out
 
 
 def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed: bool = False,
-                    concatenated: bool = True) -> torch.Tensor:
+                    concatenated: bool = True, activation: SwiGLU | None = None) -> torch.Tensor:
     """`experts` on a model's own fused weights as it stores them (transformers' flags:
     `GateUpLayout`): gate_up_proj [E, 2f, d] and down_proj [E, d, f], or [E, d, 2f] and
     [E, f, d] when transposed; gate's f then up's along 2f when concatenated, else alternating.
     Their gradients come back in that same layout, written there by the kernels, so autograd
     adds no copy of weight-sized memory on the way to the parameters. The same maths as
-    `experts` on `GateUpLayout(...).views(gate_up_proj, down_proj)`."""
+    `experts` on `GateUpLayout(...).views(gate_up_proj, down_proj)`; activation as there."""
     layout = GateUpLayout(bool(transposed), bool(concatenated))
+    activation = as_swiglu(activation, "gate_up_experts")
     if not isinstance(routing, Routing):
         raise TypeError(f"gate_up_experts: routing must be a Routing from route() or routing_from_topk(), got "
                         f"{type(routing).__name__}")
     num_experts, d, _ = layout.sizes(gate_up_proj, down_proj, "gate_up_experts")
     _check_tokens("gate_up_experts", x, d, routing.num_tokens, routing.num_experts, num_experts)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
-    out, _ = _ExpertsFunction.apply(x.contiguous(), gate_up_proj, down_proj, None, layout, probs, routing.token_of_row,
-                                    routing.offsets, routing.row_id_map, None, None)
+    out, _ = _ExpertsFunction.apply(x.contiguous(), gate_up_proj, down_proj, None, layout, activation, probs,
+                                    routing.token_of_row, routing.offsets, routing.row_id_map, None, None)
     return out
 
 
-def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss):
+def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss,
+                activation: SwiGLU = PLAIN):
     """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
     MoEExperts where the routing kernels run (its own weights fix the shapes)."""
     check_route_args("MoEExperts", logits, k, capacity_factor)
@@ -263,7 +272,8 @@ def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     route = (k, renormalize, num_tokens * k if capacity is None else capacity,
              row_bound(num_tokens, k, num_experts, capacity), z_loss)
-    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, None, None, None, None, logits, route)
+    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, as_swiglu(activation, "fused_layer"),
+                                  None, None, None, None, logits, route)
 
 
 # ---- the custom ops torch.compile sees: opaque to dynamo, shapes from their fake versions;
@@ -275,21 +285,22 @@ def _flags(layout: GateUpLayout | None) -> tuple[bool, bool]:
     return (False, True) if layout is None else (layout.transposed, layout.concatenated)
 
 
+
 def _layout_of(weights, transposed: bool, concatenated: bool) -> GateUpLayout | None:
     return GateUpLayout(transposed, concatenated) if len(weights) == 2 else None
 
 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
 def _experts_op(x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor], token_of_row: torch.Tensor,
-                offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout = _layout_of(weights, transposed, concatenated)
-    return _experts_forward(_plan(x, probs, weights, layout, token_of_row), x, probs, weights, layout, token_of_row,
-                            offsets, row_id_map)
+                offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool, clamp: int,
+                limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    layout, activation = _layout_of(weights, transposed, concatenated), SwiGLU.of_mode(clamp, limit)
+    return _experts_forward(_plan(x, probs, weights, layout, token_of_row, activation), x, probs, weights, layout,
+                            activation, token_of_row, offsets, row_id_map)
 
 
 @_experts_op.register_fake
-def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated):
+def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated, clamp, limit):
     layout = _layout_of(weights, transposed, concatenated)
     rows = token_of_row.shape[0]
     _, d, f = (weights[0] if layout is None else layout.gate_up_views(weights[0])[0]).shape
@@ -301,20 +312,21 @@ def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concaten
 def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor],
                          a: torch.Tensor, gu: torch.Tensor, y_rows: torch.Tensor, token_of_row: torch.Tensor,
                          offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool,
-                         want_dx: bool, want_gate_up: bool, want_down: bool) -> list[torch.Tensor]:
+                         clamp: int, limit: float, want_dx: bool, want_gate_up: bool,
+                         want_down: bool) -> list[torch.Tensor]:
     """-> [dx, dprobs, the weights' gradients, in their shapes]; an empty tensor for each one
     not wanted (an op's list holds no None)."""
-    layout = _layout_of(weights, transposed, concatenated)
+    layout, activation = _layout_of(weights, transposed, concatenated), SwiGLU.of_mode(clamp, limit)
     wanted = (want_dx, want_gate_up, want_down)
-    dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row), grad_out, x, probs,
-                                              weights, layout, a, gu, y_rows, token_of_row, offsets, row_id_map,
-                                              wanted=wanted)
+    dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row, activation), grad_out, x,
+                                              probs, weights, layout, activation, a, gu, y_rows, token_of_row, offsets,
+                                              row_id_map, wanted=wanted)
     return [t if t is not None else x.new_empty(0) for t in (dx, grad_probs, *grads)]
 
 
 @_experts_backward_op.register_fake
 def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map, transposed, concatenated,
-      want_dx, want_gate_up, want_down):
+      clamp, limit, want_dx, want_gate_up, want_down):
     wanted_weights = (want_gate_up,) * (len(weights) - 1) + (want_down,)
     return [x.new_empty(x.shape if want_dx else 0), probs.new_empty(probs.shape),
             *(w.new_empty(w.shape if wanted else 0) for w, wanted in zip(weights, wanted_weights))]
@@ -334,12 +346,13 @@ EXPERTS_IMPLS = ("fused", "eager")
 class MoEExperts(nn.Module):
     """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
     an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
-    "eager": `experts_reference`. forward(x [..., d]) -> out of x's shape and dtype."""
+    "eager": `experts_reference`. swiglu_limit, swiglu_clamp: a clamped SwiGLU (`SwiGLU`).
+    forward(x [..., d]) -> out of x's shape and dtype."""
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
                  z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None,
-                 device=None, dtype=None):
+                 swiglu_limit: float | None = None, swiglu_clamp: str = "gate", device=None, dtype=None):
         super().__init__()
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
@@ -351,6 +364,7 @@ class MoEExperts(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
         check_capacity_factor("MoEExperts", capacity_factor)
+        self.activation = SwiGLU(swiglu_limit, swiglu_clamp)
         self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
         # exact, and a constant to torch.compile (a float attribute turns symbolic under dynamic=True)
         self._capacity = None if capacity_factor is None else Fraction(repr(float(capacity_factor)))
@@ -377,13 +391,15 @@ class MoEExperts(nn.Module):
             # with z_loss, last_z_loss holds this layer's graph (its saved activations) until a
             # backward through it or the next forward, as the output does
             out, self.last_z_loss = fused_layer(logits, tokens, self.w_gate, self.w_up, self.w_down, self.top_k,
-                                                 self.renormalize, self._capacity, self.z_loss)
+                                                 self.renormalize, self._capacity, self.z_loss, self.activation)
             return out.view(x.shape)
         routing = route(logits, self.top_k, self.renormalize, self._capacity, z_loss=self.z_loss)
         self.last_z_loss = routing.z_loss
         run = experts if self.impl == "fused" else experts_reference
-        return run(tokens, routing, self.w_gate, self.w_up, self.w_down).view(x.shape)
+        return run(tokens, routing, self.w_gate, self.w_up, self.w_down, activation=self.activation).view(x.shape)
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
-                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}")
+                f"capacity_factor={self.capacity_factor}, impl={self.impl!r}"
+                + ("" if self.activation.limit is None else f", swiglu_limit={self.activation.limit}, "
+                                                            f"swiglu_clamp={self.activation.clamp!r}"))
