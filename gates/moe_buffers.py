@@ -94,14 +94,19 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     return {**params, **routed}
 
 
+def _held_both(buffers: Buffers, pair: tuple[str, str], what: str) -> bool:
+    """Whether the recording holds both buffers of the pair; neither: False; one: BadBuffers."""
+    held = [name for name in pair if name in buffers]
+    if len(held) == 1:
+        raise BadBuffers(f"moe-bwd buffers hold {held[0]!r} without {sorted(set(pair) - set(held))[0]!r}: "
+                         f"{what} is both; record them again with suite.record.capture")
+    return bool(held)
+
+
 def _swiglu_params(buffers: Buffers) -> dict[str, Any]:
     """swiglu_limit and swiglu_clamp where the recording holds a clamped SwiGLU; else none."""
-    held = [name for name in SWIGLU_BUFFERS if name in buffers]
-    if not held:
+    if not _held_both(buffers, SWIGLU_BUFFERS, "a clamped SwiGLU"):
         return {}
-    if len(held) == 1:
-        raise BadBuffers(f"moe-bwd buffers hold {held[0]!r} without {sorted(set(SWIGLU_BUFFERS) - set(held))[0]!r}: "
-                         "a clamped SwiGLU is both; record them again with suite.record.capture")
     limit = expect_buffer("moe-bwd", buffers, "swiglu_limit", shape=(), dtypes=(torch.float64, torch.float32))
     clamps_silu = expect_buffer("moe-bwd", buffers, "swiglu_clamps_silu", shape=(), dtypes=(torch.bool,))
     try:
@@ -114,12 +119,8 @@ def _swiglu_params(buffers: Buffers) -> dict[str, Any]:
 
 def _model_routing_params(buffers: Buffers, tokens: int, num_experts: int) -> dict[str, Any]:
     """routing "model" and its top_k where the recording holds the model's routing; else none."""
-    held = [name for name in MODEL_ROUTING if name in buffers]
-    if not held:
+    if not _held_both(buffers, MODEL_ROUTING, "a model's routing"):
         return {}
-    if len(held) == 1:
-        raise BadBuffers(f"moe-bwd buffers hold {held[0]!r} without {sorted(set(MODEL_ROUTING) - set(held))[0]!r}: "
-                         "a model's routing is both; record them again with suite.record.capture")
     index = expect_buffer("moe-bwd", buffers, "top_k_index", dtypes=(torch.int64, torch.int32))
     if index.dim() != 2 or index.shape[0] != tokens or index.shape[1] < 1:
         raise BadBuffers(f"moe-bwd buffer 'top_k_index' must be [tokens={tokens}, k], got {list(index.shape)}; "

@@ -465,9 +465,9 @@ def _build_arm(compile_it: bool = False) -> Callable[[BenchCase, Buffers, Preset
 
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         in_model_layout = _weights(preset) == "model"
-        layer = gate_up_experts if in_model_layout else experts
-        if activation_of(preset).limit is not None:  # else the function itself: compiled() keys on it
-            layer = partial(layer, activation=activation_of(preset))
+        layer, activation = gate_up_experts if in_model_layout else experts, activation_of(preset)
+        if activation.limit is not None:  # else the function itself: compiled() keys on it
+            layer = partial(layer, activation=activation)
         return _build(lambda routing, preset: compiled(layer, preset) if compile_it else layer,
                       gate_up_layout if in_model_layout else None, route_fn=route)(case, buffers, preset)
 

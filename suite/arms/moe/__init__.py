@@ -41,6 +41,6 @@ from suite.arms.moe.routing import (
 )
 from suite.arms.moe.weights import GateUpLayout
 
-__all__ = ["EXPERTS_IMPLS", "GateUpLayout", "MoEExperts", "Routing", "SwiGLU", "expert_capacity", "expert_rows", "experts",
-           "experts_reference", "fused_layer", "gate_up_experts", "jittered", "route", "route_reference",
+__all__ = ["EXPERTS_IMPLS", "GateUpLayout", "MoEExperts", "Routing", "SwiGLU", "expert_capacity", "expert_rows",
+           "experts", "experts_reference", "fused_layer", "gate_up_experts", "jittered", "route", "route_reference",
            "router_z_loss", "routing_from_topk", "routing_from_topk_reference", "trusted_routing"]

@@ -68,9 +68,8 @@ class SwiGLU:
         limit, zero = self.limit, torch.zeros((), dtype=d_a.dtype, device=d_a.device)
         up_passes = (up >= -limit) & (up <= limit)
         up = up.clamp(-limit, limit)
-        gate_passes = gate <= limit
         if self.clamp == "gate":
-            gate = gate.clamp(max=limit)
+            gate_passes, gate = gate <= limit, gate.clamp(max=limit)
         sig = torch.sigmoid(gate)
         silu = gate * sig
         if self.clamp == "silu":

@@ -286,12 +286,12 @@ def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu,
         else:
             u_passes = (u >= -LIMIT) & (u <= LIMIT)
             u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-            g_passes = g <= LIMIT
-            if CLAMP == 1:
+            if CLAMP == 1:  # the gate clamped, then silu of it
+                g_passes = g <= LIMIT
                 g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
             sig = tl.sigmoid(g)
             silu = g * sig
-            if CLAMP == 2:
+            if CLAMP == 2:  # silu of the gate, then clamped
                 g_passes = silu <= LIMIT
                 silu = tl.minimum(silu, LIMIT, propagate_nan=tl.PropagateNan.ALL)
             dg = tl.where(g_passes, d_a * u * sig * (1.0 + g * (1.0 - sig)), 0.0)

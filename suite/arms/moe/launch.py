@@ -189,7 +189,8 @@ def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device,
     block_r = block // block_c
     return PlannedLaunch(kernels.swiglu_backward_kernel, (cdiv(n_rows, block_r), cdiv(f, block_c)),
                          (n_experts, f, da_stride, *pair_strides, activation.kernel_limit),
-                         (dtype,) * 5 + (torch.int32,), BLOCK_R=block_r, BLOCK_C=block_c, CLAMP=activation.mode, num_warps=4)
+                         (dtype,) * 5 + (torch.int32,), BLOCK_R=block_r, BLOCK_C=block_c, CLAMP=activation.mode,
+                         num_warps=4)
 
 
 def _weight_grad_launch(n_experts, n_i, n_j, x_stride, gather, two, dtype, device, grad_strides=None,
@@ -264,8 +265,8 @@ def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None
     u = _buffer(up_out, fn, "up_out", (n_rows, f), x.dtype, x.device) if save_preactivations else None
     if n_rows and n_experts and f:
         up_launch(n_rows, n_experts, d, f, x.stride(0), w_gate.stride(), w_up.stride(), x.dtype, x.device,
-                   save_preactivations, activation=activation)(x, w_gate, w_up, token_of_row, offsets, a, a if g is None else g,
-                                        a if u is None else u)
+                  save_preactivations, activation=activation)(x, w_gate, w_up, token_of_row, offsets, a,
+                                                              a if g is None else g, a if u is None else u)
     return a, g, u
 
 
