@@ -109,7 +109,7 @@ def loss_and_grads(model, ids) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 
 # A gradient whose norm cancelled to below this fraction of the model's largest (DeepSeek-V4's
-# router at init: 1e-11) is judged against that floor: its bits are rounding of larger terms.
+# router at init) is judged against that floor: its bits are the rounding of larger terms.
 CANCELLED = 1e-6
 
 
