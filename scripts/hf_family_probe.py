@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     off = [family for family, found in errors.items() if any(error > TOLERANCE for error in found)]
     failed = [row["family"] for row in rows if row["gate"].startswith("exit")]
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "hf_family_probe.json"), "w") as fh:
             json.dump(dict(transformers=transformers.__version__, torch=torch.__version__, device=str(device),
                            tolerance=TOLERANCE, rows=rows), fh, indent=2)

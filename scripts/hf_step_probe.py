@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     result = {"model": args.model, "tokens": [args.batch, args.seq], "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "rows": rows}
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], f"hf_step_probe_{args.model}.json"), "w") as fh:
             json.dump(result, fh, indent=2)
     stock = rows["stock"]["median_ms"]

@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args)
     path = args.json or (os.path.join(os.environ["OUT"], "moe_host_probe.json") if os.environ.get("OUT") else None)
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as fh:
             json.dump(result, fh, indent=2)
     print(f"{result['what']} ({result['device']}, torch {result['torch']}), shape {result['shape']}")

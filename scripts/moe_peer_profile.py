@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> N
             print(tabulate(rows, headers=("kernel", "ms/call", "share")))
         del buffers
     path = args.json or os.path.join(os.environ.get("OUT", "."), "moe_peer_profile.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(figures, fh, indent=1)
 

@@ -493,6 +493,8 @@ def main(argv=None) -> int:
     path = args.json or ("moe_tune.json" if os.environ.get("OUT") else None)
     if path and os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], path)  # an absolute path stays itself
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def save(figures: dict[str, Any]) -> None:
         entry = figures["kernels"][-1]

@@ -228,6 +228,7 @@ _EXEMPLARS = {
     ("llama", "LlamaRMSNorm"): NormRule("variance_epsilon", 0.0, True),   # weight * x.to(dtype)
     ("olmo2", "Olmo2RMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight * x).to(dtype)
     ("gemma", "GemmaRMSNorm"): NormRule("eps", 1.0, False),               # x * (1 + weight), fp32
+    ("helium", "HeliumRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight.float() * x).to(dtype)
 }
 RMS_NORM_IMPLS = ("auto", "fused")
 
@@ -303,7 +304,7 @@ def _exemplar_codes(root: str = "forward") -> dict[tuple, NormRule | GateRule]:
         except (ImportError, AttributeError):
             continue
         if (code := _code_of(cls, root)) is not None:
-            codes[code] = rule
+            codes.setdefault(code, rule)  # an exemplar whose code is an earlier one's computes that
     return codes
 
 
@@ -322,8 +323,8 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
-    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's or
-    Gemma's, or a copy of one under another name, as most of transformers' models carry. Every
+    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's
+    or Helium's, or a copy of one under another name, as most of transformers' models carry. Every
     RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
     and nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)

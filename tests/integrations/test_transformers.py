@@ -161,10 +161,10 @@ def test_register_is_idempotent():
 
 
 @pytest.mark.parametrize("family, norms", [("llama", 5), ("olmoe", 9), ("gemma", 5), ("olmo2", 9), ("qwen3-moe", 9),
-                                           ("deepseek-v3", 9)])
+                                           ("deepseek-v3", 9), ("helium", 5)])
 def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits(family, norms):
-    """Llama's weight * x.to(dtype), OLMo2's (weight * x).to(dtype), Gemma's x * (1 + w): each
-    through the suite's kernels (impl="fused"; interpreted here), then the model's own again.
+    """Llama's weight * x.to(dtype), OLMo2's (weight * x).to(dtype), Gemma's x * (1 + w),
+    Helium's (weight.float() * x).to(dtype): each through the suite's kernels (impl="fused"; interpreted here), then the model's own again.
     DeepSeek-V3's norm is known by its code, a copy of Llama's under its own name."""
     model = tiny(family)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
@@ -283,6 +283,22 @@ def test_a_norm_is_known_by_its_code_not_its_name(tmp_path):
     stock_loss, _ = loss_and_grads(model, ids)
     assert hf.apply_rms_norm(model, impl="fused") == 5
     torch.testing.assert_close(loss_and_grads(model, ids)[0], stock_loss, rtol=1e-5, atol=0)
+
+
+def test_an_exemplar_whose_code_is_an_earlier_ones_keeps_that_ones_rule(monkeypatch):
+    """A model's norm can change between transformers versions (Nemotron-H's is Llama's in 5.17
+    and Helium's in 5.25): an exemplar listed later whose code is an earlier one's computes the
+    earlier one's rule, whatever rule it is listed with."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    llama = hf._EXEMPLARS[("llama", "LlamaRMSNorm")]
+    monkeypatch.setattr(hf, "_EXEMPLARS", {**hf._EXEMPLARS,  # DeepSeek-V3's norm is a copy of Llama's
+                                           ("deepseek_v3", "DeepseekV3RMSNorm"): hf.NormRule("eps", 1.0, False)})
+    hf._exemplar_codes.cache_clear()
+    try:
+        assert hf.rms_norm_rule(LlamaRMSNorm(32)) == llama
+    finally:
+        hf._exemplar_codes.cache_clear()
 
 
 def test_an_unknown_rms_norm_is_refused_and_nothing_is_patched():

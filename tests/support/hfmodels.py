@@ -35,6 +35,8 @@ def tiny(family: str, **extra):
         return transformers.GemmaForCausalLM(transformers.GemmaConfig(intermediate_size=48, head_dim=8, **_SHAPE))
     if family == "olmo2":
         return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(intermediate_size=48, **_SHAPE))
+    if family == "helium":
+        return transformers.HeliumForCausalLM(transformers.HeliumConfig(intermediate_size=48, head_dim=8, **_SHAPE))
     if family == "phi3":
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(intermediate_size=48, pad_token_id=0, **_SHAPE))
     raise ValueError(family)
