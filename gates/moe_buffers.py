@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from suite.arms.moe import SwiGLU
+from suite.arms.moe import GeGLU, SwiGLU
 from suite.errors import BadBuffers
 from suite.files.buffers import expect_buffer
 from suite.harness.gate import Buffers, Preset
@@ -26,12 +26,17 @@ MODEL_ROUTING = ("top_k_index", "top_k_weights")
 
 
 # A recording of an experts module with a clamped SwiGLU holds its limit (float64, 0-d) and
-# whether the limit clamps silu's output rather than the gate (bool, 0-d): `activation_of`.
+# whether the limit clamps silu's output rather than the gate (bool, 0-d); one with GeGLU
+# experts holds "geglu" (bool, 0-d, true): `activation_of`.
 SWIGLU_BUFFERS = ("swiglu_limit", "swiglu_clamps_silu")
+GEGLU_BUFFER = "geglu"
 
 
-def activation_of(preset: Preset) -> SwiGLU:
-    """The experts' activation the preset names: plain SwiGLU unless it sets swiglu_limit."""
+def activation_of(preset: Preset) -> SwiGLU | GeGLU:
+    """The experts' activation the preset names: GeGLU where it says glu "geglu", else plain
+    SwiGLU unless it sets swiglu_limit."""
+    if preset.params.get("glu") == "geglu":
+        return GeGLU()
     return SwiGLU(preset.params.get("swiglu_limit"), preset.params.get("swiglu_clamp", "gate"))
 
 
@@ -84,7 +89,7 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
     expect_buffer("moe-bwd", buffers, "w_down", shape=(num_experts, f, d), dtypes=(x.dtype,))
     expect_buffer("moe-bwd", buffers, "grad_out", shape=tuple(x.shape), dtypes=(x.dtype,))
     params = dict(tokens=x.shape[0], hidden=d, ffn=f, experts=num_experts, dtype=str(x.dtype).removeprefix("torch."))
-    routed = {**_model_routing_params(buffers, x.shape[0], num_experts), **_swiglu_params(buffers)}
+    routed = {**_model_routing_params(buffers, x.shape[0], num_experts), **_glu_params(buffers)}
     if not routed:
         if "logits" not in buffers:
             raise BadBuffers("moe-bwd buffers hold neither the router's 'logits' nor a model's 'top_k_index' and "
@@ -103,9 +108,18 @@ def _held_both(buffers: Buffers, pair: tuple[str, str], what: str) -> bool:
     return bool(held)
 
 
-def _swiglu_params(buffers: Buffers) -> dict[str, Any]:
-    """swiglu_limit and swiglu_clamp where the recording holds a clamped SwiGLU; else none."""
-    if not _held_both(buffers, SWIGLU_BUFFERS, "a clamped SwiGLU"):
+def _glu_params(buffers: Buffers) -> dict[str, Any]:
+    """glu "geglu" where the recording holds GeGLU experts; swiglu_limit and swiglu_clamp where
+    it holds a clamped SwiGLU; else none."""
+    clamped = _held_both(buffers, SWIGLU_BUFFERS, "a clamped SwiGLU")
+    if GEGLU_BUFFER in buffers:
+        geglu = expect_buffer("moe-bwd", buffers, GEGLU_BUFFER, shape=(), dtypes=(torch.bool,))
+        if geglu.item() and clamped:
+            raise BadBuffers("moe-bwd buffers hold 'geglu' and a SwiGLU's limit: a clamped GeGLU is none the "
+                             "experts compute; record them again with suite.record.capture")
+        if geglu.item():
+            return dict(glu="geglu")
+    if not clamped:
         return {}
     limit = expect_buffer("moe-bwd", buffers, "swiglu_limit", shape=(), dtypes=(torch.float64, torch.float32))
     clamps_silu = expect_buffer("moe-bwd", buffers, "swiglu_clamps_silu", shape=(), dtypes=(torch.bool,))

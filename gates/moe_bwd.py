@@ -29,6 +29,7 @@ import torch
 
 from suite.arms.moe import (
     GateUpLayout,
+    GeGLU,
     SwiGLU,
     expert_rows,
     experts,
@@ -98,11 +99,14 @@ Z_WEIGHT = 1e-3
 
 
 def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, skew="none",
-            weights="apart", swiglu=None) -> dict[str, Any]:
+            weights="apart", glu=None) -> dict[str, Any]:
     if skew not in SKEWS or weights not in WEIGHTS:
         raise ValueError(f"moe-bwd: skew must be one of {SKEWS} and weights one of {WEIGHTS}, not {skew!r}, "
                          f"{weights!r}")
-    clamped = {} if swiglu is None else dict(swiglu_limit=swiglu.limit, swiglu_clamp=swiglu.clamp)
+    if glu is None or glu == SwiGLU():
+        clamped = {}
+    else:
+        clamped = dict(glu="geglu") if glu == GeGLU() else dict(swiglu_limit=glu.limit, swiglu_clamp=glu.clamp)
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
                 capacity_factor=capacity_factor, skew=skew, **({"weights": weights} if weights != "apart" else {}),
                 **clamped)
@@ -136,9 +140,9 @@ def experts_bytes(p: dict[str, Any]) -> int:
 
 
 def _tiny(name, top_k, experts, capacity_factor=None, skew="none", tokens=19, hidden=40, ffn=24, standard=False,
-          note="", weights="apart", swiglu=None) -> Preset:
+          note="", weights="apart", glu=None) -> Preset:
     # hidden and ffn are no multiple of the interpreter's 16-wide tiles, nor T * k of its rows
-    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew, weights, swiglu)
+    params = _params(tokens, hidden, ffn, experts, top_k, "float32", capacity_factor, skew, weights, glu)
     return Preset(name, params, where="any", standard=standard, note=note, memory_bytes=memory_bytes(params))
 
 
@@ -166,11 +170,13 @@ PRESETS = (
     _tiny("tiny-capacity", 2, 4, capacity_factor=0.75, skew="skewed"),
     _tiny("tiny-model-layout", 2, 6, weights="model", note="a model's gate_up_proj and down_proj"),
     # the clamped SwiGLUs (DeepSeek-V4's, Step-3's), at limits that clamp a quarter to a half of
-    # the values (pre-activations ~ N(0, 1)); parity alone: the bench's peers compute plain SwiGLU
-    _tiny("tiny-clamped", 2, 6, weights="model", swiglu=SwiGLU(0.6, "gate"),
+    # the values (pre-activations ~ N(0, 1)), and GeGLU (Gemma 4's); parity alone: the bench's
+    # peers compute plain SwiGLU
+    _tiny("tiny-clamped", 2, 6, weights="model", glu=SwiGLU(0.6, "gate"),
           note="clamped SwiGLU: gate before silu, limit 0.6; parity only"),
-    _tiny("tiny-clamped-silu", 3, 5, swiglu=SwiGLU(0.3, "silu"), note="clamped SwiGLU: silu's output, limit 0.3; "
+    _tiny("tiny-clamped-silu", 3, 5, glu=SwiGLU(0.3, "silu"), note="clamped SwiGLU: silu's output, limit 0.3; "
           "parity only"),
+    _tiny("tiny-geglu", 2, 6, weights="model", glu=GeGLU(), note="GeGLU, gelu's tanh form; parity only"),
     # the models' layers, their weights as transformers stores them (the arm as use_suite_experts runs it)
     _gpu("olmoe", 8192, 2048, 1024, 64, 8, weights="model"),
     _gpu("qwen3-30b-a3b", 8192, 2048, 768, 128, 8, weights="model"),
@@ -321,8 +327,8 @@ def _kernel_chain(buffers: Buffers, preset: Preset, *, bf16_dprobs=False, droppe
         _, dprobs = launch.combine_backward(grad_out.bfloat16(), y_rows.bfloat16(), probs, row_id_map)
     if dropped_unwritten:
         dprobs = torch.where(routing.kept, dprobs, torch.empty_like(dprobs))
-    if other_swiglu_backward:  # clamped where the forward was not, or plain where it clamped
-        activation = SwiGLU() if activation.limit is not None else SwiGLU(0.5)
+    if other_swiglu_backward:  # clamped where the forward was plain, else plain
+        activation = SwiGLU(0.5) if activation == SwiGLU() else SwiGLU()
     dg, du, dw_down = launch.expert_down_backward(grad_rows, a, g, u, w_down, offsets, activation=activation)
     dx_rows, dw_gate, dw_up = launch.expert_up_backward(dg, du, x, w_gate, w_up, tor, offsets)
     if dx_gate_term_only:
@@ -466,7 +472,7 @@ def _build_arm(compile_it: bool = False) -> Callable[[BenchCase, Buffers, Preset
     def build(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
         in_model_layout = _weights(preset) == "model"
         layer, activation = gate_up_experts if in_model_layout else experts, activation_of(preset)
-        if activation.limit is not None:  # else the function itself: compiled() keys on it
+        if activation != SwiGLU():  # else the function itself: compiled() keys on it
             layer = partial(layer, activation=activation)
         return _build(lambda routing, preset: compiled(layer, preset) if compile_it else layer,
                       gate_up_layout if in_model_layout else None, route_fn=route)(case, buffers, preset)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from suite.arms.moe import Routing, SwiGLU
+from suite.arms.moe import GeGLU, Routing, SwiGLU
 
 
 def experts_truth(x, routing: Routing, w_gate, w_up, w_down, grad_out=None,
-                  activation: SwiGLU = SwiGLU()) -> dict[str, torch.Tensor]:
+                  activation: SwiGLU | GeGLU = SwiGLU()) -> dict[str, torch.Tensor]:
     """The layer in closed form in float64, apart from any autograd, one expert at a time (its
     temporaries are one expert's rows): {"out"} and, given grad_out, "dx", "dw_gate", "dw_up",
-    "dw_down" and "dprobs". activation: plain or clamped SwiGLU, its derivative in closed form
-    (`SwiGLU.backward`)."""
+    "dw_down" and "dprobs". activation: plain or clamped SwiGLU, or GeGLU, its derivative in
+    closed form (`backward`)."""
     x, probs = x.double(), routing.probs.detach().double()
     chosen, kept = routing.expert_ids.long(), routing.kept
     out = torch.zeros_like(x)

@@ -10,9 +10,10 @@ it found.
 
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
 
-On a CPU the kernels run interpreted (minutes for every family). A family whose tiny
-model cannot be built from its config's defaults, or has no experts at this size, is listed
-with why. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
+On a CPU the kernels run interpreted (minutes for every family). A multimodal family is
+probed through its text model's causal LM. A family whose tiny model cannot be built from its
+config's defaults (and FAMILY_TINY), has no causal LM or no experts at this size, is listed with
+why; one whose probe raises is listed as failed, and the others still run. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
 a family the integrations take gives numbers off its own (relative error over TOLERANCE), or the
 gate fails on its recording.
 """
@@ -37,6 +38,18 @@ TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_he
             first_k_dense_replace=0, n_shared_experts=1, shared_expert_intermediate_size=16, decoder_sparse_step=1,
             mlp_only_layers=[], kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, pad_token_id=0)
+# Where a family's defaults do not shrink with TINY: fields derived from it in a config's
+# __init__ (set after it), or a per-layer list its defaults leave None.
+FAMILY_TINY = {
+    "gemma4": dict(enable_moe_block=True, top_k_experts=2, layer_types=["sliding_attention", "full_attention"],
+                   vocab_size_per_layer_input=64),  # Gemma 4's MoE (26B-A4B), its layer kinds cut to two
+    "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    "longcat_flash": dict(num_layers=2, qk_head_dim=16, ffn_hidden_size=48, expert_ffn_hidden_size=16,
+                          zero_expert_num=2, moe_topk=2),
+    "mimo_v2_flash": dict(num_key_value_heads=2),  # its sliding layers double the kv heads
+    "mistral4": dict(head_dim=16, qk_head_dim=16),  # its rope takes half of head_dim: qk_rope_head_dim
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,20 +77,44 @@ def build(family: str, last_layers: bool):
     if family not in transformers.CONFIG_MAPPING:
         return None, "this transformers has no config for it"
     config = transformers.CONFIG_MAPPING[family]()
-    if getattr(config, "text_config", None) is not None:
-        return None, "multimodal: not probed"
+    config = getattr(config, "text_config", None) or config  # a multimodal family: its text model's
     depth, layers = getattr(config, "num_hidden_layers", None), TINY["num_hidden_layers"]
     for key, value in vars(config).copy().items():
         if last_layers and isinstance(value, list) and len(value) == depth:
             setattr(config, key, ["sparse"] * layers if key == "mlp_layer_types" else value[-layers:])
-    for key, value in TINY.items():
-        if hasattr(config, key):
-            setattr(config, key, value)
+    for key, value in {**TINY, **FAMILY_TINY.get(family, {})}.items():
+        try:
+            if not hasattr(config, key):
+                continue
+            current = getattr(config, key)
+            # a field that holds one value per kind (ERNIE-VL's experts' widths) takes it for each
+            setattr(config, key, [value] * len(current) if isinstance(current, list) and not isinstance(value, list)
+                    else value)
+        except RuntimeError:  # a per-layer field of a heterogeneous config (Gemma 4's head_dim): as it is
+            pass
+    causal_lm = causal_lm_class(family, config)
+    if causal_lm is None:
+        return None, "no causal LM of its text model" if config.model_type != family else "no causal LM in the family"
     torch.manual_seed(0)
     try:
-        return transformers.AutoModelForCausalLM.from_config(config).float(), None
+        return causal_lm(config).float(), None
     except Exception as error:  # noqa: BLE001 - a config whose defaults do not shrink: reported, not fatal
         return None, f"no tiny model from its config: {type(error).__name__}: {str(error)[:80]}"
+
+
+def causal_lm_class(family: str, config):
+    """The family's causal LM class: the one AutoModelForCausalLM maps its config to, else the
+    one its modeling module defines (transformers' auto map lacks some, Mistral 4's), else None."""
+    import importlib
+
+    import transformers
+
+    mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+    if type(config) in mapping:
+        return mapping[type(config)]
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return next((cls for name, cls in vars(module).items() if name.endswith("ForCausalLM")
+                 and getattr(cls, "config_class", None) is type(config)), None)
 
 
 def tiny_step(family: str, device: torch.device, ids):
@@ -174,6 +211,16 @@ def probe(family: str, device: torch.device) -> dict:
     return row
 
 
+def probe_or_why(family: str, device: torch.device) -> dict:
+    """probe(), or the family listed with the error that stopped it: one family's surprise
+    never costs the run the others' rows."""
+    try:
+        return probe(family, device)
+    except Exception as error:  # noqa: BLE001 - reported in the family's row, which counts as failed
+        return dict(family=family, experts=f"probe failed: {type(error).__name__}: {str(error)[:80]}",
+                    experts_error=None, norms="", norms_error=None, gate="exit -: the probe failed")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,7 +233,7 @@ def main(argv=None) -> int:
     import transformers.utils.logging
 
     transformers.utils.logging.set_verbosity_error()
-    rows = [probe(family, device) for family in args.family or known]
+    rows = [probe_or_why(family, device) for family in args.family or known]
     errors = {row["family"]: [row[f"{part}_error"] for part in ("experts", "norms") if row[f"{part}_error"] is not None]
               for row in rows}
     off = [family for family, found in errors.items() if any(error > TOLERANCE for error in found)]

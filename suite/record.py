@@ -129,11 +129,15 @@ def _keep_grad(w: _Watched, name: str, output) -> None:
         output.register_hook(lambda grad: w.tensors.__setitem__(name, grad.detach().clone()))
 
 
-def _swiglu_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """A clamped SwiGLU's limit and what it clamps, as gate moe-bwd reads them; none of a plain one."""
-    from suite.integrations.transformers import gate_rule, swiglu_of
+def _glu_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """GeGLU experts' mark, or a clamped SwiGLU's limit and what it clamps, as gate moe-bwd
+    reads them; none for a plain SwiGLU."""
+    from suite.arms.moe import GeGLU
+    from suite.integrations.transformers import gate_rule, glu_of
 
-    activation = swiglu_of(module, gate_rule(module))
+    activation = glu_of(module, gate_rule(module))
+    if activation == GeGLU():
+        return dict(geglu=torch.tensor(True))
     if activation.limit is None:
         return {}
     return dict(swiglu_limit=torch.tensor(activation.limit, dtype=torch.float64),
@@ -164,7 +168,7 @@ def _recorder(w: _Watched):
         w_gate, w_up, w_down = (t.detach().contiguous() for t in expert_weights(module))
         w.tensors.update(x=hidden_states.detach().clone(), w_gate=w_gate, w_up=w_up, w_down=w_down,
                          top_k_index=top_k_index.detach().clone(), top_k_weights=top_k_weights.detach().clone(),
-                         **_swiglu_buffers(module))
+                         **_glu_buffers(module))
         _keep_grad(w, "grad_out", output)
 
     return hook

@@ -109,6 +109,33 @@ def test_a_recording_carries_a_clamped_swiglu_and_the_gate_judges_the_clamp(tmp_
     assert result.exit_code == 0, result.output
 
 
+def test_a_recording_carries_geglu_experts_and_the_gate_judges_them_so(tmp_path):
+    """Gemma 4's experts are GeGLU: the recording says so, the gate passes on it; judged as
+    SwiGLU instead, its own output is not the module's."""
+    from gates import moe_bwd
+    from suite.harness.gate import Preset
+
+    model = tiny("gemma4")
+    seen = []
+    model.model.layers[0].experts.register_forward_hook(lambda module, args, out: seen.append(out.detach().clone()))
+    with capture(model, tmp_path / "rec", modules=("experts",)) as recording:
+        step(model)
+    path = tmp_path / "rec" / "model.layers.0.experts"
+    assert path in recording.saved
+    buffers, _ = load_buffers(path, expect_gate="moe-bwd")
+    assert buffers["geglu"].item() and "swiglu_limit" not in buffers
+    params = moe_bwd.GATE.buffer_params(buffers)
+    assert params["glu"] == "geglu"
+    preset = Preset("recorded", {"capacity_factor": None, "skew": "none", **params}, where="any")
+    torch.testing.assert_close(moe_bwd.arm(buffers, preset)["out"], seen[0], rtol=1e-5, atol=1e-6)
+    swiglu = Preset("recorded", {k: v for k, v in preset.params.items() if k != "glu"}, where="any")
+    off = moe_bwd.arm(buffers, swiglu)["out"] - seen[0]
+    assert off.norm() > 0.01 * seen[0].norm()  # small pre-activations: silu and gelu are close, not equal
+    result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", "cpu", "--buffers", str(path), "--reports",
+                                      str(tmp_path / "reports"), "--no-sabotage"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
 def test_an_experts_module_the_kernels_cannot_take_is_named_and_the_step_runs(tmp_path):
     """A GELU experts module (as a has_gate=False or biased one) is skipped with its reason; the
     model's forward and backward run as without capture, and the other layer is recorded."""

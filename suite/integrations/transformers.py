@@ -29,7 +29,7 @@ from torch import nn
 
 from suite import triton_support
 from suite.arms import rmsnorm
-from suite.arms.moe import GateUpLayout, SwiGLU, gate_up_experts, routing_from_topk
+from suite.arms.moe import GateUpLayout, GeGLU, SwiGLU, gate_up_experts, routing_from_topk
 from suite.errors import CouldNotRun
 
 EXPERTS_IMPLEMENTATION = "suite"
@@ -78,6 +78,18 @@ _GATE_EXEMPLARS = {
 }
 
 
+def _act_kind(act) -> str | None:
+    """What an experts module's act_fn computes: "silu" (a SiLU module, torch's or transformers',
+    or torch's function itself, as LFM2-MoE holds), "gelu_tanh" (gelu's tanh form: transformers'
+    "gelu_pytorch_tanh" and "gelu_new", torch's GELU(approximate="tanh")), else None."""
+    if act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if type(act).__name__ in ("GELUTanh", "NewGELUActivation") or (
+            isinstance(act, nn.GELU) and act.approximate == "tanh"):
+        return "gelu_tanh"
+    return None
+
+
 def register() -> None:
     """Register the fused experts as transformers' experts implementation "suite" (idempotent):
     then `model.set_experts_implementation("suite")` switches a model's experts over, or
@@ -113,10 +125,12 @@ def experts_unsupported(module: nn.Module) -> str | None:
         return (f"{name} defines its own _apply_gate, and its code is none this knows; the suite's experts "
                 "compute silu(gate) * up, or its clamped form (suite.arms.moe.SwiGLU)")
     act = getattr(module, "act_fn", None)
-    if rule.act_fn and type(act).__name__ not in ("SiLU", "SiLUActivation"):
-        return f"{name} has act_fn {type(act).__name__}; the suite's experts compute silu(gate) * up"
+    if rule.act_fn and _act_kind(act) is None:
+        shown = getattr(act, "__name__", None) if inspect.isroutine(act) else type(act).__name__
+        return (f"{name} has act_fn {shown}; the suite's experts compute silu(gate) * up or gelu's tanh form "
+                "(GeGLU) in silu's place")
     try:
-        swiglu_of(module, rule)
+        glu_of(module, rule)
     except (TypeError, ValueError) as error:
         return f"{name}'s {rule.limit_attr} is {getattr(module, rule.limit_attr, None)!r}: {error}"
     gate_up, down = getattr(module, "gate_up_proj", None), module.down_proj
@@ -138,9 +152,14 @@ def gate_rule(module: nn.Module) -> GateRule | None:
     return None if code is None else _exemplar_codes("_apply_gate").get(code)
 
 
-def swiglu_of(module: nn.Module, rule: GateRule) -> SwiGLU:
-    """The SwiGLU the module's gate computes under `rule`, its limit read from the module now."""
+def glu_of(module: nn.Module, rule: GateRule) -> SwiGLU | GeGLU:
+    """The activation the module's gate computes under `rule`: its SwiGLU, the limit read from
+    the module now, or GeGLU where its act_fn is gelu's tanh form (never clamped)."""
     limit = None if rule.limit_attr is None else getattr(module, rule.limit_attr)
+    if rule.act_fn and _act_kind(getattr(module, "act_fn", None)) == "gelu_tanh":
+        if limit is not None:
+            raise ValueError("a clamped GeGLU is none the suite's experts compute")
+        return GeGLU()
     return SwiGLU(limit, rule.clamp)
 
 
@@ -171,7 +190,7 @@ def suite_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     gate_up, down = self.gate_up_proj, self.down_proj
     routing = routing_from_topk(top_k_index, top_k_weights, self.num_experts)
     out = gate_up_experts(hidden_states.to(gate_up.dtype), routing, gate_up, down, transposed=layout.transposed,
-                          concatenated=layout.concatenated, activation=swiglu_of(self, rule))
+                          concatenated=layout.concatenated, activation=glu_of(self, rule))
     return out.to(hidden_states.dtype)
 
 

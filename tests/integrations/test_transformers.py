@@ -31,7 +31,7 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral", "deepseek-v3"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "mixtral", "deepseek-v3", "gemma4"])
 def test_suite_experts_give_the_models_loss_and_gradients(family):
     model = tiny(family)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -42,6 +42,37 @@ def test_suite_experts_give_the_models_loss_and_gradients(family):
     torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=0)
     for name, grad in stock.items():  # the router's too: its gradients flow through the model's top-k
         assert rel(grads[name], grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "gelu_new", "torch-gelu-tanh"])
+def test_experts_whose_act_fn_is_gelus_tanh_form_run_as_geglu(act):
+    """Gemma 4's experts: act_fn(gate) * up with gelu's tanh form, in each form transformers or
+    torch gives it; exact gelu is refused (the parametrized refusals above)."""
+    from transformers.activations import ACT2FN
+
+    model = tiny("olmoe")
+    for layer in model.model.layers:
+        layer.mlp.experts.act_fn = torch.nn.GELU(approximate="tanh") if act == "torch-gelu-tanh" else ACT2FN[act]
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    stock_loss, stock = loss_and_grads(model, ids)
+    assert hf.use_suite_experts(model) == 2
+    assert hf.glu_of(model.model.layers[0].mlp.experts, hf.GateRule(None, "gate", True)) == moe.GeGLU()
+    loss, grads = loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, stock_loss, rtol=1e-5, atol=0)
+    for name, grad in stock.items():
+        assert rel(grads[name], grad) < 1e-5, name
+
+
+def test_experts_whose_act_fn_is_torchs_silu_function_are_taken():
+    """LFM2-MoE's experts hold F.silu itself, not a SiLU module: the same computation."""
+    model = tiny("olmoe")
+    for layer in model.model.layers:
+        del layer.mlp.experts.act_fn  # a function in the SiLU module's place
+        layer.mlp.experts.act_fn = torch.nn.functional.silu
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    stock_loss, _ = loss_and_grads(model, ids)
+    assert hf.use_suite_experts(model) == 2
+    torch.testing.assert_close(loss_and_grads(model, ids)[0], stock_loss, rtol=1e-5, atol=0)
 
 
 def test_no_graph_break_under_torch_compile():
@@ -127,11 +158,15 @@ def test_the_weights_are_read_in_every_declared_layout(transposed, concatenated)
     ("has_gate", False, "has_gate=False"),
     ("has_post_expert_norm", True, "has_post_expert_norm=True"),
     ("act_fn", torch.nn.GELU(), "act_fn GELU"),
+    ("act_fn", torch.nn.functional.gelu, "act_fn gelu"),
 ])
 def test_an_experts_layout_the_kernels_cannot_take_is_refused_and_nothing_changes(flag, value, named):
     model = tiny("olmoe")
     before = model.config._experts_implementation
-    setattr(model.model.layers[1].mlp.experts, flag, value)
+    experts = model.model.layers[1].mlp.experts
+    if isinstance(getattr(experts, flag, None), torch.nn.Module) and not isinstance(value, torch.nn.Module):
+        delattr(experts, flag)  # a function in a submodule's place
+    setattr(experts, flag, value)
     with pytest.raises(hf.IntegrationError, match=named) as raised:
         hf.use_suite_experts(model)
     assert "model.layers.1.mlp.experts" in str(raised.value) and "left unchanged" in str(raised.value)
@@ -510,7 +545,7 @@ def test_a_clamped_swiglu_gives_the_models_loss_and_gradients(family, limit_attr
     stock = probe.loss_and_grads(model, ids)
     assert probe.worst_error(unclamped, stock) > 1e-3  # the clamp changes the model's numbers
     assert hf.use_suite_experts(model) == len(experts)
-    assert {hf.swiglu_of(m, m._suite_gate_rule).limit for m in experts} == {0.02}
+    assert {hf.glu_of(m, m._suite_gate_rule).limit for m in experts} == {0.02}
     assert probe.worst_error(stock, probe.loss_and_grads(model, ids)) < probe.TOLERANCE
 
 
@@ -540,3 +575,5 @@ def test_a_gate_is_known_by_its_code_and_a_changed_one_refused():
     module = CopiedExperts(config)
     module.limit = -1.0
     assert "limit is -1.0: SwiGLU: limit must be finite and > 0" in hf.experts_unsupported(module)
+    module.limit, module.act_fn = 7.0, torch.nn.GELU(approximate="tanh")
+    assert "limit is 7.0: a clamped GeGLU is none the suite's experts compute" in hf.experts_unsupported(module)

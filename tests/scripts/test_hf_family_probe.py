@@ -60,3 +60,37 @@ def test_a_gradient_that_cancelled_is_judged_against_the_largest_not_its_own_siz
     off = (torch.tensor(2.0), {"big": torch.ones(100) * 1.001, "cancelled": torch.full((4,), 1e-11)})
     assert probe.worst_error(stock, off) > probe.TOLERANCE
     assert probe.worst_error(stock, (torch.tensor(2.0), {"big": torch.ones(100)})) == float("inf")
+
+
+def test_a_family_whose_probe_raises_is_a_failed_row_and_the_others_still_run(capsys, monkeypatch):
+    probe = load_script("hf_family_probe")
+
+    def probe_that_raises_on_mixtral(family, device):
+        if family == "mixtral":
+            raise TypeError("a config field the probe did not expect")
+        return dict(family=family, experts="taken (2)", experts_error=1e-7, norms="taken (5)", norms_error=1e-7,
+                    gate="passed")
+
+    monkeypatch.setattr(probe, "probe", probe_that_raises_on_mixtral)
+    assert probe.main(["--family", "mixtral", "--family", "olmoe"]) == 1
+    out = capsys.readouterr().out
+    assert "probe failed: TypeError: a config field the probe did not expect" in out
+    assert "the gate failed on the recording of ['mixtral']" in out and "olmoe     taken (2)" in out
+
+
+@pytest.mark.parametrize("family", [
+    "qwen3_5_moe",  # a multimodal family: its text model's causal LM
+    "gemma4",  # its MoE switched on, its layer kinds cut to two
+    "lfm2_moe",  # its layer kinds given
+    "mistral4",  # no auto class: its own ForCausalLM
+])
+def test_the_families_that_need_more_than_the_tiny_shape_are_built_and_step(family):
+    """Each builds at the tiny shape with experts and runs its own step; that the integrations
+    then take it is the probe's run (docs/arms/moe.md)."""
+    if family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {family}")
+    probe = load_script("hf_family_probe")
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model, stock, why = probe.tiny_step(family, torch.device("cpu"), ids)
+    assert why is None and sum(p.numel() for p in model.parameters()) < 2_000_000, why
+    assert torch.isfinite(stock[0])

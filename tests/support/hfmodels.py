@@ -29,6 +29,12 @@ def tiny(family: str, **extra):
             topk_group=1, n_shared_experts=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **{**_SHAPE, "num_key_value_heads": 4})
         return transformers.DeepseekV3ForCausalLM(config)
+    if family == "gemma4":  # Gemma 4's MoE (26B-A4B): GeGLU experts beside a dense MLP
+        config = transformers.Gemma4TextConfig(
+            head_dim=8, intermediate_size=48, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            moe_intermediate_size=16, layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=64,
+            hidden_size_per_layer_input=8, **_SHAPE)
+        return transformers.Gemma4ForCausalLM(config)
     if family == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(intermediate_size=48, **_SHAPE))
     if family == "gemma":

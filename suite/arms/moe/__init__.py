@@ -6,7 +6,7 @@ order data flows through a layer:
                    reference in torch ops
     route_kernels  the routing's Triton kernels: top-k and the layout, and their backward
     weights        GateUpLayout: how a model stores its fused gate_up and down weights
-    activation     SwiGLU: plain, or clamped at a limit as some models train it
+    activation     SwiGLU: plain, or clamped at a limit as some models train it; GeGLU
     layer          experts / experts_reference over a Routing, gate_up_experts (a model's own
                    weights and layout), MoEExperts (router + routing + experts)
     launch         the experts' launchers: each GEMM, SwiGLU backward and combine, a layer's plan
@@ -18,7 +18,7 @@ order data flows through a layer:
     out = gate_up_experts(x, routing, gate_up_proj, down_proj)   # a model's [E, 2f, d] and [E, d, f]
 """
 
-from suite.arms.moe.activation import SwiGLU
+from suite.arms.moe.activation import GeGLU, SwiGLU
 from suite.arms.moe.layer import (
     EXPERTS_IMPLS,
     MoEExperts,
@@ -41,6 +41,6 @@ from suite.arms.moe.routing import (
 )
 from suite.arms.moe.weights import GateUpLayout
 
-__all__ = ["EXPERTS_IMPLS", "GateUpLayout", "MoEExperts", "Routing", "SwiGLU", "expert_capacity", "expert_rows",
+__all__ = ["EXPERTS_IMPLS", "GateUpLayout", "GeGLU", "MoEExperts", "Routing", "SwiGLU", "expert_capacity", "expert_rows",
            "experts", "experts_reference", "fused_layer", "gate_up_experts", "jittered", "route", "route_reference",
            "router_z_loss", "routing_from_topk", "routing_from_topk_reference", "trusted_routing"]

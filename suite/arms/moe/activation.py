@@ -1,8 +1,9 @@
-"""The experts' activation: SwiGLU, silu(gate) * up, and the clamped SwiGLU some models train
-with (DeepSeek-V4, HY-V4, GLM-5, Step-3, Bailing): with a limit L, up is clamped to [-L, L] and
-the gate to at most L, either before silu (clamp="gate") or silu's output after it
-(clamp="silu"). A clamped value passes no gradient, as torch's clamp passes none past a bound
-(at the bound it passes it).
+"""The experts' activation, a gated linear unit act(gate) * up: SwiGLU, silu(gate) * up, and
+the clamped SwiGLU some models train with (DeepSeek-V4, HY-V4, GLM-5, Step-3, Bailing): with a
+limit L, up is clamped to [-L, L] and the gate to at most L, either before silu (clamp="gate")
+or silu's output after it (clamp="silu"). A clamped value passes no gradient, as torch's clamp
+passes none past a bound (at the bound it passes it). GeGLU, gelu(gate) * up with gelu's tanh
+form (Gemma 4's experts).
 """
 
 from __future__ import annotations
@@ -37,18 +38,13 @@ class SwiGLU:
 
     @property
     def mode(self) -> int:
-        """The kernels' CLAMP: 0 no clamp, 1 the gate before silu, 2 silu's output."""
+        """The kernels' ACT: 0 no clamp, 1 the gate clamped before silu, 2 silu's output."""
         return 0 if self.limit is None else 1 + CLAMPS.index(self.clamp)
 
     @property
     def kernel_limit(self) -> float:
         """The kernels' LIMIT: the bound, read by none of them without a clamp (then 0)."""
         return 0.0 if self.limit is None else self.limit
-
-    @classmethod
-    def of_mode(cls, mode: int, limit: float) -> SwiGLU:
-        """The SwiGLU whose `mode` this is, with this limit (the custom ops carry the two)."""
-        return PLAIN if mode == 0 else cls(limit, CLAMPS[mode - 1])
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The activation in torch ops (any dtype; autograd through torch's clamp and silu)."""
@@ -78,13 +74,58 @@ class SwiGLU:
         return d_gate, torch.where(up_passes, d_a * silu, zero)
 
 
+# gelu's tanh form, x * sigmoid(2 z) with z = sqrt(2 / pi) * (x + 0.044715 x^3): the same
+# function as 0.5 x (1 + tanh(z)), without a tanh the kernels lack
+GELU_TANH_SCALE = math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+
+
+@dataclass(frozen=True)
+class GeGLU:
+    """gelu(gate, approximate="tanh") * up: transformers' "gelu_pytorch_tanh" and "gelu_new"."""
+
+    limit = None  # never clamped
+
+    @property
+    def mode(self) -> int:
+        """The kernels' ACT."""
+        return 3
+
+    @property
+    def kernel_limit(self) -> float:
+        return 0.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") * up
+
+    def backward(self, d_a: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d gate, d up) in closed form, no autograd (the float64 truth's)."""
+        inner = GELU_TANH_SCALE * (gate + GELU_TANH_CUBIC * gate ** 3)
+        tanh = torch.tanh(inner)
+        d_inner = GELU_TANH_SCALE * (1 + 3 * GELU_TANH_CUBIC * gate ** 2)
+        d_gelu = 0.5 * (1 + tanh) + 0.5 * gate * (1 - tanh ** 2) * d_inner
+        return d_a * up * d_gelu, d_a * 0.5 * gate * (1 + tanh)
+
+
+GatedActivation = SwiGLU | GeGLU
 PLAIN = SwiGLU()
+GELU_TANH = GeGLU()
 
 
-def as_swiglu(activation, fn: str) -> SwiGLU:
-    """activation as a SwiGLU: None is plain SwiGLU; anything else not one is a TypeError."""
+def activation_of(mode: int, limit: float) -> GatedActivation:
+    """The activation whose kernels' `mode` this is, with this limit (the custom ops carry
+    the two)."""
+    if mode == GELU_TANH.mode:
+        return GELU_TANH
+    return PLAIN if mode == 0 else SwiGLU(limit, CLAMPS[mode - 1])
+
+
+def as_activation(activation, fn: str) -> GatedActivation:
+    """activation as the experts take it: None is plain SwiGLU; anything else not a SwiGLU or
+    GeGLU is a TypeError."""
     if activation is None:
         return PLAIN
-    if not isinstance(activation, SwiGLU):
-        raise TypeError(f"{fn}: activation must be a suite.arms.moe.SwiGLU (or None), got {type(activation).__name__}")
+    if not isinstance(activation, (SwiGLU, GeGLU)):
+        raise TypeError(f"{fn}: activation must be a suite.arms.moe.SwiGLU or GeGLU (or None), got "
+                        f"{type(activation).__name__}")
     return activation

@@ -6,6 +6,11 @@ Their launchers, and what they read of the layout, are `launch`'s; their tiles `
 import triton
 import triton.language as tl
 
+from suite.arms.moe import activation
+
+GELU_TANH_SCALE = tl.constexpr(activation.GELU_TANH_SCALE)
+GELU_TANH_CUBIC = tl.constexpr(activation.GELU_TANH_CUBIC)
+
 
 @triton.jit
 def _expert_tile(OFFSETS, n_experts, tile, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -70,10 +75,10 @@ def up_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U,
     n_experts, d, f, stride_x, s_gu, c_gu, sw_e, sw_k, sw_n, su_e, su_k, su_n, n_tiles_m, n_tiles_n, LIMIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, CLAMP: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, ACT: tl.constexpr,
 ):
     """a = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for one [BLOCK_M, BLOCK_N] tile of
-    rows (clamped at LIMIT as CLAMP says, see `_swiglu`), gate and up in two accumulators over
+    rows (or its clamped or GeGLU form as ACT says, see `_glu`), gate and up in two accumulators over
     one pass of the gathered x rows; SAVE also stores the pre-activations g and u (the
     backward's inputs). A: [R_max, f]; G, U: [R_max, f] views with row stride s_gu and column
     step c_gu (two halves of one buffer, see `_store_up`)."""
@@ -100,32 +105,35 @@ def up_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * sw_k
             wu_ptrs += BLOCK_K * su_k
-        _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, LIMIT, SAVE, CLAMP)
+        _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, LIMIT, SAVE, ACT)
 
 
 @triton.jit
-def _swiglu(g, u, LIMIT, CLAMP: tl.constexpr):
-    """silu(g) * u in fp32; CLAMP (`activation.SwiGLU.mode`) 0: as it is; 1: u clamped to
-    [-LIMIT, LIMIT] and g to at most LIMIT before silu; 2: u so, and silu(g) to at most LIMIT.
-    NaN passes through a clamp, as through torch's."""
-    if CLAMP != 0:
+def _glu(g, u, LIMIT, ACT: tl.constexpr):
+    """act(g) * u in fp32; ACT (`activation`'s mode) 0: silu; 1: u clamped to [-LIMIT, LIMIT]
+    and g to at most LIMIT before silu; 2: u so, and silu(g) to at most LIMIT; 3: gelu's tanh
+    form, g * sigmoid(2 z) (`activation.GeGLU`). NaN passes through a clamp, as through torch's."""
+    if ACT == 3:
+        z = GELU_TANH_SCALE * (g + GELU_TANH_CUBIC * g * g * g)
+        return g * tl.sigmoid(2.0 * z) * u
+    if ACT != 0:
         u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-        if CLAMP == 1:
+        if ACT == 1:
             g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
     a = g * tl.sigmoid(g)
-    if CLAMP == 2:
+    if ACT == 2:
         a = tl.minimum(a, LIMIT, propagate_nan=tl.PropagateNan.ALL)
     return a * u
 
 
 @triton.jit
 def _store_up(A, G, U, rows, row_mask, cols, f, s_gu, c_gu, acc_g, acc_u, LIMIT, SAVE: tl.constexpr,
-              CLAMP: tl.constexpr):
-    """The up GEMMs' epilogue: a = `_swiglu`(g, u) in fp32, stored with g and u (SAVE) at the
+              ACT: tl.constexpr):
+    """The up GEMMs' epilogue: a = `_glu`(g, u) in fp32, stored with g and u (SAVE) at the
     tile's rows of the expert and columns below f. g and u are laid out as the weights' gate
     and up are (row stride s_gu, column step c_gu): the backward's dg and du then take their
     place and form the fused weight's gradient operand as they are."""
-    a = _swiglu(acc_g, acc_u, LIMIT, CLAMP)
+    a = _glu(acc_g, acc_u, LIMIT, ACT)
     wide_rows = rows.to(tl.int64)[:, None]
     mask = row_mask[:, None] & (cols < f)[None, :]
     tl.store(A + wide_rows * f + cols[None, :], a.to(A.dtype.element_ty), mask=mask)
@@ -208,7 +216,7 @@ def _weight_tile(W, expert, k0, col0, BLOCK_K: tl.constexpr, BLOCK_N: tl.constex
 def up_tma_kernel(
     X, W_GATE, W_UP, TOKEN_OF_ROW, OFFSETS, A, G, U, n_experts, d, f, stride_x, s_gu, c_gu, n_tiles_m, n_tiles_n,
     LIMIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr, CLAMP: tl.constexpr,
+    SAVE: tl.constexpr, UPCAST: tl.constexpr, GROUP_M: tl.constexpr, W_NK: tl.constexpr, ACT: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """`up_kernel`'s tile, sums and bits, the weights' tiles through TMA descriptors (x's
@@ -230,7 +238,7 @@ def up_tma_kernel(
             acc_u = _dot(x, _weight_tile(W_UP, expert, k0, col0, BLOCK_K, BLOCK_N, W_NK), acc_u, UPCAST)
             x_ptrs += BLOCK_K
         _store_up(A, G, U, rows, row_mask, col0 + tl.arange(0, BLOCK_N), f, s_gu, c_gu, acc_g, acc_u, LIMIT,
-                  SAVE, CLAMP)
+                  SAVE, ACT)
 
 
 @triton.jit
@@ -261,14 +269,14 @@ def rows_tma_kernel(
 
 @triton.jit
 def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu, c_gu, LIMIT,
-                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CLAMP: tl.constexpr):
+                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACT: tl.constexpr):
     """dg = d_a * u * silu'(g) and du = d_a * silu(g), element by element over the kept rows
-    (the first offsets[E] rows), one [BLOCK_R, BLOCK_C] tile a program; with CLAMP (`_swiglu`)
+    (the first offsets[E] rows), one [BLOCK_R, BLOCK_C] tile a program; with ACT (`_glu`)
     through the clamped values, and no gradient where a clamp held its value past a bound (as
-    torch's clamp: at the bound it passes). D_A: [R_max, f], row stride s_da; G, U, DG, DU:
-    [R_max, f] views with row stride s_gu and column step c_gu (the halves of one buffer laid
-    out as the weights' gate and up). D_A may be DU itself, and DG and DU may be G and U (each
-    element is read before the same program writes it)."""
+    torch's clamp: at the bound it passes), or gelu's in silu's place. D_A: [R_max, f], row
+    stride s_da; G, U, DG, DU: [R_max, f] views with row stride s_gu and column step c_gu (the
+    halves of one buffer laid out as the weights' gate and up). D_A may be DU itself, and DG and
+    DU may be G and U (each element is read before the same program writes it)."""
     n_rows = tl.load(OFFSETS + n_experts)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     if tl.program_id(0) * BLOCK_R < n_rows:
@@ -279,19 +287,27 @@ def swiglu_backward_kernel(D_A, G, U, DG, DU, OFFSETS, n_experts, f, s_da, s_gu,
         d_a = tl.load(D_A + wide_rows * s_da + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + pair, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + pair, mask=mask, other=0.0).to(tl.float32)
-        if CLAMP == 0:
+        if ACT == 0:
             sig = tl.sigmoid(g)
             dg = d_a * u * sig * (1.0 + g * (1.0 - sig))
+            du = d_a * g * sig
+        elif ACT == 3:
+            z = GELU_TANH_SCALE * (g + GELU_TANH_CUBIC * g * g * g)
+            sig = tl.sigmoid(2.0 * z)
+            # gelu' = s + 2 g s (1 - s) z'(g); where s (1 - s) is 0 its term is, whatever g^2 is
+            slope = g * sig * (1.0 - sig)
+            slope = tl.where(slope != 0.0, slope * 2.0 * GELU_TANH_SCALE * (1.0 + 3.0 * GELU_TANH_CUBIC * g * g), 0.0)
+            dg = d_a * u * (sig + slope)
             du = d_a * g * sig
         else:
             u_passes = (u >= -LIMIT) & (u <= LIMIT)
             u = tl.clamp(u, -LIMIT, LIMIT, propagate_nan=tl.PropagateNan.ALL)
-            if CLAMP == 1:  # the gate clamped, then silu of it
+            if ACT == 1:  # the gate clamped, then silu of it
                 g_passes = g <= LIMIT
                 g = tl.minimum(g, LIMIT, propagate_nan=tl.PropagateNan.ALL)
             sig = tl.sigmoid(g)
             silu = g * sig
-            if CLAMP == 2:  # silu of the gate, then clamped
+            if ACT == 2:  # silu of the gate, then clamped
                 g_passes = silu <= LIMIT
                 silu = tl.minimum(silu, LIMIT, propagate_nan=tl.PropagateNan.ALL)
             dg = tl.where(g_passes, d_a * u * sig * (1.0 + g * (1.0 - sig)), 0.0)

@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from suite.arms.moe import config, kernels
-from suite.arms.moe.activation import PLAIN, SwiGLU, as_swiglu
+from suite.arms.moe.activation import PLAIN, GatedActivation, as_activation
 from suite.arms.moe.weights import GateUpLayout
 from suite.triton_support import (
     FLOAT_DTYPES,
@@ -119,7 +119,7 @@ def _upcast(dtype: torch.dtype) -> bool:
 
 def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, device, save=True,
               tma=True, warp_specialize=False, pair_strides=None,
-              activation: SwiGLU = PLAIN) -> PlannedLaunch | DescriptorLaunch:
+              activation: GatedActivation = PLAIN) -> PlannedLaunch | DescriptorLaunch:
     """Called with (x, w_gate, w_up, token_of_row, offsets, a, g, u); the weights through
     descriptors where `config.tma_gemms` takes the layer (unless tma is False) and their strides allow,
     each stored either [E, d, f] or [E, f, d] (then passed as its transposed view), both alike.
@@ -128,7 +128,7 @@ def up_launch(n_rows, n_experts, d, f, x_stride, wg_strides, wu_strides, dtype, 
     tiles = (cdiv(n_rows, cfg.block_m) + n_experts, cdiv(f, cfg.block_n))
     grid = _row_tile_grid(tiles, cfg)
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_E=next_pow2(n_experts),
-                SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, CLAMP=activation.mode,
+                SAVE=save, UPCAST=_upcast(dtype), GROUP_M=cfg.group_m, ACT=activation.mode,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pair = pair_strides or (f, 1)
     limit = activation.kernel_limit
@@ -181,7 +181,7 @@ def rows_launch(kind, n_rows, n_k, n_n, n_experts, w_strides, w2_strides, two, d
 
 
 def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device,
-                   activation: SwiGLU = PLAIN) -> PlannedLaunch:
+                   activation: GatedActivation = PLAIN) -> PlannedLaunch:
     """dg, du from d_a (row stride da_stride) and the pre-activations (g, u, dg and du all of
     pair_strides: row stride, column step); called with (d_a, gate, up, dg, du, offsets)."""
     block = 64 if interpreted() and device.type != "cuda" else config.SWIGLU_BLOCK
@@ -189,7 +189,7 @@ def _swiglu_launch(n_rows, f, n_experts, da_stride, pair_strides, dtype, device,
     block_r = block // block_c
     return PlannedLaunch(kernels.swiglu_backward_kernel, (cdiv(n_rows, block_r), cdiv(f, block_c)),
                          (n_experts, f, da_stride, *pair_strides, activation.kernel_limit),
-                         (dtype,) * 5 + (torch.int32,), BLOCK_R=block_r, BLOCK_C=block_c, CLAMP=activation.mode,
+                         (dtype,) * 5 + (torch.int32,), BLOCK_R=block_r, BLOCK_C=block_c, ACT=activation.mode,
                          num_warps=4)
 
 
@@ -241,14 +241,15 @@ def _combine_bwd_launch(n_tokens, d, top_k, dtype, device) -> PlannedLaunch:
 
 
 def expert_up(x, w_gate, w_up, token_of_row, offsets, *, out=None, gate_out=None, up_out=None,
-              save_preactivations: bool = True, activation: SwiGLU | None = None):
+              save_preactivations: bool = True, activation: GatedActivation | None = None):
     """a[r] = silu(x[tok] @ w_gate[e]) * (x[tok] @ w_up[e]) for every sorted row r of expert e
-    (tok = token_of_row[r]; clamped as `activation` says); x [T, d], w_gate and w_up [E, d, f].
+    (tok = token_of_row[r]; clamped, or gelu for silu, as `activation` says); x [T, d], w_gate and
+    w_up [E, d, f].
     -> (a, g, u), each [R_max, f] in x's dtype, g and u the pre-activations (None without
     save_preactivations). Rows past offsets[E] are left unwritten. out / gate_out / up_out:
     caller-owned buffers, reused."""
     fn = "expert_up"
-    activation = as_swiglu(activation, fn)
+    activation = as_activation(activation, fn)
     _check_dtype(x, fn)
     require_runnable(x, fn)
     _check(x.dim() == 2 and x.stride(1) == 1, fn, lambda: f"x must be 2-D (T, d) with unit column stride, got {tuple(x.shape)}")
@@ -303,7 +304,7 @@ def grouped_rows(kind, a, w, w_strides, offsets, c, a2=None, w2=None, w2_strides
                      a.device)(a, a if a2 is None else a2, w, w if w2 is None else w2, offsets, c)
 
 
-def swiglu_backward(d_a, gate, up, offsets, dg, du, activation: SwiGLU = PLAIN):
+def swiglu_backward(d_a, gate, up, offsets, dg, du, activation: GatedActivation = PLAIN):
     """dg, du from d_a and the pre-activations, over the kept rows; d_a may be du (in place).
     gate, up, dg and du share one layout (row stride, column step), d_a has unit columns."""
     if d_a.numel():
@@ -376,15 +377,16 @@ def combine_backward(grad_out, y_rows, probs, row_id_map, *, grad_rows_out=None,
 
 
 def expert_down_backward(grad_rows, a, gate, up, w_down, offsets, *, dg_out=None, du_out=None, dw_down_out=None,
-                         activation: SwiGLU | None = None):
+                         activation: GatedActivation | None = None):
     """Backward of expert_down and of the SwiGLU: d_a = grad_rows @ w_down[e]^T (written in
     du's buffer, in a's dtype as eager autograd keeps it), then one elementwise pass gives
     dg = d_a * u * silu'(g) and du = d_a * silu(g) in fp32 (gate, up: the forward's
-    pre-activations; through the clamps `activation` names, if any); dW_down[e] = a_e^T @
+    pre-activations; through the clamps `activation` names, if any, or with gelu for silu);
+    dW_down[e] = a_e^T @
     grad_rows_e. -> (dg, du [R_max, f] in a's dtype, dw_down [E, f, d] in w_down's dtype; an
     empty expert's is zero). dg_out / du_out / dw_down_out: caller-owned, reused."""
     fn = "expert_down_backward"
-    activation = as_swiglu(activation, fn)
+    activation = as_activation(activation, fn)
     _check_dtype(a, fn)
     require_runnable(a, fn)
     _check(w_down.dim() == 3, fn, lambda: f"w_down must be (E, f, d), got {tuple(w_down.shape)}")
@@ -477,7 +479,7 @@ class LayerPlan:
     gate_up's 2f) and of gate_up's gradient, written in the parameter's own layout."""
 
     def __init__(self, n_tokens, d, f, n_experts, top_k, n_rows, x_stride, weights, layout: GateUpLayout | None,
-                 dtype, device, activation: SwiGLU = PLAIN):
+                 dtype, device, activation: GatedActivation = PLAIN):
         self.n_tokens, self.d, self.f, self.n_experts, self.top_k, self.n_rows = n_tokens, d, f, n_experts, top_k, n_rows
         self.dtype, self.device, self.layout = dtype, device, layout
         self.weight_shapes = [tuple(w.shape) for w in weights]
@@ -641,7 +643,7 @@ config.kept_choices.append(_layer_plans)
 
 
 def layer_plan(x, weights, layout: GateUpLayout | None, n_rows: int, top_k: int,
-               activation: SwiGLU = PLAIN) -> LayerPlan | None:
+               activation: GatedActivation = PLAIN) -> LayerPlan | None:
     """The kept LayerPlan of this call shape and activation, or None where the entry points must
     take the call (an empty dimension, a dtype or device they refuse: they name it). weights:
     (w_gate, w_up, w_down), or a model's (gate_up, down) in `layout`."""

@@ -4,7 +4,8 @@ w_down [E, f, d]:
     out[t] = sum over kept slots s of probs[t, s] * FFN_e(x[t]),  e = expert_ids[t, s]
     FFN_e(v) = (silu(v @ w_gate[e]) * (v @ w_up[e])) @ w_down[e]
 
-or with a clamped SwiGLU (`activation.SwiGLU`: a limit on gate and up) in its place,
+or with a clamped SwiGLU (`activation.SwiGLU`: a limit on gate and up) or GeGLU
+(`activation.GeGLU`, gelu's tanh form) in its place,
 
 with the weighted sum in fp32 and out in x's dtype. `experts_reference` is the eager autograd
 reference (gradients for x, the weights and probs, hence the logits); `experts` is the same
@@ -25,7 +26,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from suite.arms.moe import launch, route_kernels
-from suite.arms.moe.activation import PLAIN, SwiGLU, as_swiglu
+from suite.arms.moe.activation import GELU_TANH, PLAIN, GatedActivation, SwiGLU, activation_of, as_activation
 from suite.arms.moe.routing import (
     Routing,
     check_capacity_factor,
@@ -83,15 +84,16 @@ def expert_rows(routing: Routing) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [torch.nonzero((chosen == e) & kept, as_tuple=True) for e in range(routing.num_experts)]
 
 
-def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None, activation: SwiGLU | None = None
+def experts_reference(x, routing: Routing, w_gate, w_up, w_down, rows=None, activation: GatedActivation | None = None
                       ) -> torch.Tensor:
     """Eager experts, one expert at a time. The matmuls run in x's dtype, the activation and the
     weighted sum in fp32 (float64 when x is float64); autograd gives every gradient.
 
     rows: `expert_rows(routing)`, found once by the caller; then the call itself never syncs
-    (a benchmark can capture it in a CUDA graph). activation: a clamped SwiGLU, None for plain."""
+    (a benchmark can capture it in a CUDA graph). activation: a clamped SwiGLU or GeGLU, None for plain
+    SwiGLU."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
-    activation = as_swiglu(activation, "experts_reference")
+    activation = as_activation(activation, "experts_reference")
     wide = torch.promote_types(x.dtype, torch.float32)
     out = torch.zeros(x.shape[0], w_down.shape[-1], device=x.device, dtype=wide)
     for e, (tokens, slots) in enumerate(expert_rows(routing) if rows is None else rows):
@@ -164,7 +166,7 @@ _graph_kept = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", 
 class _ExpertsFunction(torch.autograd.Function):
     """The experts' one autograd node, eager and under torch.compile. Its weights are w1, w2,
     w3 = (w_gate, w_up, w_down), or with a GateUpLayout, (gate_up, down, None): a model's own
-    tensors, whose gradients it returns in their layout; its activation a SwiGLU. `experts` gives it a routing's probs
+    tensors, whose gradients it returns in their layout; its activation a SwiGLU or GeGLU. `experts` gives it a routing's probs
     and layout; `fused_layer` gives it the logits and `route`, the routing's arguments (k,
     renormalize, capacity, max_rows, z_loss), and the routing's launches run in the same node
     (one node's dispatch instead of two; the same bits as route() then experts()). Eager calls
@@ -226,14 +228,14 @@ class _ExpertsFunction(torch.autograd.Function):
         return dx, w1, w2, w3, None, None, None, None, None, None, dlogits, None
 
 
-def experts(x, routing: Routing, w_gate, w_up, w_down, activation: SwiGLU | None = None) -> torch.Tensor:
+def experts(x, routing: Routing, w_gate, w_up, w_down, activation: GatedActivation | None = None) -> torch.Tensor:
     """`experts_reference`'s maths on the Triton kernels: out [T, d] in x's dtype, and under
     autograd the gradients for x, the three weights and routing.probs (hence the logits).
     x and the weights share one dtype (bf16, fp16 or fp32); fp32 math throughout. Under
     torch.compile the same kernels run as custom ops (no graph break, the same bits).
-    activation: a clamped SwiGLU (`SwiGLU(limit, clamp)`), None for plain."""
+    activation: a clamped SwiGLU (`SwiGLU(limit, clamp)`) or `GeGLU()`, None for plain SwiGLU."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
-    activation = as_swiglu(activation, "experts")
+    activation = as_activation(activation, "experts")
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
     out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, activation, probs,
                                     routing.token_of_row, routing.offsets, routing.row_id_map, None, None)
@@ -241,7 +243,7 @@ def experts(x, routing: Routing, w_gate, w_up, w_down, activation: SwiGLU | None
 
 
 def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed: bool = False,
-                    concatenated: bool = True, activation: SwiGLU | None = None) -> torch.Tensor:
+                    concatenated: bool = True, activation: GatedActivation | None = None) -> torch.Tensor:
     """`experts` on a model's own fused weights as it stores them (transformers' flags:
     `GateUpLayout`): gate_up_proj [E, 2f, d] and down_proj [E, d, f], or [E, d, 2f] and
     [E, f, d] when transposed; gate's f then up's along 2f when concatenated, else alternating.
@@ -249,7 +251,7 @@ def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed:
     adds no copy of weight-sized memory on the way to the parameters. The same maths as
     `experts` on `GateUpLayout(...).views(gate_up_proj, down_proj)`; activation as there."""
     layout = GateUpLayout(bool(transposed), bool(concatenated))
-    activation = as_swiglu(activation, "gate_up_experts")
+    activation = as_activation(activation, "gate_up_experts")
     if not isinstance(routing, Routing):
         raise TypeError(f"gate_up_experts: routing must be a Routing from route() or routing_from_topk(), got "
                         f"{type(routing).__name__}")
@@ -262,7 +264,7 @@ def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed:
 
 
 def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor, z_loss,
-                activation: SwiGLU = PLAIN):
+                activation: GatedActivation = PLAIN):
     """-> (out, z-loss or None): route(logits) then experts(x) in one autograd node, for
     MoEExperts where the routing kernels run (its own weights fix the shapes)."""
     check_route_args("MoEExperts", logits, k, capacity_factor)
@@ -272,7 +274,7 @@ def fused_layer(logits, x, w_gate, w_up, w_down, k, renormalize, capacity_factor
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     route = (k, renormalize, num_tokens * k if capacity is None else capacity,
              row_bound(num_tokens, k, num_experts, capacity), z_loss)
-    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, as_swiglu(activation, "fused_layer"),
+    return _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, as_activation(activation, "fused_layer"),
                                   None, None, None, None, logits, route)
 
 
@@ -292,15 +294,15 @@ def _layout_of(weights, transposed: bool, concatenated: bool) -> GateUpLayout | 
 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
 def _experts_op(x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor], token_of_row: torch.Tensor,
-                offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool, clamp: int,
+                offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool, act: int,
                 limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    layout, activation = _layout_of(weights, transposed, concatenated), SwiGLU.of_mode(clamp, limit)
+    layout, activation = _layout_of(weights, transposed, concatenated), activation_of(act, limit)
     return _experts_forward(_plan(x, probs, weights, layout, token_of_row, activation), x, probs, weights, layout,
                             activation, token_of_row, offsets, row_id_map)
 
 
 @_experts_op.register_fake
-def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated, clamp, limit):
+def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated, act, limit):
     layout = _layout_of(weights, transposed, concatenated)
     rows = token_of_row.shape[0]
     _, d, f = (weights[0] if layout is None else layout.gate_up_views(weights[0])[0]).shape
@@ -312,11 +314,11 @@ def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concaten
 def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor],
                          a: torch.Tensor, gu: torch.Tensor, y_rows: torch.Tensor, token_of_row: torch.Tensor,
                          offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool,
-                         clamp: int, limit: float, want_dx: bool, want_gate_up: bool,
+                         act: int, limit: float, want_dx: bool, want_gate_up: bool,
                          want_down: bool) -> list[torch.Tensor]:
     """-> [dx, dprobs, the weights' gradients, in their shapes]; an empty tensor for each one
     not wanted (an op's list holds no None)."""
-    layout, activation = _layout_of(weights, transposed, concatenated), SwiGLU.of_mode(clamp, limit)
+    layout, activation = _layout_of(weights, transposed, concatenated), activation_of(act, limit)
     wanted = (want_dx, want_gate_up, want_down)
     dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row, activation), grad_out, x,
                                               probs, weights, layout, activation, a, gu, y_rows, token_of_row, offsets,
@@ -326,7 +328,7 @@ def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.T
 
 @_experts_backward_op.register_fake
 def _(grad_out, x, probs, weights, a, gu, y_rows, token_of_row, offsets, row_id_map, transposed, concatenated,
-      clamp, limit, want_dx, want_gate_up, want_down):
+      act, limit, want_dx, want_gate_up, want_down):
     wanted_weights = (want_gate_up,) * (len(weights) - 1) + (want_down,)
     return [x.new_empty(x.shape if want_dx else 0), probs.new_empty(probs.shape),
             *(w.new_empty(w.shape if wanted else 0) for w, wanted in zip(weights, wanted_weights))]
@@ -341,18 +343,21 @@ def _drop_unwanted(dx, grads, wanted):
 
 
 EXPERTS_IMPLS = ("fused", "eager")
+GLUS = ("swiglu", "geglu")
 
 
 class MoEExperts(nn.Module):
     """A SwiGLU mixture-of-experts layer: a router (linear d -> E, no bias), top-k routing with
     an optional capacity factor, and the experts. impl="fused": `experts` (the Triton kernels);
-    "eager": `experts_reference`. swiglu_limit, swiglu_clamp: a clamped SwiGLU (`SwiGLU`).
+    "eager": `experts_reference`. swiglu_limit, swiglu_clamp: a clamped SwiGLU (`SwiGLU`);
+    glu="geglu": GeGLU experts (`GeGLU`), never clamped.
     forward(x [..., d]) -> out of x's shape and dtype."""
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int,
                  capacity_factor: float | None = None, renormalize: bool = True, impl: str = "fused",
                  z_loss: bool = False, jitter_eps: float | None = None, generator: torch.Generator | None = None,
-                 swiglu_limit: float | None = None, swiglu_clamp: str = "gate", device=None, dtype=None):
+                 swiglu_limit: float | None = None, swiglu_clamp: str = "gate", glu: str = "swiglu", device=None,
+                 dtype=None):
         super().__init__()
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
@@ -364,7 +369,11 @@ class MoEExperts(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         self.hidden_size, self.ffn_size, self.num_experts, self.top_k = hidden_size, ffn_size, num_experts, top_k
         check_capacity_factor("MoEExperts", capacity_factor)
-        self.activation = SwiGLU(swiglu_limit, swiglu_clamp)
+        if glu not in GLUS:
+            raise ValueError(f"MoEExperts: glu must be one of {GLUS}, not {glu!r}")
+        if glu == "geglu" and swiglu_limit is not None:
+            raise ValueError("MoEExperts: swiglu_limit clamps a SwiGLU; GeGLU experts take none (pass glu='swiglu')")
+        self.activation = GELU_TANH if glu == "geglu" else SwiGLU(swiglu_limit, swiglu_clamp)
         self.capacity_factor, self.renormalize, self.impl = capacity_factor, renormalize, impl
         # exact, and a constant to torch.compile (a float attribute turns symbolic under dynamic=True)
         self._capacity = None if capacity_factor is None else Fraction(repr(float(capacity_factor)))
@@ -401,5 +410,6 @@ class MoEExperts(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
                 f"capacity_factor={self.capacity_factor}, impl={self.impl!r}"
+                + (", glu='geglu'" if self.activation is GELU_TANH else "")
                 + ("" if self.activation.limit is None else f", swiglu_limit={self.activation.limit}, "
                                                             f"swiglu_clamp={self.activation.clamp!r}"))

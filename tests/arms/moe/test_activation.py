@@ -1,6 +1,6 @@
-"""suite.arms.moe.activation: the clamped SwiGLU, its closed-form derivative, and the kernels
-that compute it (interpreted, fp32), eager and under torch.compile, against the reference and
-the float64 truth."""
+"""suite.arms.moe.activation: the clamped SwiGLU and GeGLU, their closed-form derivatives, and
+the kernels that compute them (interpreted, fp32), eager and under torch.compile, against the
+reference and the float64 truth."""
 
 from __future__ import annotations
 
@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from gates.moe_truth import experts_truth
-from suite.arms.moe import GateUpLayout, MoEExperts, SwiGLU, experts, experts_reference, gate_up_experts, route
+from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, experts, experts_reference, gate_up_experts, route
 from suite.arms.moe import launch
+from suite.arms.moe.activation import activation_of
 from moepaths import PATHS, force_path
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CLAMPED = [SwiGLU(0.6, "gate"), SwiGLU(0.3, "silu")]
+# every activation besides plain SwiGLU, and their ids
+OTHERS, OTHER_IDS = [*CLAMPED, GeGLU()], ["gate", "silu", "geglu"]
 
 
 @pytest.mark.parametrize("limit, clamp, error", [
@@ -28,18 +31,19 @@ def test_a_bad_limit_or_clamp_is_named(limit, clamp, error):
 
 def test_the_kernels_mode_and_limit_round_trip():
     assert SwiGLU().mode == 0 and SwiGLU().kernel_limit == 0.0 and SwiGLU(2) == SwiGLU(2.0, "gate")
-    for swiglu in CLAMPED:
-        assert SwiGLU.of_mode(swiglu.mode, swiglu.kernel_limit) == swiglu
-    assert SwiGLU.of_mode(0, 0.0) == SwiGLU()
+    for activation in [SwiGLU(), *OTHERS]:
+        assert activation_of(activation.mode, activation.kernel_limit) == activation
+    assert len({activation.mode for activation in [SwiGLU(), *OTHERS]}) == 4
 
 
-@pytest.mark.parametrize("swiglu", [SwiGLU(), *CLAMPED], ids=["plain", "gate", "silu"])
+@pytest.mark.parametrize("swiglu", [SwiGLU(), *OTHERS], ids=["plain", *OTHER_IDS])
 def test_the_closed_form_backward_is_autograds_bounds_included(swiglu):
-    """At and past every bound: torch's clamp passes the gradient at the bound, none past it."""
+    """At and past every bound: torch's clamp passes the gradient at the bound, none past it.
+    GeGLU's: torch's gelu(approximate="tanh") and its autograd."""
     limit = swiglu.limit or 1.0
-    points = torch.tensor([-3.0, -limit, -0.2, 0.0, 0.25, limit, 3.0], dtype=torch.float64)
+    points = torch.tensor([-9.0, -3.0, -limit, -0.2, 0.0, 0.25, limit, 3.0, 9.0], dtype=torch.float64)
     gate, up = torch.meshgrid(points, points, indexing="ij")
-    if swiglu.clamp == "silu" and swiglu.limit is not None:  # a gate whose silu is the limit itself
+    if swiglu.limit is not None and swiglu.clamp == "silu":  # a gate whose silu is the limit itself
         silu_at_limit = torch.tensor(0.5, dtype=torch.float64)
         for _ in range(60):  # Newton on silu(g) = limit
             sig = torch.sigmoid(silu_at_limit)
@@ -76,7 +80,7 @@ def _max_error(got, truth):
     return max(((g.double() - t).abs().max() / t.abs().max()).item() for g, t in zip(got, truth))
 
 
-@pytest.mark.parametrize("swiglu", CLAMPED, ids=["gate", "silu"])
+@pytest.mark.parametrize("swiglu", OTHERS, ids=OTHER_IDS)
 def test_the_kernels_clamp_as_the_reference_and_the_truth(swiglu):
     x, weights, logits, grad_out, k = _layer()
     routing = route(logits, k)
@@ -85,14 +89,16 @@ def test_the_kernels_clamp_as_the_reference_and_the_truth(swiglu):
     reference = _grads(experts_reference, x, weights, routing, grad_out, activation=swiglu)
     arm = _grads(experts, x, weights, routing, grad_out, activation=swiglu)
     assert _max_error(reference, truth) < 1e-5 and _max_error(arm, truth) < 1e-5
-    # the clamp bites at these limits: plain SwiGLU's numbers are far from them
+    # the clamp bites at these limits, and gelu is not silu: plain SwiGLU's numbers are far from them
     assert _max_error(_grads(experts, x, weights, routing, grad_out), truth) > 0.05
+    if swiglu.limit is None:
+        return
     # a clamped pre-activation passes no gradient, so some rows of d_a meet zeros: not a no-op
     g = launch.expert_up(x, weights[0], weights[1], routing.token_of_row, routing.offsets)[1]
     assert 0.1 < (g[: int(routing.offsets[-1])] > swiglu.limit).float().mean() < 0.9
 
 
-@pytest.mark.parametrize("swiglu", CLAMPED, ids=["gate", "silu"])
+@pytest.mark.parametrize("swiglu", OTHERS, ids=OTHER_IDS)
 @pytest.mark.parametrize("layout", [GateUpLayout(False, True), GateUpLayout(True, False)],
                          ids=["out_in", "in_out_interleaved"])
 def test_a_models_fused_weights_take_the_clamp(swiglu, layout):
@@ -113,8 +119,8 @@ def test_a_models_fused_weights_take_the_clamp(swiglu, layout):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def test_the_clamp_under_torch_compile_gives_the_eager_bits():
-    swiglu = CLAMPED[1]
+@pytest.mark.parametrize("swiglu", [CLAMPED[1], GeGLU()], ids=["silu", "geglu"])
+def test_the_clamp_under_torch_compile_gives_the_eager_bits(swiglu):
     x, weights, logits, grad_out, k = _layer(seed=2)
     routing = route(logits, k)
     eager = _grads(experts, x, weights, routing, grad_out, activation=swiglu)
@@ -140,16 +146,52 @@ def test_moe_experts_clamps_fused_as_eager():
         MoEExperts(24, 16, 4, 2, swiglu_limit=-1.0)
 
 
+def test_moe_experts_geglu_fused_as_eager():
+    torch.manual_seed(0)
+    layer = MoEExperts(24, 16, 4, 2, glu="geglu")
+    x = torch.randn(2, 7, 24)
+    fused = layer(x)
+    layer.impl = "eager"
+    torch.testing.assert_close(fused, layer(x), rtol=1e-5, atol=1e-6)
+    assert "glu='geglu'" in repr(layer) and "glu=" not in repr(MoEExperts(24, 16, 4, 2))
+    with pytest.raises(ValueError, match="MoEExperts: glu must be one of"):
+        MoEExperts(24, 16, 4, 2, glu="reglu")
+    with pytest.raises(ValueError, match="GeGLU experts take none"):
+        MoEExperts(24, 16, 4, 2, glu="geglu", swiglu_limit=7.0)
+
+
+def test_geglu_at_extreme_gates_is_gelus_without_nan():
+    """The kernels' gelu is x * sigmoid(2 z): within fp32's rounding of the float64 gelu in its
+    tails too (torch's fp32 0.5 x (1 + tanh z) cancels there), and where z^3 overflows fp32
+    (|g| ~ 1e13 and past) the value and slope are gelu's limits (g and 1; 0 and 0)."""
+    points = torch.tensor([-1e30, -1e13, -60.0, -5.0, -0.5, 0.0, 0.5, 5.0, 60.0, 1e13, 1e30])
+    n = points.numel()
+    x = points[:, None].expand(n, 16).contiguous()
+    eye = torch.eye(16)[None]
+    token_of_row, offsets = torch.arange(n, dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32)
+    a, g, u = launch.expert_up(x, eye, eye, token_of_row, offsets, activation=GeGLU())
+    gate = x.double().requires_grad_()
+    gelu = torch.nn.functional.gelu(gate, approximate="tanh")
+    slope = torch.autograd.grad(gelu.sum(), gate)[0]
+    assert torch.equal(g, x) and not a.isnan().any()
+    torch.testing.assert_close(a, (gelu * gate).detach().float(), rtol=1e-6, atol=0)  # g * g: inf at 1e30
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    launch.swiglu_backward(torch.ones(n, 16), g, torch.ones_like(u), offsets, dg, du, GeGLU())
+    assert not dg.isnan().any()
+    torch.testing.assert_close(dg.double(), slope, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(du.double(), gelu.detach(), rtol=1e-6, atol=0)
+
+
 def test_an_activation_that_is_not_a_swiglu_is_named():
     x, weights, logits, _, k = _layer()
-    with pytest.raises(TypeError, match="experts: activation must be a suite.arms.moe.SwiGLU"):
+    with pytest.raises(TypeError, match="experts: activation must be a suite.arms.moe.SwiGLU or GeGLU"):
         experts(x, route(logits, k), *weights, activation="silu")
 
 
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("swiglu", CLAMPED, ids=["gate", "silu"])
+@pytest.mark.parametrize("swiglu", OTHERS, ids=OTHER_IDS)
 def test_on_the_gpu_every_path_clamps_within_the_bf16_references_error(path, swiglu, monkeypatch):
     """bf16 on tensor cores, each launch path forced (the TMA forward's epilogue, the grouped_mm
     backward's SwiGLU pass), d and f no multiple of the tiles: as close to the float64 truth

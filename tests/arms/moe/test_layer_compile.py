@@ -181,14 +181,14 @@ def test_opcheck_passes_for_each_op():
     for given, flags in ((weights, (False, True)), *(
             (fused_weights(weights, transposed, concatenated), (transposed, concatenated))
             for transposed in (False, True) for concatenated in (True, False))):
-        # plain SwiGLU; the clamped ones (activation.SwiGLU.mode, limit) on the three weights alone
-        for clamp in ((0, 0.0), (1, 0.6), (2, 0.3))[:3 if given is weights else 1]:
-            torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, given, *layout, *flags, *clamp))
-            out, a, gu, y_rows = torch.ops.suite.moe_experts(x, probs, given, *layout, *flags, *clamp)
+        # plain SwiGLU; the clamped ones and GeGLU (the activation's mode, limit) on the three weights alone
+        for act in ((0, 0.0), (1, 0.6), (2, 0.3), (3, 0.0))[:4 if given is weights else 1]:
+            torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, given, *layout, *flags, *act))
+            out, a, gu, y_rows = torch.ops.suite.moe_experts(x, probs, given, *layout, *flags, *act)
             grad_out = torch.randn_like(out)
             for wanted in ((True, True, True), (True, False, False), (False, False, True)):  # all, frozen, x too
                 torch.library.opcheck(torch.ops.suite.moe_experts_backward,
-                                      (grad_out, x, probs, given, a, gu, y_rows, *layout, *flags, *clamp, *wanted))
+                                      (grad_out, x, probs, given, a, gu, y_rows, *layout, *flags, *act, *wanted))
     probs, expert_ids, *_, lse, _ = torch.ops.suite.moe_route(logits, K, True, slots, slots, True)
     grad_probs = torch.randn(9, K, device=DEVICE)
     for grad_z in (torch.tensor(0.5, device=DEVICE), None):
