@@ -13,14 +13,16 @@ it found.
 On a CPU the kernels run interpreted (minutes for every family). A multimodal family is
 probed through its text model's causal LM. A family whose tiny model cannot be built from its
 config's defaults (and FAMILY_TINY), has no causal LM or no experts at this size, is listed with
-why; one whose probe raises is listed as failed, and the others still run. Writes $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when
-a family the integrations take gives numbers off its own (relative error over TOLERANCE), or the
-gate fails on its recording.
+why; one whose probe raises is listed as failed, and the others still run. Writes
+$OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when a family the
+integrations take gives numbers off its own (relative error over TOLERANCE plus twice the
+family's own fp32 error against a float64 run), or the gate fails on its recording.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -30,7 +32,10 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-TOLERANCE = 1e-4  # fp32: the kernels' sums run in another order than the family's own
+# fp32: the kernels' sums run in another order than the family's own; beyond this, twice the
+# family's own fp32 error against a float64 run of its step is allowed (DeepSeek-V4's
+# hyper-connection gradients: 2e-4 off its own fp32 values, which are themselves 2e-4 off float64)
+TOLERANCE = 1e-4
 # One small shape for every family: each field is set where the family's config has it.
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             head_dim=8, max_position_embeddings=64, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
@@ -182,16 +187,27 @@ def recorded_and_judged(model, ids, device: torch.device) -> str:
     return "passed" if result.exit_code == 0 else f"exit {result.exit_code}: {result.output.strip()[-100:]}"
 
 
+def own_error(model, ids, stock) -> float:
+    """The family's own fp32 step against a float64 run of it (worst_error's measure); 0 where
+    the model does not run in float64."""
+    try:
+        truth = loss_and_grads(copy.deepcopy(model).double(), ids)
+    except Exception:  # noqa: BLE001 - a family that will not run in float64: no allowance beyond TOLERANCE
+        return 0.0
+    return worst_error(truth, stock)
+
+
 def probe(family: str, device: torch.device) -> dict:
     """One family: each integration switched on alone, then off again, against the stock step."""
     from suite.integrations import transformers as hf
 
-    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="")
+    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="", own_error=None)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     model, stock, why = tiny_step(family, device, ids)
     if model is None:
         row["experts"] = why
         return row
+    row["own_error"] = own_error(model, ids, stock)
     switches = (("experts", hf.use_suite_experts, lambda m: m.set_experts_implementation("eager")),
                 ("norms", lambda m: hf.apply_rms_norm(m, impl="fused"), hf.restore_rms_norm))
     for part, switch_on, switch_off in switches:
@@ -218,7 +234,12 @@ def probe_or_why(family: str, device: torch.device) -> dict:
         return probe(family, device)
     except Exception as error:  # noqa: BLE001 - reported in the family's row, which counts as failed
         return dict(family=family, experts=f"probe failed: {type(error).__name__}: {str(error)[:80]}",
-                    experts_error=None, norms="", norms_error=None, gate="exit -: the probe failed")
+                    experts_error=None, norms="", norms_error=None, gate="exit -: the probe failed", own_error=None)
+
+
+def allowed(row: dict) -> float:
+    """How far a family's numbers may lie from its own: TOLERANCE, plus twice its own error."""
+    return TOLERANCE + 2 * (row["own_error"] or 0.0)
 
 
 def main(argv=None) -> int:
@@ -236,7 +257,7 @@ def main(argv=None) -> int:
     rows = [probe_or_why(family, device) for family in args.family or known]
     errors = {row["family"]: [row[f"{part}_error"] for part in ("experts", "norms") if row[f"{part}_error"] is not None]
               for row in rows}
-    off = [family for family, found in errors.items() if any(error > TOLERANCE for error in found)]
+    off = [row["family"] for row in rows if any(error > allowed(row) for error in errors[row["family"]])]
     failed = [row["family"] for row in rows if row["gate"].startswith("exit")]
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
@@ -244,14 +265,16 @@ def main(argv=None) -> int:
             json.dump(dict(transformers=transformers.__version__, torch=torch.__version__, device=str(device),
                            tolerance=TOLERANCE, rows=rows), fh, indent=2)
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, fp32 on {device}; "
-          f"error: the largest relative error of the loss or a gradient against the family's own")
+          f"error: the largest relative error of the loss or a gradient against the family's own; "
+          f"own: the family's own against a float64 run")
     shown = lambda error: "" if error is None else f"{error:.1e}"  # noqa: E731
     print(tabulate([[r["family"], r["experts"], shown(r["experts_error"]), r["norms"], shown(r["norms_error"]),
-                     r["gate"]] for r in rows],
-                   headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error", "capture -> moe-bwd"]))
+                     shown(r["own_error"]), r["gate"]] for r in rows],
+                   headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error", "own",
+                            "capture -> moe-bwd"]))
     taken = sum(1 for found in errors.values() if found)
     print(f"{taken} of {len(rows)} families probed; " + (f"OFF their own numbers: {off}" if off else
-                                                          f"every one within {TOLERANCE:g}")
+                                                          f"every one within {TOLERANCE:g} + twice its own error")
           + (f"; the gate failed on the recording of {failed}" if failed else ""))
     return 1 if off or failed else 0
 

@@ -55,14 +55,14 @@ class Recording:
 
 def _rms_norm_params(module: nn.Module) -> dict | None:
     from suite.arms.rmsnorm import RMSNorm
-    from suite.integrations.transformers import rms_norm_rule
+    from suite.integrations.transformers import norm_eps, rms_norm_rule
 
     if isinstance(module, RMSNorm):
         return dict(eps=float(module.eps), offset=float(module.offset))
     rule = rms_norm_rule(module)
     if rule is None:
         return None
-    return dict(eps=float(getattr(module, rule.eps_attr)), offset=rule.offset)
+    return dict(eps=norm_eps(module, rule), offset=rule.offset)
 
 
 def _watch(model: nn.Module, modules: tuple[str, ...], step: int, recording: Recording) -> list[_Watched]:
@@ -154,7 +154,9 @@ def _recorder(w: _Watched):
             return
         if w.gate == "rmsnorm":  # a norm takes one tensor, by position or by its name
             x = args[0] if args else next(iter(kwargs.values()))
-            w.tensors.update(x=x.detach().clone(), weight=module.weight.detach().clone())
+            weight = getattr(module, "weight", None)  # an unweighted norm's scale: 1
+            weight = x.new_ones(x.shape[-1]) if weight is None else weight.detach().clone()
+            w.tensors.update(x=x.detach().clone(), weight=weight)
             _keep_grad(w, "dy", output)
             return
         from suite.integrations.transformers import expert_weights

@@ -232,13 +232,21 @@ def use_suite_experts(model: nn.Module) -> int:
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
 class NormRule(NamedTuple):
-    """What a norm computes, in `rms_norm`'s terms: the attribute holding its eps, its offset
-    (the scale is offset + weight), and whether its output takes the weight's dtype by promotion,
-    as Llama's `weight * x.to(input_dtype)` does."""
+    """What a norm computes, in `rms_norm`'s terms: the attribute holding its eps (of several
+    names, the one the module has: a class's own code names it, and it was renamed between
+    versions), its offset (the scale is offset + weight; 1 where the module has no weight), and
+    whether its output takes the weight's dtype by promotion, as Llama's
+    `weight * x.to(input_dtype)` does."""
 
-    eps_attr: str
+    eps_attr: str | tuple[str, ...]
     offset: float
     promotes: bool
+
+
+def norm_eps(module: nn.Module, rule: NormRule) -> float:
+    """The norm's eps, read from the attribute its rule names."""
+    names = (rule.eps_attr,) if isinstance(rule.eps_attr, str) else rule.eps_attr
+    return float(getattr(module, next((name for name in names if hasattr(module, name)), names[0])))
 
 
 # One class of each computation this knows; any RMSNorm class whose code is one of theirs is
@@ -248,6 +256,10 @@ _EXEMPLARS = {
     ("olmo2", "Olmo2RMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight * x).to(dtype)
     ("gemma", "GemmaRMSNorm"): NormRule("eps", 1.0, False),               # x * (1 + weight), fp32
     ("helium", "HeliumRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight.float() * x).to(dtype)
+    # Gemma 4's: x * (mean + eps)^-0.5, times the weight in fp32 where it has one (with_scale)
+    ("gemma4", "Gemma4RMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
+    # DeepSeek-V4's, no weight: x * rstd, its rstd rounded to x's dtype first (ours applies it in fp32)
+    ("deepseek_v4", "DeepseekV4UnweightedRMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
 }
 RMS_NORM_IMPLS = ("auto", "fused")
 
@@ -342,8 +354,9 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
-    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's
-    or Helium's, or a copy of one under another name, as most of transformers' models carry. Every
+    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
+    Helium's, Gemma 4's or DeepSeek-V4's unweighted one, or a copy of one under another name, as
+    most of transformers' models carry. Every
     RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
     and nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)
@@ -367,11 +380,14 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
 def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
     impl = module._suite_rms_norm
-    eps_attr, offset, promotes = module._suite_norm_rule
+    rule = module._suite_norm_rule
     if impl == "auto" and (torch.compiler.is_compiling() or not triton_support.runs_on(x)):
         return type(module).forward(module, x)
-    y = rmsnorm.rms_norm(x, module.weight, float(getattr(module, eps_attr)), offset, impl=impl)
-    return y.to(torch.promote_types(x.dtype, module.weight.dtype)) if promotes else y
+    weight = getattr(module, "weight", None)
+    if weight is None:  # an unweighted norm (Gemma 4's with_scale=False, DeepSeek-V4's): scale 1
+        return rmsnorm.rms_norm(x, x.new_ones(x.shape[-1]), norm_eps(module, rule), 0.0, impl=impl)
+    y = rmsnorm.rms_norm(x, weight, norm_eps(module, rule), rule.offset, impl=impl)
+    return y.to(torch.promote_types(x.dtype, weight.dtype)) if rule.promotes else y
 
 
 def restore_rms_norm(model: nn.Module) -> int:

@@ -196,10 +196,10 @@ def test_register_is_idempotent():
 
 
 @pytest.mark.parametrize("family, norms", [("llama", 5), ("olmoe", 9), ("gemma", 5), ("olmo2", 9), ("qwen3-moe", 9),
-                                           ("deepseek-v3", 9), ("helium", 5)])
+                                           ("deepseek-v3", 9), ("helium", 5), ("gemma4", 26)])
 def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits(family, norms):
     """Llama's weight * x.to(dtype), OLMo2's (weight * x).to(dtype), Gemma's x * (1 + w),
-    Helium's (weight.float() * x).to(dtype): each through the suite's kernels (impl="fused"; interpreted here), then the model's own again.
+    Helium's (weight.float() * x).to(dtype), Gemma 4's (4 of its 26 without a weight): each through the suite's kernels (impl="fused"; interpreted here), then the model's own again.
     DeepSeek-V3's norm is known by its code, a copy of Llama's under its own name."""
     model = tiny(family)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
@@ -212,6 +212,30 @@ def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits
     assert hf.restore_rms_norm(model) == norms
     again_loss, again = loss_and_grads(model, ids)
     assert torch.equal(again_loss, stock_loss) and all(torch.equal(again[n], g) for n, g in stock.items())
+
+
+def test_an_unweighted_norm_runs_at_scale_one_and_records_so(tmp_path):
+    """DeepSeek-V4's unweighted norm (x * rstd) and Gemma 4's with_scale=False: the kernels at
+    scale 1, and capture records a weight of ones for gate rmsnorm."""
+    from suite.files.buffers import load_buffers
+    from suite.record import capture
+
+    deepseek_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    norm = deepseek_v4.DeepseekV4UnweightedRMSNorm(eps=1e-6)
+    assert hf.rms_norm_rule(norm) is not None
+    x = torch.randn(5, 24, requires_grad=True)
+    want = norm(x)
+    (want_dx,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    holder = torch.nn.Sequential(norm)
+    assert hf.apply_rms_norm(holder, impl="fused") == 1
+    got = norm(x)
+    (got_dx,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_dx, want_dx, rtol=1e-4, atol=1e-6)
+    with capture(holder, tmp_path / "rec", modules=("rms_norm",)) as recording:
+        holder(x).sum().backward()
+    buffers, manifest = load_buffers(recording.saved[0], expect_gate="rmsnorm")
+    assert torch.equal(buffers["weight"], torch.ones(24)) and manifest.params["offset"] == 0.0
 
 
 def test_a_patched_model_deepcopies_pickles_and_restores_like_a_stock_one(tmp_path):
