@@ -11,7 +11,7 @@ it found.
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
 
 On a CPU the kernels run interpreted (minutes for every family). A multimodal family is
-probed through its text model's causal LM. A family whose tiny model cannot be built from its
+probed through its text model's causal LM, or its text model with a head (`TextLM`). A family whose tiny model cannot be built from its
 config's defaults (and FAMILY_TINY), has no causal LM or no experts at this size, is listed with
 why; one whose probe raises is listed as failed, and the others still run. Writes
 $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when a family the
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -46,14 +48,18 @@ TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_he
 # Where a family's defaults do not shrink with TINY: fields derived from it in a config's
 # __init__ (set after it), or a per-layer list its defaults leave None.
 FAMILY_TINY = {
+    "diffusion_gemma": dict(enable_moe_block=True, top_k_experts=2, layer_types=["sliding_attention", "full_attention"]),
     "gemma4": dict(enable_moe_block=True, top_k_experts=2, layer_types=["sliding_attention", "full_attention"],
                    vocab_size_per_layer_input=64),  # Gemma 4's MoE (26B-A4B), its layer kinds cut to two
+    "glm4v_moe": dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                                           mrope_section=[1, 1, 0])),  # its rotary half of head_dim 8, in sections
     "granitemoehybrid": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
     "longcat_flash": dict(num_layers=2, qk_head_dim=16, ffn_hidden_size=48, expert_ffn_hidden_size=16,
                           zero_expert_num=2, moe_topk=2),
     "mimo_v2_flash": dict(num_key_value_heads=2),  # its sliding layers double the kv heads
     "mistral4": dict(head_dim=16, qk_head_dim=16),  # its rope takes half of head_dim: qk_rope_head_dim
+    "step3p7": dict(sliding_window=16),
 }
 
 
@@ -109,7 +115,8 @@ def build(family: str, last_layers: bool):
 
 def causal_lm_class(family: str, config):
     """The family's causal LM class: the one AutoModelForCausalLM maps its config to, else the
-    one its modeling module defines (transformers' auto map lacks some, Mistral 4's), else None."""
+    one its modeling module defines (transformers' auto map lacks some, Mistral 4's), else a
+    multimodal family's text model with a head (`TextLM`), else None."""
     import importlib
 
     import transformers
@@ -118,8 +125,30 @@ def causal_lm_class(family: str, config):
     if type(config) in mapping:
         return mapping[type(config)]
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    return next((cls for name, cls in vars(module).items() if name.endswith("ForCausalLM")
-                 and getattr(cls, "config_class", None) is type(config)), None)
+    of_config = [(name, cls) for name, cls in vars(module).items()
+                 if isinstance(cls, type) and getattr(cls, "config_class", None) is type(config)]
+    causal_lm = next((cls for name, cls in of_config if name.endswith("ForCausalLM")), None)
+    text_model = next((cls for name, cls in of_config if name.endswith("TextModel")), None)
+    return causal_lm or (functools.partial(TextLM, text_model) if text_model is not None else None)
+
+
+class TextLM(torch.nn.Module):
+    """A multimodal family's text model with a linear head, where the family has no text causal
+    LM (Qwen3-VL-MoE, GLM-4.5V, ...): next-token cross-entropy, as a causal LM's loss."""
+
+    def __init__(self, text_model, config):
+        super().__init__()
+        self.config = config
+        self.model = text_model(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def set_experts_implementation(self, name: str) -> None:
+        self.model.set_experts_implementation(name)
+
+    def forward(self, input_ids, labels, use_cache=False):
+        logits = self.lm_head(self.model(input_ids=input_ids, use_cache=use_cache).last_hidden_state).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return types.SimpleNamespace(loss=loss, logits=logits)
 
 
 def tiny_step(family: str, device: torch.device, ids):

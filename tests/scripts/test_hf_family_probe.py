@@ -83,6 +83,8 @@ def test_a_family_whose_probe_raises_is_a_failed_row_and_the_others_still_run(ca
     "gemma4",  # its MoE switched on, its layer kinds cut to two
     "lfm2_moe",  # its layer kinds given
     "mistral4",  # no auto class: its own ForCausalLM
+    "qwen3_vl_moe",  # no text causal LM: its text model with a head (TextLM)
+    "step3p7",  # its sliding window given
 ])
 def test_the_families_that_need_more_than_the_tiny_shape_are_built_and_step(family):
     """Each builds at the tiny shape with experts and runs its own step; that the integrations
