@@ -260,6 +260,7 @@ _EXEMPLARS = {
     ("gemma4", "Gemma4RMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
     # DeepSeek-V4's, no weight: x * rstd, its rstd rounded to x's dtype first (ours applies it in fp32)
     ("deepseek_v4", "DeepseekV4UnweightedRMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
+    ("inkling2", "Inkling2UnweightedRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # x * rstd in fp32, no weight
 }
 RMS_NORM_IMPLS = ("auto", "fused")
 
@@ -355,8 +356,8 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
     kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
-    Helium's, Gemma 4's or DeepSeek-V4's unweighted one, or a copy of one under another name, as
-    most of transformers' models carry. Every
+    Helium's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
+    another name, as most of transformers' models carry. Every
     RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
     and nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)

@@ -214,14 +214,17 @@ def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits
     assert torch.equal(again_loss, stock_loss) and all(torch.equal(again[n], g) for n, g in stock.items())
 
 
-def test_an_unweighted_norm_runs_at_scale_one_and_records_so(tmp_path):
-    """DeepSeek-V4's unweighted norm (x * rstd) and Gemma 4's with_scale=False: the kernels at
-    scale 1, and capture records a weight of ones for gate rmsnorm."""
+@pytest.mark.parametrize("family, name", [("deepseek_v4", "DeepseekV4UnweightedRMSNorm"),
+                                          ("inkling2", "Inkling2UnweightedRMSNorm")])
+def test_an_unweighted_norm_runs_at_scale_one_and_records_so(tmp_path, family, name):
+    """DeepSeek-V4's and Inkling2's unweighted norms (x * rstd; Gemma 4's with_scale=False is the
+    apply_rms_norm test above): the kernels at scale 1, and capture records a weight of ones
+    for gate rmsnorm."""
     from suite.files.buffers import load_buffers
     from suite.record import capture
 
-    deepseek_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-    norm = deepseek_v4.DeepseekV4UnweightedRMSNorm(eps=1e-6)
+    modeling = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    norm = getattr(modeling, name)(eps=1e-6)
     assert hf.rms_norm_rule(norm) is not None
     x = torch.randn(5, 24, requires_grad=True)
     want = norm(x)
