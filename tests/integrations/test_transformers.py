@@ -75,8 +75,9 @@ def test_experts_whose_act_fn_is_torchs_silu_function_are_taken():
     torch.testing.assert_close(loss_and_grads(model, ids)[0], stock_loss, rtol=1e-5, atol=0)
 
 
-def test_no_graph_break_under_torch_compile():
-    model = tiny("olmoe")
+@pytest.mark.parametrize("family", ["olmoe", "gemma4"])  # gemma4: GeGLU, its act_fn read in the traced call
+def test_no_graph_break_under_torch_compile(family):
+    model = tiny(family)
     hf.use_suite_experts(model)
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
     torch._dynamo.reset()
