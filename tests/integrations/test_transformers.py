@@ -432,7 +432,7 @@ def experts_outputs(module, implementation, dtype, x, top_k_index, top_k_weights
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen3-moe", "gemma4"])
 def test_on_the_gpu_bf16_within_stocks_error_and_compiled(family):
     """bf16 on a GPU, judged as the gates judge: one experts module on fixed inputs against its
     float64 self, each output's error at most twice transformers' grouped_mm's plus a floor.
@@ -441,13 +441,13 @@ def test_on_the_gpu_bf16_within_stocks_error_and_compiled(family):
     model under torch.compile(fullgraph=True), its loss beside eager's."""
     hf.register()
     model = tiny(family).cuda()
-    module = model.model.layers[0].mlp.experts
+    module = next(m for m in model.modules() if hf.is_experts_module(m))
+    top_k = getattr(model.config, "num_experts_per_tok", None) or model.config.top_k_experts  # Gemma 4's name
     gen = torch.Generator(device="cuda").manual_seed(3)
     num_tokens, d = 133, model.config.hidden_size
     x = torch.randn(num_tokens, d, generator=gen, device="cuda")
     top_k_weights, top_k_index = torch.topk(
-        torch.softmax(torch.randn(num_tokens, module.num_experts, generator=gen, device="cuda"), -1),
-        model.config.num_experts_per_tok)
+        torch.softmax(torch.randn(num_tokens, module.num_experts, generator=gen, device="cuda"), -1), top_k)
     grad_out = torch.randn(num_tokens, d, generator=gen, device="cuda") * 1e-2
     inputs = (x, top_k_index, top_k_weights, grad_out)
     truth = experts_outputs(module, "eager", torch.float64, *inputs)
