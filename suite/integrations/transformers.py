@@ -262,11 +262,15 @@ _EXEMPLARS = {
     ("deepseek_v4", "DeepseekV4UnweightedRMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
     ("inkling2", "Inkling2UnweightedRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # x * rstd in fp32, no weight
 }
+# Classes named like a norm that are none: one whose code is theirs is left to the model (HY-V4's
+# "unweighted norm" returns rstd alone, for the model to multiply by later).
+_NOT_NORMS = (("hy_v4", "HYV4UnweightedRMSNorm"),)
 RMS_NORM_IMPLS = ("auto", "fused")
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm")
+    """Named like an RMSNorm, and not a class known by its code to be none."""
+    return type(module).__name__.endswith("RMSNorm") and _code_of(type(module)) not in _exemplar_codes(not_norms=True)
 
 
 def _method(cls: type, name: str):
@@ -324,13 +328,14 @@ def _code_of(cls: type, root: str = "forward") -> tuple | None:
 
 
 @functools.cache
-def _exemplar_codes(root: str = "forward") -> dict[tuple, NormRule | GateRule]:
+def _exemplar_codes(root: str = "forward", not_norms: bool = False) -> dict[tuple, NormRule | GateRule | None]:
     """The code of each exemplar this transformers has -> its rule: the norms' forward, or
-    the experts' _apply_gate."""
+    the experts' _apply_gate; not_norms: the forward of each class known to be no norm -> None."""
     import importlib
 
     codes = {}
-    for (package, name), rule in (_EXEMPLARS if root == "forward" else _GATE_EXEMPLARS).items():
+    table = dict.fromkeys(_NOT_NORMS) if not_norms else _EXEMPLARS if root == "forward" else _GATE_EXEMPLARS
+    for (package, name), rule in table.items():
         try:
             cls = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
         except (ImportError, AttributeError):
@@ -357,7 +362,8 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
     kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
     Helium's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
-    another name, as most of transformers' models carry. Every
+    another name, as most of transformers' models carry; a class its code shows is no norm
+    (`_NOT_NORMS`) is left as it is. Every
     RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
     and nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)

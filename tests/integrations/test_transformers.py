@@ -242,6 +242,21 @@ def test_an_unweighted_norm_runs_at_scale_one_and_records_so(tmp_path, family, n
     assert torch.equal(buffers["weight"], torch.ones(24)) and manifest.params["offset"] == 0.0
 
 
+def test_a_class_named_like_a_norm_known_to_be_none_is_left_to_the_model():
+    """HY-V4's "unweighted norm" returns rstd alone: apply_rms_norm passes it over (and its
+    copies) and patches the norms beside it; the model is not refused for it."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hy_v4 = pytest.importorskip("transformers.models.hy_v4.modeling_hy_v4")
+    rstd_only = hy_v4.HYV4UnweightedRMSNorm(eps=1e-6)
+    holder = torch.nn.ModuleList([LlamaRMSNorm(24), rstd_only])
+    x = torch.randn(3, 24)
+    want = rstd_only(x)
+    assert hf.rms_norm_rule(rstd_only) is None and hf.apply_rms_norm(holder, impl="fused") == 1
+    assert hasattr(holder[0], "_suite_rms_norm") and not hasattr(rstd_only, "_suite_rms_norm")
+    assert torch.equal(rstd_only(x), want) and want.shape == (3, 1)
+
+
 def test_a_patched_model_deepcopies_pickles_and_restores_like_a_stock_one(tmp_path):
     """An EMA or reference model is a deepcopy: its norms must use its own weights and send
     their gradients to its own parameters; torch.save and pickle must take the patched model;
