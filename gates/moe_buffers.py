@@ -113,11 +113,10 @@ def _glu_params(buffers: Buffers) -> dict[str, Any]:
     it holds a clamped SwiGLU; else none."""
     clamped = _held_both(buffers, SWIGLU_BUFFERS, "a clamped SwiGLU")
     if GEGLU_BUFFER in buffers:
-        geglu = expect_buffer("moe-bwd", buffers, GEGLU_BUFFER, shape=(), dtypes=(torch.bool,))
-        if geglu.item() and clamped:
-            raise BadBuffers("moe-bwd buffers hold 'geglu' and a SwiGLU's limit: a clamped GeGLU is none the "
-                             "experts compute; record them again with suite.record.capture")
-        if geglu.item():
+        if expect_buffer("moe-bwd", buffers, GEGLU_BUFFER, shape=(), dtypes=(torch.bool,)).item():
+            if clamped:
+                raise BadBuffers("moe-bwd buffers hold 'geglu' and a SwiGLU's limit: a clamped GeGLU is none the "
+                                 "experts compute; record them again with suite.record.capture")
             return dict(glu="geglu")
     if not clamped:
         return {}

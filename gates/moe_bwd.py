@@ -104,12 +104,12 @@ def _params(tokens, hidden, ffn, experts, top_k, dtype, capacity_factor=None, sk
         raise ValueError(f"moe-bwd: skew must be one of {SKEWS} and weights one of {WEIGHTS}, not {skew!r}, "
                          f"{weights!r}")
     if glu is None or glu == SwiGLU():
-        clamped = {}
+        activation = {}
     else:
-        clamped = dict(glu="geglu") if glu == GeGLU() else dict(swiglu_limit=glu.limit, swiglu_clamp=glu.clamp)
+        activation = dict(glu="geglu") if glu == GeGLU() else dict(swiglu_limit=glu.limit, swiglu_clamp=glu.clamp)
     return dict(tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype=dtype,
                 capacity_factor=capacity_factor, skew=skew, **({"weights": weights} if weights != "apart" else {}),
-                **clamped)
+                **activation)
 
 
 def memory_bytes(p: dict[str, Any]) -> int:

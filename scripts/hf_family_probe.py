@@ -11,9 +11,10 @@ it found.
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
 
 On a CPU the kernels run interpreted (minutes for every family). A multimodal family is
-probed through its text model's causal LM, or its text model with a head (`TextLM`). A family whose tiny model cannot be built from its
-config's defaults (and FAMILY_TINY), has no causal LM or no experts at this size, is listed with
-why; one whose probe raises is listed as failed, and the others still run. Writes
+probed through its text model's causal LM, or its text model with a head (`TextLM`). A family
+whose tiny model cannot be built from its config's defaults (and FAMILY_TINY), has no causal LM
+or no experts at this size, is listed with why; one whose probe raises is listed as failed, and
+the others still run. Writes
 $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when a family the
 integrations take gives numbers off its own (relative error over TOLERANCE plus twice the
 family's own fp32 error against a float64 run), or the gate fails on its recording.
@@ -45,8 +46,8 @@ TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_he
             first_k_dense_replace=0, n_shared_experts=1, shared_expert_intermediate_size=16, decoder_sparse_step=1,
             mlp_only_layers=[], kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8, pad_token_id=0)
-# Where a family's defaults do not shrink with TINY: fields derived from it in a config's
-# __init__ (set after it), or a per-layer list its defaults leave None.
+# Where a family's defaults do not build at TINY's shape: fields its config's __init__ derives
+# (set after it), a per-layer list or a switch its defaults leave unset or off.
 FAMILY_TINY = {
     "diffusion_gemma": dict(enable_moe_block=True, top_k_experts=2, layer_types=["sliding_attention", "full_attention"]),
     "gemma4": dict(enable_moe_block=True, top_k_experts=2, layer_types=["sliding_attention", "full_attention"],
@@ -226,11 +227,16 @@ def own_error(model, ids, stock) -> float | None:
     return worst_error(truth, stock)
 
 
+def _row(family: str) -> dict:
+    """A family's row before anything is known of it."""
+    return dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="", own_error=None)
+
+
 def probe(family: str, device: torch.device) -> dict:
     """One family: each integration switched on alone, then off again, against the stock step."""
     from suite.integrations import transformers as hf
 
-    row = dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="", own_error=None)
+    row = _row(family)
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
     model, stock, why = tiny_step(family, device, ids)
     if model is None:
@@ -262,8 +268,8 @@ def probe_or_why(family: str, device: torch.device) -> dict:
     try:
         return probe(family, device)
     except Exception as error:  # noqa: BLE001 - reported in the family's row, which counts as failed
-        return dict(family=family, experts=f"probe failed: {type(error).__name__}: {str(error)[:80]}",
-                    experts_error=None, norms="", norms_error=None, gate="exit -: the probe failed", own_error=None)
+        return {**_row(family), "experts": f"probe failed: {type(error).__name__}: {str(error)[:80]}",
+                "gate": "exit -: the probe failed"}
 
 
 def allowed(row: dict) -> float:
