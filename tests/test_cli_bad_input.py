@@ -37,6 +37,7 @@ import suite.files.buffers as buffers_module
 import suite.harness.store as store
 from cli import app
 from suite.arms import moe
+from suite.arms.muon import newton_schulz
 from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
@@ -138,6 +139,10 @@ def experts_call(**change):
 
 def library(fn, *args, **kwargs):
     return lambda tmp: fn(*args, **kwargs)
+
+
+def moe_layer_call(x: torch.Tensor):
+    return lambda tmp: moe.MoEExperts(8, 16, 4, 2)(x)
 
 
 def tiny_hf(family: str):
@@ -753,6 +758,25 @@ CASES = [
          "expected the keys ['optimizer', 'skip_step'] that SkipStepOptimizer.state_dict() writes, got []"),
     Case("44.7", "StabilityMonitor of a plain optimizer", stability_monitor_of_adamw, USAGE,
          "StabilityMonitor reads a SkipStepOptimizer's window, got AdamW"),
+    Case("44.7", "MoEExperts of x one column too wide (a raw reshape error)", moe_layer_call(torch.randn(4, 9)), USAGE,
+         "MoEExperts: x must be [..., 8] (the layer's hidden_size), got shape (4, 9)"),
+    Case("44.7", "MoEExperts of bf16 x when the layer is fp32 (a raw matmul error)",
+         moe_layer_call(torch.randn(4, 8, dtype=torch.bfloat16)), USAGE,
+         "MoEExperts: x is torch.bfloat16 but the layer's weights are torch.float32: pass x.to(torch.float32) or "
+         "layer.to(torch.bfloat16)"),
+    Case("44.7", "MoEExperts of integer token ids", moe_layer_call(torch.ones(4, 8, dtype=torch.long)), USAGE,
+         "pass x.to(torch.float32)"),
+    Case("44.7", "MoEExperts with top_k past the experts (it was taken)", library(moe.MoEExperts, 8, 16, 4, 5), USAGE,
+         "MoEExperts: top_k must be at most num_experts (4), got 5"),
+    Case("44.7", "MoEExperts with hidden_size 0 (a ZeroDivisionError)", library(moe.MoEExperts, 0, 16, 4, 2), USAGE,
+         "MoEExperts: hidden_size must be an int >= 1, got int 0"),
+    Case("44.7", "rms_norm with weight None (an AttributeError)", library(rms_norm, torch.ones(2, 4), None), USAGE,
+         "rms_norm: weight must be a tensor, got NoneType"),
+    Case("44.7", "newton_schulz of an integer matrix (it returned zeros)",
+         library(newton_schulz, torch.ones(4, 4, dtype=torch.long)), USAGE,
+         "newton_schulz: G must be floating point, not torch.int64"),
+    Case("44.7", "newton_schulz with steps=-1 (it ran none)", library(newton_schulz, torch.ones(4, 4), steps=-1), USAGE,
+         "newton_schulz: steps must be an int >= 1, got -1"),
     Case("44.7", "rmsnorm buffers whose dy lost a column", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16, shape [3, 16, 96]; got bfloat16, shape [3, 16, 95]",
          recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"][..., :-1].contiguous()))),

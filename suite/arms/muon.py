@@ -78,6 +78,10 @@ def newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     (one bmm chain); computed in bf16, returned in G's dtype."""
     if G.dim() not in (2, 3):
         raise ValueError(f"newton_schulz: G must be a matrix or a 3-D batch of them, got shape {tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise TypeError(f"newton_schulz: G must be floating point, not {G.dtype}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"newton_schulz: steps must be an int >= 1, got {steps!r}")
     a, b, c = NS_COEFFICIENTS
     X = G.bfloat16()
     # The Frobenius norm bounds the spectral norm, so every singular value starts in [0, 1].

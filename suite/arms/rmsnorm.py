@@ -458,6 +458,9 @@ _rms_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor) -> None:
+    for name, value in (("x", x), ("weight", weight)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"rms_norm: {name} must be a tensor, got {type(value).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"rms_norm: x must be bfloat16, float16 or float32, not {x.dtype}")
     if weight.dtype not in FLOAT_DTYPES:
@@ -519,9 +522,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     if impl == "auto":
         # Inside a CUDA-graph capture (and torch.compile) the host's cost is paid once: ours, the
         # faster kernels, everywhere.
-        needs_grad = _grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if (routes_to_native(x.numel(), x.is_cuda, x.dtype is weight.dtype, needs_grad)
-                and x.dtype in FLOAT_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing()):
+        try:
+            needs_grad = _grad_enabled() and (x.requires_grad or weight.requires_grad)
+            native = (routes_to_native(x.numel(), x.is_cuda, x.dtype is weight.dtype, needs_grad)
+                      and x.dtype in FLOAT_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing())
+        except AttributeError:
+            native = False  # not tensors: _validate below names which
+        if native:
             try:
                 return _native_rms_norm(x, weight.shape, weight if offset == 0.0 else weight + offset, eps)[0]
             except RuntimeError:
@@ -550,6 +557,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         if impl not in (*IMPLS, "eager"):
             raise ValueError(f'RMSNorm: impl must be "auto", "fused" or "eager", not {impl!r}')
+        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
+            raise ValueError(f"RMSNorm: hidden_size must be an int >= 1, got {type(hidden_size).__name__} {hidden_size!r}")
         self.hidden_size = hidden_size
         self.eps = eps
         self.offset = offset

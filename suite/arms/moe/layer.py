@@ -359,6 +359,12 @@ class MoEExperts(nn.Module):
                  swiglu_limit: float | None = None, swiglu_clamp: str = "gate", glu: str = "swiglu", device=None,
                  dtype=None):
         super().__init__()
+        sizes = dict(hidden_size=hidden_size, ffn_size=ffn_size, num_experts=num_experts, top_k=top_k)
+        for name, size in sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"MoEExperts: {name} must be an int >= 1, got {type(size).__name__} {size!r}")
+        if top_k > num_experts:
+            raise ValueError(f"MoEExperts: top_k must be at most num_experts ({num_experts}), got {top_k}")
         if impl not in EXPERTS_IMPLS:
             raise ValueError(f'MoEExperts: impl must be "fused" or "eager", not {impl!r}')
         if jitter_eps is not None:
@@ -391,6 +397,7 @@ class MoEExperts(nn.Module):
         self.router.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
         tokens = x.reshape(-1, self.hidden_size)
         router_input = tokens
         if self.training and self.jitter_eps is not None:
@@ -406,6 +413,18 @@ class MoEExperts(nn.Module):
         self.last_z_loss = routing.z_loss
         run = experts if self.impl == "fused" else experts_reference
         return run(tokens, routing, self.w_gate, self.w_up, self.w_down, activation=self.activation).view(x.shape)
+
+    def _check_input(self, x) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoEExperts: x must be a tensor [..., {self.hidden_size}], got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"MoEExperts: x must be [..., {self.hidden_size}] (the layer's hidden_size), "
+                             f"got shape {tuple(x.shape)}")
+        weights = self.w_gate.dtype
+        # under autocast the eager reference's matmuls take mixed dtypes (the kernels say so themselves)
+        if x.dtype != weights and not torch.is_autocast_enabled(x.device.type):
+            fix = f"x.to({weights}) or layer.to({x.dtype})" if x.is_floating_point() else f"x.to({weights})"
+            raise TypeError(f"MoEExperts: x is {x.dtype} but the layer's weights are {weights}: pass {fix}")
 
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, {self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
