@@ -4,14 +4,19 @@ against the same Muon on its blocks as separate parameters, bit for bit, over K 
 Cases (each with its split saved in the buffers, so recorded buffers describe themselves):
 - input-major: a [2, 6] weight split along dim 1 into [2, 3] + [2, 3];
 - qkv: a grouped-query QKV weight [q + 2kv, d] split along dim 0 into q, kv, kv (GQA 4:1);
-- gate-up: a SwiGLU gate/up weight [2f, d] split into its two halves (f = 4d).
+- gate-up: a SwiGLU gate/up weight [2f, d] split into its two halves (f = 4d);
+- experts: a MoE layer's gate_up_proj as transformers 5 stores it, a 3-D stack [E, 2f, d] (E 4,
+  f = d / 2), each expert's matrix split into its gate and up halves: its reference is the E * 2
+  blocks as separate 2-D parameters, expert by expert.
 Each runs with both scale rules, Nesterov on and off, and a warm-up + cosine lr (LambdaLR). On a
-GPU the qkv case also runs under CapturedOptimizer (the arm captured, the reference eager).
+GPU the qkv and experts cases also run under CapturedOptimizer (the arm captured, the reference
+eager).
 
 Why bitwise holds: Muon batches the matrices of equal shape (and dtype, ns_steps, scale rule) in
 a fixed order (groups, params, blocks), so the fused parameter's blocks and the separate
 parameters (one group, in block order) run the same batched Newton-Schulz calls on the same
-contiguous inputs; momentum, weight decay and the lr step are elementwise. No tolerance is
+contiguous inputs (a batch past Muon.max_batch_elements splits at the same members for both);
+momentum, weight decay and the lr step are elementwise. No tolerance is
 loosened: where cuBLAS picks another algorithm for a batch than for one matrix, both sides batch
 alike.
 
@@ -44,10 +49,11 @@ from suite.harness.gate import (
 )
 from suite.harness.parity import bits_checksum
 
-CASES = ("input-major", "qkv", "gate-up")
+CASES = ("input-major", "qkv", "gate-up", "experts")
+EXPERTS = 4
 CONFIGS = tuple((rule, nesterov) for rule in ("spectral", "rms") for nesterov in (True, False))
-# The case that also runs captured on a GPU.
-CAPTURED_CASE = "qkv"
+# The cases that also run captured on a GPU.
+CAPTURED_CASES = ("qkv", "experts")
 NS_STEPS = 5
 
 # (params, split sizes, split dim, scale rule, nesterov, capturable) -> the optimizer stepped
@@ -60,14 +66,28 @@ def _dims(preset: Preset) -> tuple[int, int, int, int]:
     return d, d, d // 4, 4 * d
 
 
-def _case_splits(preset: Preset) -> dict[str, tuple[tuple[int, int], tuple[int, ...], int]]:
-    """Each case's fused shape, split sizes and split dim."""
+def _case_splits(preset: Preset) -> dict[str, tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Each case's fused shape, split sizes and split dim (of each matrix, for a 3-D stack)."""
     d, q, kv, f = _dims(preset)
     return {
         "input-major": ((2, 6), (3, 3), 1),
         "qkv": ((q + 2 * kv, d), (q, kv, kv), 0),
         "gate-up": ((2 * f, d), (f, f), 0),
+        "experts": ((EXPERTS, d, d), (d // 2, d // 2), 0),
     }
+
+
+def _blocks(t: torch.Tensor, sizes: tuple[int, ...], dim: int) -> list[torch.Tensor]:
+    """The blocks the reference steps as separate parameters: a 3-D stack's matrices in order,
+    each split."""
+    return [block for matrix in (t.unbind(0) if t.dim() == 3 else (t,)) for block in matrix.split(sizes, dim)]
+
+
+def _joined(blocks: list[torch.Tensor], like: torch.Tensor, sizes: tuple[int, ...], dim: int) -> torch.Tensor:
+    """_blocks' inverse: the blocks in like's shape."""
+    n = len(sizes)
+    matrices = [torch.cat(blocks[i:i + n], dim) for i in range(0, len(blocks), n)]
+    return torch.stack(matrices) if like.dim() == 3 else matrices[0]
 
 
 def _model_shapes(preset: Preset) -> dict[str, list[tuple[int, int]]]:
@@ -125,12 +145,12 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
             if name not in buffers:
                 raise BadBuffers(f"split-muon buffers lack {name!r} ({steps} steps of gradients found); {fix}")
         param, sizes, dim = buffers[f"param/{case}"], buffers[f"sizes/{case}"], buffers[f"dim/{case}"]
-        if param.dim() != 2 or not param.is_floating_point():
-            raise BadBuffers(f"split-muon buffer 'param/{case}' must be a floating-point matrix, got "
-                             f"{param.dtype} of shape {list(param.shape)}; {fix}")
+        if param.dim() not in (2, 3) or not param.is_floating_point():
+            raise BadBuffers(f"split-muon buffer 'param/{case}' must be a floating-point matrix or 3-D stack of them, "
+                             f"got {param.dtype} of shape {list(param.shape)}; {fix}")
         if dim.numel() != 1 or dim.is_floating_point() or int(dim.item()) not in (0, 1):
             raise BadBuffers(f"split-muon buffer 'dim/{case}' must be [0] or [1], got {dim.tolist()}; {fix}")
-        along = param.shape[int(dim.item())]
+        along = param.shape[-2:][int(dim.item())]
         if (sizes.dim() != 1 or sizes.is_floating_point() or sizes.numel() == 0 or bool((sizes <= 0).any())
                 or int(sizes.sum()) != along):
             raise BadBuffers(f"split-muon buffer 'sizes/{case}' must be positive block sizes summing to param/{case}'s "
@@ -161,8 +181,9 @@ def _separate(params, sizes, dim, rule, nesterov, capturable) -> Muon:
 
 
 def _fused_split(params, sizes, dim, rule, nesterov, capturable) -> Muon:
-    """The arm: one fused parameter with split_sizes."""
-    return _muon([{"params": params, "split_sizes": sizes, "split_dim": dim}], rule, nesterov, capturable)
+    """The arm: one fused parameter with split_sizes (use_muon given: a 3-D one would go to AdamW)."""
+    return _muon([{"params": params, "use_muon": True, "split_sizes": sizes, "split_dim": dim}], rule, nesterov,
+                 capturable)
 
 
 class _WholeMatrixScale(Muon):
@@ -177,20 +198,36 @@ class _WholeMatrixScale(Muon):
 
 
 def _whole_matrix_scale(params, sizes, dim, rule, nesterov, capturable) -> Muon:
-    groups = [{"params": params, "split_sizes": sizes, "split_dim": dim}]
-    return _muon(groups, rule, nesterov, capturable, cls=_WholeMatrixScale, fused_shape=tuple(params[0].shape))
+    groups = [{"params": params, "use_muon": True, "split_sizes": sizes, "split_dim": dim}]
+    return _muon(groups, rule, nesterov, capturable, cls=_WholeMatrixScale, fused_shape=tuple(params[0].shape[-2:]))
 
 
 def _unsplit(params, sizes, dim, rule, nesterov, capturable) -> Muon:
-    return _muon([{"params": params}], rule, nesterov, capturable)
+    return _muon([{"params": params, "use_muon": True}], rule, nesterov, capturable)
 
 
 def _wrong_dim(params, sizes, dim, rule, nesterov, capturable) -> Muon:
     """As many blocks, as even as they come, along the other dimension."""
     other = 1 - dim
-    n, count = params[0].size(other), len(sizes)
+    n, count = params[0].shape[-2:][other], len(sizes)
     even = tuple(n // count + (i < n % count) for i in range(count))
-    return _muon([{"params": params, "split_sizes": even, "split_dim": other}], rule, nesterov, capturable)
+    return _muon([{"params": params, "use_muon": True, "split_sizes": even, "split_dim": other}], rule, nesterov,
+                 capturable)
+
+
+class _StackAsOneMatrix(Muon):
+    """Saboteur: a 3-D stack orthogonalised as one tall matrix [E * rows, cols], split as one."""
+
+    def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
+        return super().split_blocks(update.flatten(0, 1) if update.dim() == 3 else update, group)
+
+    def join_blocks(self, directions: list[torch.Tensor], update: torch.Tensor, group: dict) -> torch.Tensor:
+        flat = update.flatten(0, 1) if update.dim() == 3 else update
+        return super().join_blocks(directions, flat, group).view(update.shape)
+
+
+def _stack_as_one_matrix(params, sizes, dim, rule, nesterov, capturable) -> Muon:
+    return _muon([{"params": params, "use_muon": True}], rule, nesterov, capturable, cls=_StackAsOneMatrix)
 
 
 # ---- the training loop ----
@@ -202,7 +239,7 @@ def _train(buffers: Buffers, preset: Preset, case: str, rule: str, nesterov: boo
     parameter (the blocks concatenated) as a bit checksum, the final one and its momentum whole."""
     sizes, dim = _split(buffers, case)
     init = buffers[f"param/{case}"]
-    params = [init.clone()] if fused else [block.clone() for block in init.split(sizes, dim)]
+    params = [init.clone()] if fused else [block.clone() for block in _blocks(init, sizes, dim)]
     for p in params:
         p.requires_grad_()
         p.grad = torch.zeros_like(p)
@@ -215,14 +252,19 @@ def _train(buffers: Buffers, preset: Preset, case: str, rule: str, nesterov: boo
     for step in range(steps):
         grad = buffers[f"grad{step:02d}/{case}"]
         # in place: a captured step reads the grad tensors it saw at capture
-        for p, block in zip(params, grad.split(sizes, dim) if not fused else [grad]):
+        for p, block in zip(params, _blocks(grad, sizes, dim) if not fused else [grad]):
             p.grad.copy_(block)
         stepper.step()
         scheduler.step()
-        outputs[f"{prefix}/step{step:02d}"] = bits_checksum(torch.cat([p.detach() for p in params], dim))
-    outputs[f"{prefix}/final"] = torch.cat([p.detach() for p in params], dim)
-    outputs[f"{prefix}/momentum"] = torch.cat([optimizer.state[p]["momentum_buffer"] for p in params], dim)
+        outputs[f"{prefix}/step{step:02d}"] = bits_checksum(_whole([p.detach() for p in params], init, sizes, dim))
+    outputs[f"{prefix}/final"] = _whole([p.detach() for p in params], init, sizes, dim)
+    outputs[f"{prefix}/momentum"] = _whole([optimizer.state[p]["momentum_buffer"] for p in params], init, sizes, dim)
     return outputs
+
+
+def _whole(tensors: list[torch.Tensor], like: torch.Tensor, sizes: tuple[int, ...], dim: int) -> torch.Tensor:
+    """The fused parameter's one tensor, or the separate blocks joined into its shape."""
+    return tensors[0] if len(tensors) == 1 else _joined(tensors, like, sizes, dim)
 
 
 def _direction(buffers: Buffers, case: str, batch_ns: bool) -> torch.Tensor:
@@ -231,13 +273,13 @@ def _direction(buffers: Buffers, case: str, batch_ns: bool) -> torch.Tensor:
     grad = buffers[f"grad00/{case}"]
     p = torch.zeros_like(grad, requires_grad=True)
     p.grad = grad.clone()
-    group = {"params": [p], "split_sizes": sizes, "split_dim": dim, "batch_ns": batch_ns}
+    group = {"params": [p], "use_muon": True, "split_sizes": sizes, "split_dim": dim, "batch_ns": batch_ns}
     Muon([group], lr=1.0, momentum=0.0, nesterov=False, ns_steps=NS_STEPS).step()
     return p.detach()
 
 
 def _on_gpu(buffers: Buffers) -> bool:
-    return buffers[f"param/{CAPTURED_CASE}"].is_cuda
+    return buffers["param/qkv"].is_cuda
 
 
 def reference(buffers: Buffers, preset: Preset) -> Outputs:
@@ -247,8 +289,9 @@ def reference(buffers: Buffers, preset: Preset) -> Outputs:
             outputs.update(_train(buffers, preset, case, rule, nesterov, _separate, fused=False))
     if _on_gpu(buffers):
         # the captured arm's reference is the same eager run of the separate blocks
-        outputs.update({name.replace(f"{CAPTURED_CASE}/", f"{CAPTURED_CASE}-captured/", 1): value
-                        for name, value in list(outputs.items()) if name.startswith(f"{CAPTURED_CASE}/")})
+        for case in CAPTURED_CASES:
+            outputs.update({name.replace(f"{case}/", f"{case}-captured/", 1): value
+                            for name, value in list(outputs.items()) if name.startswith(f"{case}/")})
     for case in CASES:
         outputs[f"ns/{case}"] = _direction(buffers, case, batch_ns=False)
     return outputs
@@ -261,8 +304,9 @@ def _arm_with(make: Make) -> Callable[[Buffers, Preset], Outputs]:
             for rule, nesterov in CONFIGS:
                 outputs.update(_train(buffers, preset, case, rule, nesterov, make, fused=True))
         if _on_gpu(buffers):
-            for rule, nesterov in CONFIGS:
-                outputs.update(_train(buffers, preset, CAPTURED_CASE, rule, nesterov, make, fused=True, captured=True))
+            for case in CAPTURED_CASES:
+                for rule, nesterov in CONFIGS:
+                    outputs.update(_train(buffers, preset, case, rule, nesterov, make, fused=True, captured=True))
         for case in CASES:
             outputs[f"ns/{case}"] = _direction(buffers, case, batch_ns=True)
         return outputs
@@ -278,9 +322,10 @@ def truth(buffers: Buffers, preset: Preset) -> Outputs:
     outputs: Outputs = {}
     for case in CASES:
         sizes, dim = _split(buffers, case)
-        blocks = buffers[f"grad00/{case}"].split(sizes, dim)
-        directions = [muon_scale(*block.shape, "spectral") * newton_schulz_float64(block, NS_STEPS) for block in blocks]
-        outputs[f"ns/{case}"] = -torch.cat(directions, dim)
+        grad = buffers[f"grad00/{case}"]
+        directions = [muon_scale(*block.shape, "spectral") * newton_schulz_float64(block, NS_STEPS)
+                      for block in _blocks(grad, sizes, dim)]
+        outputs[f"ns/{case}"] = -_joined(directions, grad, sizes, dim)
     return outputs
 
 
@@ -290,6 +335,8 @@ SABOTEURS = (
     Saboteur("no-split", "the fused matrix orthogonalised as a whole", _arm_with(_unsplit)),
     Saboteur("wrong-dim", "the split taken along the other dimension (as many blocks, even sizes)",
              _arm_with(_wrong_dim)),
+    Saboteur("stack-as-one-matrix", "a 3-D stack of experts orthogonalised as one tall matrix",
+             _arm_with(_stack_as_one_matrix)),
 )
 
 # ---- bench: warm optimizer steps of a 24-layer model with fused weights, dispatch included ----
@@ -298,7 +345,7 @@ SABOTEURS = (
 def _model(buffers: Buffers, preset: Preset) -> dict[str, list[torch.Tensor]]:
     """bf16 params with bf16 grads, drawn on the buffers' device (only their shapes matter to
     the step's time)."""
-    device = buffers[f"param/{CAPTURED_CASE}"].device
+    device = buffers["param/qkv"].device
     gen = torch.Generator(device=device).manual_seed(0)
     model = {}
     for kind, shapes in _model_shapes(preset).items():

@@ -31,6 +31,17 @@ the batches that its blocks, given in its place as separate parameters in block 
 and gets the same bits. batch_ns=False keeps a group's matrices out of the batches: Newton-Schulz
 matrix by matrix (2-D matmuls).
 
+Stacked matrices. A 3-D parameter [n, rows, cols] in a group with use_muon=True is n matrices,
+as transformers 5 stores a MoE layer's experts: each is stepped as a separate 2-D parameter of
+[rows, cols] would be, its own Newton-Schulz and scale (split_sizes then split each matrix:
+split_dim 0 its rows, 1 its columns), and the parameter gets the bits those n matrices, given in
+its place in order, would get. A group without use_muon leaves 3-D parameters to AdamW.
+
+Batches are capped at max_batch_elements: one Newton-Schulz stacks its matrices and keeps bf16
+temporaries of about their size, which for a MoE's experts would otherwise be a copy of most of
+the model. The cap splits a batch into consecutive runs of its members, the same for a fused
+parameter as for its blocks given separately.
+
 Vectors (norm gains, biases) and the matrices a user marks use_muon=False (embeddings, output
 heads) get AdamW: Adam moments with bias correction and decoupled weight decay.
 
@@ -229,17 +240,21 @@ class Muon(torch.optim.Optimizer):
     before each replay.
 
     Param-group options of the Muon groups: split_sizes (None, or two or more positive sizes that
-    sum to each param's size along split_dim) and split_dim (0 or 1) orthogonalise and scale each
-    block of a fused weight on its own; batch_ns=False runs Newton-Schulz one matrix at a time.
+    sum to each matrix's size along split_dim) and split_dim (0 or 1) orthogonalise and scale each
+    block of a fused weight on its own; batch_ns=False runs Newton-Schulz one matrix at a time. A
+    Muon group may hold 3-D params, stacks of matrices each stepped on its own (module docstring).
 
     Subclasses change the update by overriding muon_momentum (the momentum step, which returns the
-    matrix to orthogonalise), split_blocks, orthogonalize (scale * Newton-Schulz of a matrix or of
-    a batch; given the group of the batch's first matrix) or adamw_update; the updates receive the
-    group's StepScalars (0-d fp32 device tensors).
+    matrix to orthogonalise), split_blocks and join_blocks (its inverse), orthogonalize (scale *
+    Newton-Schulz of a matrix or of a batch; given the group of the batch's first matrix) or
+    adamw_update; the updates receive the group's StepScalars (0-d fp32 device tensors).
     """
 
     # The hyperparameters a captured step reads from device tensors, hence may change between replays.
     live_hyperparameters = ("lr", "weight_decay", "momentum", "betas")
+    # The most elements one batched Newton-Schulz takes (its stack; its bf16 temporaries are about
+    # as large): a bound on the step's extra memory that still fills an H200 with work.
+    max_batch_elements = 1 << 27
     # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
     # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
     kept_on_load = ("capturable", "split_sizes", "split_dim", "batch_ns")
@@ -281,10 +296,11 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: batch_ns must be True or False, not {group['batch_ns']!r}")
         if group["use_muon"]:
             for position, p in enumerate(params):
-                if p.dim() != 2:
+                if p.dim() not in (2, 3):
                     raise ValueError(
                         f"{where} has use_muon=True but {param_label(group, position)} is {p.dim()}-D: "
-                        f"Muon orthogonalises matrices only; put it in a group with use_muon=False (AdamW)"
+                        f"Muon orthogonalises matrices and 3-D stacks of them only; put it in a group with "
+                        f"use_muon=False (AdamW)"
                     )
         for key in ("lr", "weight_decay"):
             if not (_is_number(group[key]) and group[key] >= 0):
@@ -320,9 +336,10 @@ class Muon(torch.optim.Optimizer):
             return
         # before the use_muon check: a vector in the group is why use_muon was inferred False
         for position, p in enumerate(group["params"]):
-            if p.dim() != 2:
+            if p.dim() not in (2, 3):
                 raise ValueError(
-                    f"{where}: split_sizes splits matrices, but {param_label(group, position)} is {p.dim()}-D"
+                    f"{where}: split_sizes splits matrices (or each matrix of a 3-D stack), but "
+                    f"{param_label(group, position)} is {p.dim()}-D"
                 )
         if not group["use_muon"]:
             raise ValueError(
@@ -335,10 +352,11 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{where}: split_sizes must be positive ints, not {sizes!r}")
         group["split_sizes"] = tuple(sizes)
         for position, p in enumerate(group["params"]):
-            if sum(sizes) != p.size(dim):
+            along = p.shape[-2:][dim]  # a 3-D param's matrices split as a 2-D param does
+            if sum(sizes) != along:
                 raise ValueError(
                     f"{where}: split_sizes {tuple(sizes)} sum to {sum(sizes)}, but {param_label(group, position)} "
-                    f"has {p.size(dim)} along split_dim={dim}; every param of the group must split the same way"
+                    f"has {along} along split_dim={dim}; every param of the group must split the same way"
                 )
 
     # ----------------------------------------------------------------------------------------
@@ -456,10 +474,21 @@ class Muon(torch.optim.Optimizer):
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
-        """The blocks of update (views) that are orthogonalised on their own: the whole without a split."""
+        """The blocks of update (views) that are orthogonalised on their own, in order: the whole
+        matrix without a split; a 3-D update's matrices one after another, each split alike."""
+        matrices = update.unbind(0) if update.dim() == 3 else (update,)
         if group["split_sizes"] is None:
-            return [update]
-        return list(update.split(group["split_sizes"], dim=group["split_dim"]))
+            return list(matrices)
+        return [block for matrix in matrices for block in matrix.split(group["split_sizes"], dim=group["split_dim"])]
+
+    def join_blocks(self, directions: list[torch.Tensor], update: torch.Tensor, group: dict) -> torch.Tensor:
+        """split_blocks' inverse: the blocks' directions as one of update's shape."""
+        if len(directions) == 1:
+            return directions[0] if update.dim() == 2 else directions[0].unsqueeze(0)
+        per_matrix = len(directions) // (update.shape[0] if update.dim() == 3 else 1)
+        matrices = [torch.cat(directions[i:i + per_matrix], dim=group["split_dim"]) if per_matrix > 1 else directions[i]
+                    for i in range(0, len(directions), per_matrix)]
+        return torch.stack(matrices) if update.dim() == 3 else matrices[0]
 
     def directions(self, work: list[tuple[dict, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
         """For each (group, updates), each update's direction, of its shape: every block orthogonalised
@@ -477,14 +506,18 @@ class Muon(torch.optim.Optimizer):
                     else:
                         oriented[g][i][j] = self.orthogonalize(block, group)
         for members in batches.values():
-            # stack copies: every matrix enters the bmm contiguous, whatever view it came from; the
-            # members' groups agree on everything orthogonalize reads
-            stacked = torch.stack([blocks[g][i][j] for g, i, j in members])
-            batch = self.orthogonalize(stacked, work[members[0][0]][0])
-            for k, (g, i, j) in enumerate(members):
-                oriented[g][i][j] = batch[k]
-        return [[parts[0] if len(parts) == 1 else torch.cat(parts, dim=group["split_dim"]) for parts in group_oriented]
-                for (group, _), group_oriented in zip(work, oriented)]
+            g, i, j = members[0]
+            per_batch = max(1, self.max_batch_elements // blocks[g][i][j].numel())
+            for start in range(0, len(members), per_batch):
+                chunk = members[start:start + per_batch]
+                # stack copies: every matrix enters the bmm contiguous, whatever view it came from;
+                # the members' groups agree on everything orthogonalize reads
+                stacked = torch.stack([blocks[g][i][j] for g, i, j in chunk])
+                batch = self.orthogonalize(stacked, work[chunk[0][0]][0])
+                for k, (g, i, j) in enumerate(chunk):
+                    oriented[g][i][j] = batch[k]
+        return [[self.join_blocks(parts, update, group) for parts, update in zip(group_oriented, updates)]
+                for (group, updates), group_oriented in zip(work, oriented)]
 
     def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """scale * newton_schulz(update), a new tensor, for a matrix or a 3-D batch of equal-shaped

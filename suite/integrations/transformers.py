@@ -426,22 +426,49 @@ def _fused_split(name: str, module: nn.Module, config) -> tuple[int, ...] | None
     return None
 
 
-def muon_param_groups(model: nn.Module, **muon_kwargs) -> list[dict]:
+EXPERTS_OPTIMIZERS = ("adamw", "muon")
+
+
+def _expert_weight_options(name: str, module: nn.Module, param: torch.Tensor) -> dict | None:
+    """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own,
+    a concatenated gate_up_proj split into gate and up); None for an expert bias, which AdamW
+    takes."""
+    if param.dim() != 3:
+        return None
+    if param is not getattr(module, "gate_up_proj", None):
+        return {}
+    if not module.is_concatenated:
+        raise IntegrationError(f"muon_param_groups: {name} alternates gate and up (is_concatenated=False), which "
+                               "Muon's contiguous blocks cannot split; pass experts='adamw'")
+    dim = 1 if module.is_transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
+    half = param.shape[1 + dim] // 2
+    return {"split_sizes": (half, half), "split_dim": dim}
+
+
+def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -> list[dict]:
     """Param groups for `suite.arms.muon.Muon`, routed as OLMo-core routes them: the 2-D hidden
     matrices to Muon (muon_kwargs, e.g. lr, go into each Muon group); the embeddings (no weight
-    decay), the output head, vectors (norms, biases) and 3-D expert weights to AdamW, with the
-    optimizer's defaults. A fused qkv_proj or gate_up_proj Linear gets split_sizes, so each block
-    is orthogonalised on its own. Every group carries param_names; empty groups are left out.
+    decay), the output head, vectors (norms, biases, expert biases) and the 3-D expert weights
+    to AdamW, with the optimizer's defaults. experts="muon" gives the expert weights (of the
+    experts modules transformers' experts interface dispatches) to Muon instead, each expert's
+    matrix stepped on its own and gate_up_proj split into gate and up. A fused qkv_proj or
+    gate_up_proj Linear gets split_sizes, so each block is orthogonalised on its own. Every
+    group carries param_names; empty groups are left out.
 
         optimizer = Muon(muon_param_groups(model, lr=0.02), lr=3e-4)   # lr=3e-4: the AdamW groups'
     """
     _require_module("muon_param_groups", model)
+    if experts not in EXPERTS_OPTIMIZERS:
+        raise ValueError(f"muon_param_groups: experts must be one of {EXPERTS_OPTIMIZERS}, not {experts!r}")
     config = getattr(model, "config", None)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head_ids = {id(head.weight)} if head is not None and isinstance(getattr(head, "weight", None), torch.Tensor) else set()
     split_of = {id(m.weight): _fused_split(name, m, config) for name, m in model.named_modules()
                 if isinstance(m, nn.Linear)}
+    # an experts module's own parameters: its 3-D weights and any biases (2-D, one row an expert)
+    expert_params = {id(p): (f"{name}.{leaf}", m, p) for name, m in model.named_modules() if is_experts_module(m)
+                     for leaf, p in m.named_parameters(recurse=False)}
     groups: dict[tuple, dict] = {}
 
     def put(key: tuple, name: str, param: nn.Parameter, **options) -> None:
@@ -454,6 +481,12 @@ def muon_param_groups(model: nn.Module, **muon_kwargs) -> list[dict]:
             continue
         if id(param) in embeddings:
             put(("embeddings",), name, param, use_muon=False, weight_decay=0.0)
+        elif id(param) in expert_params:
+            options = _expert_weight_options(*expert_params[id(param)]) if experts == "muon" else None
+            if options is None:
+                put(("adamw",), name, param, use_muon=False)
+            else:
+                put(("experts", *options.values()), name, param, use_muon=True, **options, **muon_kwargs)
         elif id(param) in head_ids or param.dim() != 2:
             put(("adamw",), name, param, use_muon=False)
         else:

@@ -1,6 +1,7 @@
 """Split-block Muon on the CPU: a fused weight with split_sizes steps bit for bit as its blocks
-given as separate parameters, batched Newton-Schulz is within bf16 error of one-by-one, the
-options are validated, and checkpoints cross between split and whole-matrix optimizers."""
+given as separate parameters, and a 3-D stack of matrices (a MoE's experts) as its matrices;
+batched Newton-Schulz is within bf16 error of one-by-one and batches are capped; the options are
+validated, and checkpoints cross between split and whole-matrix optimizers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from gates.optimizer_runs import newton_schulz_float64
-from suite.arms.muon import Muon, muon_scale
+from suite.arms.muon import Muon, muon_scale, newton_schulz
 from bitwise import assert_bitwise
 
 # (fused shape, split_sizes, split_dim): input-major halves, grouped-query QKV, SwiGLU gate/up
@@ -145,12 +146,111 @@ def test_bad_split_options_are_refused(group, message):
 
 def test_split_of_a_vector_is_refused_naming_it():
     # without use_muon the vector would make the group AdamW: the message still names the vector
-    with pytest.raises(ValueError, match=r"param group 0: split_sizes splits matrices, but 'gain' is 1-D"):
+    with pytest.raises(ValueError, match=r"param group 0: split_sizes splits matrices \(or each matrix of a 3-D stack\), "
+                                         r"but 'gain' is 1-D"):
         Muon([{"params": [("qkv", torch.zeros(4, 4)), ("gain", torch.zeros(4))], "split_sizes": (2, 2)}], lr=0.1)
     opt = Muon([torch.zeros(4, 4)], lr=0.1)
-    with pytest.raises(ValueError, match=r"param group 1: split_sizes splits matrices, but params\[1\] \(shape \(4,\)\) is 1-D"):
+    with pytest.raises(ValueError, match=r"param group 1: split_sizes splits matrices .*, but params\[1\] \(shape \(4,\)\) is 1-D"):
         opt.add_param_group({"params": [torch.zeros(4, 4), torch.zeros(4)], "use_muon": True, "split_sizes": (2, 2)})
     assert len(opt.param_groups) == 1
+
+
+# (stack shape, split_sizes, split_dim): experts whole, gate_up [E, 2f, d] as transformers 5 stores
+# it (each matrix's rows), and its transposed layout [E, d, 2f] (each matrix's columns)
+STACKS = {
+    "experts-whole": ((5, 12, 8), None, 0),
+    "gate-up-rows": ((5, 12, 8), (6, 6), 0),
+    "gate-up-columns": ((3, 8, 12), (6, 6), 1),
+}
+
+
+def blocks_of(stack, sizes, dim):
+    """A stack's matrices in order, each split into its blocks."""
+    return [b for m in stack.unbind(0) for b in ([m] if sizes is None else m.split(sizes, dim))]
+
+
+def stack_and_matrices(shape, sizes, dim, seed=0):
+    """A 3-D parameter and the same values as separate 2-D parameters (`blocks_of`)."""
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return p0.clone().requires_grad_(), [b.clone().requires_grad_() for b in blocks_of(p0, sizes, dim)]
+
+
+def joined(blocks, shape, sizes, dim):
+    per = 1 if sizes is None else len(sizes)
+    return torch.stack([torch.cat(blocks[i:i + per], dim) for i in range(0, len(blocks), per)]).reshape(shape)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("rule", ["spectral", "rms"])
+@pytest.mark.parametrize("case", STACKS)
+def test_a_stack_of_matrices_is_bitwise_its_matrices_as_separate_params(case, rule, nesterov):
+    shape, sizes, dim = STACKS[case]
+    stacked, separate = stack_and_matrices(shape, sizes, dim)
+    hyper = dict(lr=0.02, nesterov=nesterov, scale=rule, weight_decay=0.01)
+    split = {} if sizes is None else {"split_sizes": sizes, "split_dim": dim}
+    stacked_opt = Muon([{"params": [stacked], "use_muon": True, **split}], **hyper)
+    separate_opt = Muon([{"params": separate}], **hyper)
+    for grad in grads_for(shape, 6):
+        stacked.grad = grad.clone()
+        for p, block in zip(separate, blocks_of(grad, sizes, dim)):
+            p.grad = block.clone()
+        stacked_opt.step()
+        separate_opt.step()
+    assert_bitwise(stacked.detach(), joined([p.detach() for p in separate], shape, sizes, dim), case)
+    buffers = [separate_opt.state[p]["momentum_buffer"] for p in separate]
+    assert_bitwise(stacked_opt.state[stacked]["momentum_buffer"], joined(buffers, shape, sizes, dim), "momentum")
+
+
+def test_each_matrix_of_a_stack_gets_its_own_scale_and_polar_factor():
+    """One step from zero with lr 1: each matrix's block is scale(block) * NS(block), up to the
+    batched call's rounding, and far from its whole matrix's direction."""
+    shape, sizes, dim = STACKS["gate-up-rows"]
+    grad = grads_for(shape, 1)[0]
+    p = torch.zeros(shape, requires_grad=True)
+    p.grad = grad.clone()
+    Muon([{"params": [p], "use_muon": True, "split_sizes": sizes}], lr=1.0, momentum=0.0, nesterov=False,
+         scale="rms").step()
+    for got, g in zip((-p.detach()).unbind(0), grad.unbind(0)):
+        whole = (muon_scale(*g.shape, "rms") * newton_schulz(g, 5)).split(sizes, dim)
+        for block, g_block, of_whole in zip(got.split(sizes, dim), g.split(sizes, dim), whole):
+            expected = muon_scale(*g_block.shape, "rms") * newton_schulz(g_block, 5)
+            assert ((block - expected).norm() / expected.norm()) < 1e-5
+            assert ((block - of_whole).norm() / expected.norm()) > 0.3
+
+
+def test_a_stack_without_use_muon_stays_with_adamw_and_a_4d_one_is_refused():
+    opt = Muon([{"params": [torch.zeros(2, 4, 4)]}], lr=0.1)
+    assert opt.param_groups[0]["use_muon"] is False
+    with pytest.raises(ValueError, match=r"use_muon=True but 'w' is 4-D: Muon orthogonalises matrices and 3-D stacks"):
+        Muon([{"params": [("w", torch.zeros(2, 2, 4, 4))], "use_muon": True}], lr=0.1)
+    with pytest.raises(ValueError, match=r"split_sizes \(4, 4\) sum to 8, but 'experts' has 6 along split_dim=1"):
+        Muon([{"params": [("experts", torch.zeros(3, 8, 6))], "use_muon": True, "split_sizes": (4, 4), "split_dim": 1}],
+             lr=0.1)
+
+
+def test_batches_past_the_cap_run_in_consecutive_runs_with_the_bits_of_separate_params():
+    """max_batch_elements splits a batch of 10 matrices of 96 elements at 4 a call (a cap of
+    400): 4 + 4 + 2, for the stack and for its matrices given separately, which stay equal."""
+    class Capped(Muon):
+        max_batch_elements = 400
+
+        def orthogonalize(self, update, group):
+            self.calls.append(tuple(update.shape))
+            return super().orthogonalize(update, group)
+
+    shape, sizes, dim = STACKS["experts-whole"]
+    stacked, separate = stack_and_matrices((10, 12, 8), sizes, dim)
+    runs = []
+    for params, group in (([stacked], {"use_muon": True}), (separate, {})):
+        opt = Capped([{"params": params, **group}], lr=0.02)
+        opt.calls = []
+        for grad in grads_for((10, 12, 8), 3):
+            for p, g in zip(params, [grad] if len(params) == 1 else blocks_of(grad, sizes, dim)):
+                p.grad = g.clone()
+            opt.step()
+        assert opt.calls == [(4, 12, 8), (4, 12, 8), (2, 12, 8)] * 3
+        runs.append(torch.stack([p.detach() for p in params]).reshape(10, 12, 8))
+    assert_bitwise(*runs)
 
 
 @pytest.mark.parametrize("saved_split,loaded_split", [(True, False), (False, True), (True, True)])

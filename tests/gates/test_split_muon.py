@@ -1,5 +1,5 @@
 """Gate `split-muon`: the arm passes `tiny` on the CPU and every saboteur fails it there, by
-parity; on a GPU the captured case joins the outputs and the same holds."""
+parity; on a GPU the captured cases join the outputs and the same holds."""
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def test_presets_and_cases_match_the_issue():
     assert all(p.params["steps"] >= 10 for p in GATE.presets)
     splits = sm._case_splits(GATE.preset("d2048"))
     assert splits == {"input-major": ((2, 6), (3, 3), 1), "qkv": ((3072, 2048), (2048, 512, 512), 0),
-                      "gate-up": ((16384, 2048), (8192, 8192), 0)}
+                      "gate-up": ((16384, 2048), (8192, 8192), 0), "experts": ((4, 2048, 2048), (1024, 1024), 0)}
     assert sm.CONFIGS == (("spectral", True), ("spectral", False), ("rms", True), ("rms", False))
     model = sm._model_shapes(GATE.preset("d1024"))
     assert model["qkv"] == [(1536, 1024)] * 24 and model["gate-up"] == [(8192, 1024)] * 24
@@ -137,8 +137,8 @@ def test_arm_passes_tiny_on_the_gpu_with_its_capture(judged_cuda):
     preset, buffers, expected = judged_cuda
     result, outputs = parity.judge_arm(GATE, preset, buffers, expected)
     assert result.passed, result.failures[:5]
-    captured = {name for name in outputs if name.startswith("qkv-captured/")}
-    assert len(captured) == len(sm.CONFIGS) * (preset.params["steps"] + 2)
+    captured = {name for name in outputs if "-captured/" in name}
+    assert len(captured) == len(sm.CAPTURED_CASES) * len(sm.CONFIGS) * (preset.params["steps"] + 2)
 
 
 @pytest.mark.cuda
@@ -148,7 +148,7 @@ def test_every_saboteur_fails_tiny_on_the_gpu(judged_cuda, saboteur):
     expected = judged_cuda[2]
     _, outputs = gatecheck.sabotaged_result(GATE, judged_cuda, saboteur)
     # the captured run is sabotaged too, and caught there (the report keeps only the first failures)
-    captured = [name for name in outputs if name.startswith("qkv-captured/")]
+    captured = [name for name in outputs if "-captured/" in name]
     assert captured and any(not parity.bitwise_check(name, outputs[name], expected.reference[name]).passed
                             for name in captured)
 
@@ -178,15 +178,16 @@ def test_captured_split_step_is_bitwise_its_eager_step():
 
 
 def test_captured_case_plumbing_on_the_cpu(monkeypatch):
-    """The GPU's captured qkv run, with Muon(capturable=True) stepped eagerly in place of the
-    graph: the arm adds the run, the reference mirrors its eager one, and a saboteur shows there."""
+    """The GPU's captured qkv and experts runs, with Muon(capturable=True) stepped eagerly in place
+    of the graph: the arm adds the runs, the reference mirrors their eager ones, and a saboteur
+    shows there."""
     monkeypatch.setattr(sm, "_on_gpu", lambda buffers: True)
     monkeypatch.setattr(sm, "CapturedOptimizer", lambda optimizer: optimizer)
     judged = gatecheck.judge_setup(GATE, "tiny", CPU)
     preset, buffers, expected = judged
     _, outputs = gatecheck.arm_result(GATE, judged)
-    captured = [name for name in outputs if name.startswith("qkv-captured/")]
-    assert len(captured) == len(sm.CONFIGS) * (preset.params["steps"] + 2)
+    captured = [name for name in outputs if "-captured/" in name]
+    assert len(captured) == len(sm.CAPTURED_CASES) * len(sm.CONFIGS) * (preset.params["steps"] + 2)
     sabotaged = sm._arm_with(sm._unsplit)(buffers, preset)
     assert all(not parity.bitwise_check(name, sabotaged[name], expected.reference[name]).passed
                for name in captured if name.endswith("/final"))

@@ -429,6 +429,62 @@ def test_muon_param_groups_send_expert_weights_and_tied_embeddings_to_adamw():
     assert "model.layers.0.mlp.gate.weight" in muon and "model.layers.0.self_attn.q_proj.weight" in muon
 
 
+def test_muon_param_groups_give_each_expert_its_own_muon_step_on_request():
+    """experts="muon": each 3-D expert weight in a Muon group, gate_up_proj split into gate and
+    up along each expert's rows ([E, 2f, d]); a step runs and every param is in one group."""
+    from suite.arms.muon import Muon
+
+    model = tiny("olmoe")
+    groups = hf.muon_param_groups(model, experts="muon", lr=0.02)
+    experts = {g["param_names"][0].rsplit(".", 1)[-1]: g for g in groups if g["use_muon"] and g["params"][0].dim() == 3}
+    assert (experts["gate_up_proj"]["split_sizes"], experts["gate_up_proj"]["split_dim"]) == ((24, 24), 0)
+    assert experts["gate_up_proj"]["param_names"] == [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in (0, 1)]
+    assert experts["down_proj"].get("split_sizes") is None and experts["down_proj"]["lr"] == 0.02
+    names = [n for g in groups for n in g["param_names"]]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    optimizer = Muon(groups, lr=3e-4)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = model.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    optimizer.step()
+    assert "momentum_buffer" in optimizer.state[model.model.layers[0].mlp.experts.gate_up_proj]
+    assert not torch.equal(before, model.model.layers[0].mlp.experts.gate_up_proj.detach())
+    with pytest.raises(ValueError, match=r"experts must be one of \('adamw', 'muon'\), not 'Muon'"):
+        hf.muon_param_groups(model, experts="Muon")
+
+
+def test_muon_param_groups_split_a_transposed_gate_up_along_each_experts_columns():
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(is_transposed=True)
+    class TransposedExperts(torch.nn.Module):  # Aria's layout: gate_up [E, d, 2f], down [E, f, d]
+        def __init__(self, config):
+            super().__init__()
+            self.config, self.num_experts = config, 3
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(3, 8, 12))
+            self.down_proj = torch.nn.Parameter(torch.zeros(3, 6, 8))
+
+    experts = TransposedExperts(transformers.PretrainedConfig())
+    groups = hf.muon_param_groups(torch.nn.ModuleDict({"experts": experts}), experts="muon")
+    gate_up = next(g for g in groups if g["param_names"] == ["experts.gate_up_proj"])
+    assert (gate_up["split_sizes"], gate_up["split_dim"]) == ((6, 6), 1)
+
+
+def test_muon_param_groups_leave_expert_biases_to_adamw_and_refuse_an_interleaved_split():
+    """gpt-oss's expert biases are 2-D ([E, 2f]): AdamW's, never Muon's (they had been routed as
+    hidden matrices); its gate and up alternate, which Muon's blocks cannot split."""
+    config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=8, intermediate_size=24, num_local_experts=4,
+                                       num_experts_per_tok=2)
+    model = transformers.GptOssForCausalLM(config)
+    groups = hf.muon_param_groups(model)
+    adamw = [n for g in groups if not g["use_muon"] for n in g["param_names"]]
+    assert {"model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"} <= set(adamw)
+    with pytest.raises(hf.IntegrationError, match=r"model.layers.0.mlp.experts.gate_up_proj alternates gate and up "
+                                                   r"\(is_concatenated=False\).*pass experts='adamw'"):
+        hf.muon_param_groups(model, experts="muon")
+
+
 # ---- on the GPU ----
 
 
