@@ -141,7 +141,7 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
 class Setup:
     """The arms a contender switches on: RMSNorm ("auto" or "fused"), the fused experts, and the
     optimizer ("adamw": torch's fused AdamW; "muon": suite's Muon over muon_param_groups; either
-    "-captured": in a CapturedOptimizer)."""
+    "-captured": in a CapturedOptimizer; "muon-experts": Muon with the expert weights in Muon too)."""
 
     rms_norm: str | None = None
     experts: bool = False
@@ -160,6 +160,7 @@ SETUPS = {
     "all arms": Setup(rms_norm="auto", experts=True, optimizer="adamw-captured", where_present=True),
     "muon": Setup(optimizer="muon"),
     "muon captured": Setup(optimizer="muon-captured"),
+    "muon experts": Setup(optimizer="muon-experts"),
 }
 
 
@@ -189,7 +190,10 @@ def make_optimizer(kind: str, model: torch.nn.Module, warmup_steps: int) -> torc
 
     captured = kind.endswith("-captured")
     if kind.startswith("muon"):
-        optimizer = Muon(muon_param_groups(model, lr=MUON_LR), lr=ADAMW["lr"], betas=ADAMW["betas"],
+        experts = "muon" if kind == "muon-experts" else "adamw"
+        if experts == "muon" and not has_experts(model):
+            raise CouldNotRun("a dense model has no expert weights to give Muon")
+        optimizer = Muon(muon_param_groups(model, experts=experts, lr=MUON_LR), lr=ADAMW["lr"], betas=ADAMW["betas"],
                          weight_decay=ADAMW["weight_decay"], capturable=captured)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True, capturable=captured)
@@ -443,6 +447,9 @@ CONTENDERS = (
     _contender("muon", "peer", "suite Muon (eager) over muon_param_groups; AdamW for the rest",
                cases=EAGER_ONLY, baseline="stock"),
     _contender("muon captured", "peer", "CapturedOptimizer(Muon) against eager Muon", cases=EAGER_ONLY,
+               baseline="muon"),
+    _contender("muon experts", "peer", "suite Muon with each expert's matrices stepped by Muon too "
+               "(muon_param_groups(model, experts='muon')) against Muon with AdamW experts", cases=EAGER_ONLY,
                baseline="muon"),
 )
 

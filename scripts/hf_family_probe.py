@@ -5,7 +5,9 @@ family's own numbers. For each model type whose modeling file has an experts cla
 download), its loss and every gradient with its own experts ("eager") against
 `use_suite_experts`, and with its own norms against `apply_rms_norm(impl="fused")`, each
 switched on alone; then its first experts module recorded by `suite.record.capture` and judged
-by `suite gate moe-bwd --buffers`. Rerun it when transformers moves; docs/arms/moe.md says what
+by `suite gate moe-bwd --buffers`; and one Muon step over `muon_param_groups(model,
+experts="muon")`, which must hold every parameter once, each expert weight in a Muon group, and
+leave every parameter finite. Rerun it when transformers moves; docs/arms/moe.md says what
 it found.
 
     TRITON_INTERPRET=1 python scripts/hf_family_probe.py [--family mixtral --family gpt_oss ...]
@@ -17,7 +19,8 @@ or no experts at this size, is listed with why; one whose probe raises is listed
 the others still run. Writes
 $OUT/hf_family_probe.json when OUT is set and prints a table last; exits 1 when a family the
 integrations take gives numbers off its own (relative error over TOLERANCE plus twice the
-family's own fp32 error against a float64 run), or the gate fails on its recording.
+family's own fp32 error against a float64 run), the gate fails on its recording, or the Muon
+step fails.
 """
 
 from __future__ import annotations
@@ -227,9 +230,38 @@ def own_error(model, ids, stock) -> float | None:
     return worst_error(truth, stock)
 
 
+def muon_stepped(model, ids) -> str:
+    """One Muon step of a copy of the model over muon_param_groups(experts="muon"): "stepped (n
+    expert weights)", the refusal, or "failed: ..." where a parameter is missing, doubled, an
+    expert weight is left to AdamW or a parameter turns non-finite."""
+    from suite.arms.muon import Muon
+    from suite.integrations import transformers as hf
+
+    model = copy.deepcopy(model)
+    try:
+        groups = hf.muon_param_groups(model, experts="muon", lr=0.02)
+    except hf.IntegrationError as refusal:
+        return "refused: " + re.sub(r"^muon_param_groups: [\w.]+ ", "", str(refusal)).split(", which")[0]
+    names = sorted(n for g in groups for n in g["param_names"])
+    if names != sorted(n for n, p in model.named_parameters() if p.requires_grad):
+        return "failed: the groups do not hold every trainable parameter once"
+    experts = {id(p) for m in model.modules() if hf.is_experts_module(m) for p in m.parameters(recurse=False)
+               if p.dim() == 3}
+    in_muon = {id(p) for g in groups if g["use_muon"] for p in g["params"]}
+    if not experts <= in_muon:
+        return "failed: an expert weight is left to AdamW"
+    optimizer = Muon(groups, lr=3e-4)
+    loss_and_grads(model, ids)
+    optimizer.step()
+    if not all(p.isfinite().all() for p in model.parameters()):
+        return "failed: a parameter turned non-finite"
+    return f"stepped ({len(experts)} expert weights)"
+
+
 def _row(family: str) -> dict:
     """A family's row before anything is known of it."""
-    return dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="", own_error=None)
+    return dict(family=family, experts="", experts_error=None, norms="", norms_error=None, gate="", own_error=None,
+                muon="")
 
 
 def probe(family: str, device: torch.device) -> dict:
@@ -259,6 +291,7 @@ def probe(family: str, device: torch.device) -> dict:
         row[f"{part}_error"] = worst_error(stock, loss_and_grads(model, ids))
         switch_off(model)
     row["gate"] = recorded_and_judged(model, ids, device)
+    row["muon"] = muon_stepped(model, ids)
     return row
 
 
@@ -294,6 +327,7 @@ def main(argv=None) -> int:
               for row in rows}
     off = [row["family"] for row in rows if any(error > allowed(row) for error in errors[row["family"]])]
     failed = [row["family"] for row in rows if row["gate"].startswith("exit")]
+    muon_failed = [row["family"] for row in rows if row["muon"].startswith("failed")]
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], "hf_family_probe.json"), "w") as fh:
@@ -304,14 +338,15 @@ def main(argv=None) -> int:
           f"own: the family's own against a float64 run")
     shown = lambda error: "" if error is None else f"{error:.1e}"  # noqa: E731
     print(tabulate([[r["family"], r["experts"], shown(r["experts_error"]), r["norms"], shown(r["norms_error"]),
-                     shown(r["own_error"]), r["gate"]] for r in rows],
+                     shown(r["own_error"]), r["gate"], r["muon"]] for r in rows],
                    headers=["family", "use_suite_experts", "error", "apply_rms_norm", "error", "own",
-                            "capture -> moe-bwd"]))
+                            "capture -> moe-bwd", "Muon on the experts"]))
     taken = sum(1 for found in errors.values() if found)
     print(f"{taken} of {len(rows)} families probed; " + (f"OFF their own numbers: {off}" if off else
                                                           f"every one within {TOLERANCE:g} + twice its own error")
-          + (f"; the gate failed on the recording of {failed}" if failed else ""))
-    return 1 if off or failed else 0
+          + (f"; the gate failed on the recording of {failed}" if failed else "")
+          + (f"; the Muon step failed on {muon_failed}" if muon_failed else ""))
+    return 1 if off or failed or muon_failed else 0
 
 
 if __name__ == "__main__":

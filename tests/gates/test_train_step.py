@@ -104,6 +104,19 @@ def test_experts_on_a_dense_model_say_so():
         ts._build("experts")(case, buffers, preset)
 
 
+def test_the_muon_experts_peer_steps_each_expert_by_muon_and_a_dense_model_has_none():
+    tiny = GATE.preset("tiny-olmoe")
+    preset = dataclasses.replace(tiny, params={**tiny.params, "batch": 1, "seq": 8})
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    case = BenchCase("step", "one step", bytes=lambda p: 0)
+    step = ts._build("muon experts")(case, buffers, preset)  # its warm steps ran
+    experts = [p for m in step.model.modules() if type(m).__name__.endswith("Experts") for p in m.parameters()]
+    assert experts and all("momentum_buffer" in step.optimizer.state[p] for p in experts)
+    dense = GATE.preset("tiny-llama")
+    with pytest.raises(Exception, match="a dense model has no expert weights to give Muon"):
+        ts._build("muon experts")(case, GATE.make_buffers(dense, 0, torch.device("cpu")), dense)
+
+
 def test_presets_declare_what_the_issue_names():
     names = {p.name: p for p in GATE.presets}
     assert {"llama", "olmoe", "olmoe-16k", "qwen3-moe"} <= set(names)

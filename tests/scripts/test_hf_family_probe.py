@@ -25,6 +25,8 @@ def test_each_family_taken_refused_or_without_norms_is_said_and_within_tolerance
     assert rows["gpt_oss"]["experts_error"] is None and rows["phimoe"]["norms"] == "none in the model"
     assert rows["mixtral"]["gate"] == rows["phimoe"]["gate"] == "passed"
     assert rows["gpt_oss"]["gate"] == "not recorded: GptOssExperts has has_bias=True"
+    assert rows["mixtral"]["muon"] == rows["phimoe"]["muon"] == "stepped (4 expert weights)"
+    assert rows["gpt_oss"]["muon"] == "refused: alternates gate and up (is_concatenated=False)"
     for family, part in (("mixtral", "experts"), ("mixtral", "norms"), ("gpt_oss", "norms"), ("phimoe", "experts")):
         assert 0 < rows[family][f"{part}_error"] < probe.TOLERANCE, (family, part)
     assert "3 of 3 families probed; every one within" in capsys.readouterr().out
@@ -42,6 +44,17 @@ def test_numbers_off_the_familys_own_or_a_failing_gate_fail_the_probe(capsys, mo
     assert probe.main(["--family", "mixtral"]) == 1
     out = capsys.readouterr().out
     assert "OFF their own numbers: ['mixtral']" in out and "the gate failed on the recording of ['mixtral']" in out
+
+
+def test_a_muon_step_that_leaves_the_experts_to_adamw_fails_the_probe(capsys, monkeypatch):
+    from suite.integrations import transformers as hf
+
+    probe = load_script("hf_family_probe")
+    real = hf.muon_param_groups
+    monkeypatch.setattr(hf, "muon_param_groups", lambda model, experts, **kwargs: real(model, "adamw", **kwargs))
+    assert probe.main(["--family", "mixtral"]) == 1
+    out = capsys.readouterr().out
+    assert "failed: an expert weight is left to AdamW" in out and "the Muon step failed on ['mixtral']" in out
 
 
 def test_a_family_without_experts_is_a_usage_error(capsys):
@@ -69,7 +82,7 @@ def test_a_family_whose_probe_raises_is_a_failed_row_and_the_others_still_run(ca
         if family == "mixtral":
             raise TypeError("a config field the probe did not expect")
         return dict(family=family, experts="taken (2)", experts_error=1e-7, norms="taken (5)", norms_error=1e-7,
-                    gate="passed", own_error=1e-7)
+                    gate="passed", own_error=1e-7, muon="stepped (4 expert weights)")
 
     monkeypatch.setattr(probe, "probe", probe_that_raises_on_mixtral)
     assert probe.main(["--family", "mixtral", "--family", "olmoe"]) == 1
