@@ -29,7 +29,7 @@ from torch import nn
 
 from suite import triton_support
 from suite.arms import rmsnorm
-from suite.arms.moe import GateUpLayout, GeGLU, SwiGLU, gate_up_experts, routing_from_topk
+from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, gate_up_experts, routing_from_topk
 from suite.errors import CouldNotRun
 
 EXPERTS_IMPLEMENTATION = "suite"
@@ -435,7 +435,7 @@ def _expert_weight_options(name: str, module: nn.Module, param: torch.Tensor) ->
     takes."""
     if param.dim() != 3:
         return None
-    if param is not getattr(module, "gate_up_proj", None):
+    if param is not getattr(module, "gate_up_proj", None):  # down_proj, a gateless up_proj, MoEExperts' three
         return {}
     if not module.is_concatenated:
         raise IntegrationError(f"muon_param_groups: {name} alternates gate and up (is_concatenated=False), which "
@@ -450,8 +450,8 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     matrices to Muon (muon_kwargs, e.g. lr, go into each Muon group); the embeddings (no weight
     decay), the output head, vectors (norms, biases, expert biases) and the 3-D expert weights
     to AdamW, with the optimizer's defaults. experts="muon" gives the expert weights (of the
-    experts modules transformers' experts interface dispatches) to Muon instead, each expert's
-    matrix stepped on its own and gate_up_proj split into gate and up. A fused qkv_proj or
+    experts modules transformers' experts interface dispatches, and of `suite.arms.moe.MoEExperts`)
+    to Muon instead, each expert's matrix stepped on its own and gate_up_proj split into gate and up. A fused qkv_proj or
     gate_up_proj Linear gets split_sizes, so each block is orthogonalised on its own. Every
     group carries param_names; empty groups are left out.
 
@@ -467,8 +467,8 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     split_of = {id(m.weight): _fused_split(name, m, config) for name, m in model.named_modules()
                 if isinstance(m, nn.Linear)}
     # an experts module's own parameters: its 3-D weights and any biases (2-D, one row an expert)
-    expert_params = {id(p): (f"{name}.{leaf}", m, p) for name, m in model.named_modules() if is_experts_module(m)
-                     for leaf, p in m.named_parameters(recurse=False)}
+    expert_params = {id(p): (f"{name}.{leaf}", m, p) for name, m in model.named_modules()
+                     if is_experts_module(m) or isinstance(m, MoEExperts) for leaf, p in m.named_parameters(recurse=False)}
     groups: dict[tuple, dict] = {}
 
     def put(key: tuple, name: str, param: nn.Parameter, **options) -> None:

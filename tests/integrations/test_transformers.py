@@ -453,6 +453,15 @@ def test_muon_param_groups_give_each_expert_its_own_muon_step_on_request():
         hf.muon_param_groups(model, experts="Muon")
 
 
+def test_muon_param_groups_take_the_suites_own_moe_layer_too():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), moe.MoEExperts(8, 16, 4, 2))
+    groups = hf.muon_param_groups(model, experts="muon")
+    stacks = next(g for g in groups if g["use_muon"] and g["params"][0].dim() == 3)
+    assert stacks["param_names"] == ["1.w_gate", "1.w_up", "1.w_down"] and stacks.get("split_sizes") is None
+    adamw = [n for g in hf.muon_param_groups(model) if not g["use_muon"] for n in g["param_names"]]
+    assert {"1.w_gate", "1.w_up", "1.w_down"} <= set(adamw)
+
+
 def test_muon_param_groups_split_a_transposed_gate_up_along_each_experts_columns():
     from transformers.integrations.moe import use_experts_implementation
 
