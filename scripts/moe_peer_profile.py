@@ -44,7 +44,9 @@ def kernel_times(call, calls: int) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def main(argv: list[str] | None = None, device: torch.device | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, each preset checked to time the case and each contender to be timed in it
+    (before any GPU work); args.names holds each preset's contenders."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", help="moe-bwd preset (repeatable; default olmoe)")
     parser.add_argument("--case", default="fwd+bwd", choices=[case.name for case in GATE.benches],
@@ -55,18 +57,29 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> N
     parser.add_argument("--top", type=int, default=8, help="kernels listed per contender")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    device = device or torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == args.case)
-    figures = {}
+    args.names = {}
     for preset_name in args.preset or ["olmoe"]:
         preset = GATE.preset(preset_name)
         if bench.presets is not None and preset_name not in bench.presets:
             parser.error(f"case {args.case} is timed at {list(bench.presets)}, not at {preset_name}")
-        contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
-        names = args.contender or (DEFAULT_CONTENDERS if args.case == "fwd+bwd" else list(contenders))
+        contenders = [c.name for c in GATE.contenders_for(bench, preset)]
+        names = args.contender or (DEFAULT_CONTENDERS if args.case == "fwd+bwd" else contenders)
         unknown = [name for name in names if name not in contenders]
         if unknown:
-            parser.error(f"{unknown} not timed in case {args.case} at {preset_name}; its contenders: {list(contenders)}")
+            parser.error(f"{unknown} not timed in case {args.case} at {preset_name}; its contenders: {contenders}")
+        args.names[preset_name] = names
+    return args
+
+
+def main(argv: list[str] | None = None, device: torch.device | None = None) -> None:
+    args = parse_args(argv)
+    device = device or torch.device("cuda")
+    bench = next(c for c in GATE.benches if c.name == args.case)
+    figures = {}
+    for preset_name, names in args.names.items():
+        preset = GATE.preset(preset_name)
+        contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
         buffers = GATE.make_buffers(preset, 0, device)
         for name in names:
             missing = contenders[name].unavailable(device)

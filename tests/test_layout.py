@@ -123,7 +123,7 @@ def test_the_suites_modules_import_one_another_without_a_circle():
 
 
 # tests of the project itself (its tree, its prose), not of a module, sit at the top of tests/
-PROJECT_TESTS = {"test_layout.py", "test_readme.py", "test_docs.py"}
+PROJECT_TESTS = {"test_layout.py", "test_readme.py", "test_docs.py", "test_plans.py"}
 
 
 def _tested_module(test: Path) -> Path | None:
