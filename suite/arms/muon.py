@@ -483,6 +483,8 @@ class Muon(torch.optim.Optimizer):
 
     def join_blocks(self, directions: list[torch.Tensor], update: torch.Tensor, group: dict) -> torch.Tensor:
         """split_blocks' inverse: the blocks' directions as one of update's shape."""
+        if not directions:  # a stack of no matrices
+            return torch.zeros_like(update)
         if len(directions) == 1:
             return directions[0] if update.dim() == 2 else directions[0].unsqueeze(0)
         per_matrix = len(directions) // (update.shape[0] if update.dim() == 3 else 1)

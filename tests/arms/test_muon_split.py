@@ -221,6 +221,9 @@ def test_each_matrix_of_a_stack_gets_its_own_scale_and_polar_factor():
 def test_a_stack_without_use_muon_stays_with_adamw_and_a_4d_one_is_refused():
     opt = Muon([{"params": [torch.zeros(2, 4, 4)]}], lr=0.1)
     assert opt.param_groups[0]["use_muon"] is False
+    empty = torch.zeros(0, 4, 4, requires_grad=True)  # a stack of no matrices steps as nothing
+    empty.grad = torch.zeros_like(empty)
+    Muon([{"params": [empty], "use_muon": True}], lr=0.1).step()
     with pytest.raises(ValueError, match=r"use_muon=True but 'w' is 4-D: Muon orthogonalises matrices and 3-D stacks"):
         Muon([{"params": [("w", torch.zeros(2, 2, 4, 4))], "use_muon": True}], lr=0.1)
     with pytest.raises(ValueError, match=r"split_sizes \(4, 4\) sum to 8, but 'experts' has 6 along split_dim=1"):
