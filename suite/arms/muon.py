@@ -253,7 +253,8 @@ class Muon(torch.optim.Optimizer):
     # The hyperparameters a captured step reads from device tensors, hence may change between replays.
     live_hyperparameters = ("lr", "weight_decay", "momentum", "betas")
     # The most elements one batched Newton-Schulz takes (its stack; its bf16 temporaries are about
-    # as large): a bound on the step's extra memory that still fills an H200 with work.
+    # as large): a bound on the step's extra memory. Its cost in speed is not yet measured
+    # (docs/arms/split-muon.md, Limits).
     max_batch_elements = 1 << 27
     # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
     # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
