@@ -216,7 +216,8 @@ def _wrong_dim(params, sizes, dim, rule, nesterov, capturable) -> Muon:
 
 
 class _StackAsOneMatrix(Muon):
-    """Saboteur: a 3-D stack orthogonalised as one tall matrix [E * rows, cols], split as one."""
+    """Saboteur: a 3-D stack orthogonalised as one tall matrix [E * rows, cols], unsplit (what Muon
+    on the stack flattened to a matrix would do)."""
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
         return super().split_blocks(update.flatten(0, 1) if update.dim() == 3 else update, group)
