@@ -256,6 +256,7 @@ _EXEMPLARS = {
     ("olmo2", "Olmo2RMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight * x).to(dtype)
     ("gemma", "GemmaRMSNorm"): NormRule("eps", 1.0, False),               # x * (1 + weight), fp32
     ("helium", "HeliumRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # (weight.float() * x).to(dtype)
+    ("ergo", "ErgoRMSNorm"): NormRule("eps", 0.0, False),  # F.rms_norm in fp32, weight too, one rounding
     # Gemma 4's: x * (mean + eps)^-0.5, times the weight in fp32 where it has one (with_scale)
     ("gemma4", "Gemma4RMSNorm"): NormRule(("variance_epsilon", "eps"), 0.0, False),
     # DeepSeek-V4's, no weight: x * rstd, its rstd rounded to x's dtype first (ours applies it in fp32)
@@ -263,8 +264,9 @@ _EXEMPLARS = {
     ("inkling2", "Inkling2UnweightedRMSNorm"): NormRule("variance_epsilon", 0.0, False),  # x * rstd in fp32, no weight
 }
 # Classes named like a norm that are none: one whose code is theirs is left to the model (HY-V4's
-# "unweighted norm" returns rstd alone, for the model to multiply by later).
-_NOT_NORMS = (("hy_v4", "HYV4UnweightedRMSNorm"),)
+# "unweighted norm" returns rstd alone, for the model to multiply by later; AXK2's gated norm
+# wraps a norm module, patched on its own, and multiplies it by a gate of its own).
+_NOT_NORMS = (("hy_v4", "HYV4UnweightedRMSNorm"), ("axk2", "AXK2GatedRMSNorm"))
 RMS_NORM_IMPLS = ("auto", "fused")
 
 
@@ -361,7 +363,7 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
     custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
     kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
-    Helium's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
+    Helium's, Ergo's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
     another name, as most of transformers' models carry; a class its code shows is no norm
     (`_NOT_NORMS`) is left as it is. Every
     RMSNorm class is checked first: one this does not know raises IntegrationError naming it,

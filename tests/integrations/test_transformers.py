@@ -215,6 +215,25 @@ def test_apply_rms_norm_gives_the_models_loss_and_gradients_and_restore_its_bits
     assert torch.equal(again_loss, stock_loss) and all(torch.equal(again[n], g) for n, g in stock.items())
 
 
+def test_a_norm_of_torchs_own_rms_norm_in_fp32_rounds_once_as_the_kernels_do():
+    """Ergo's norm, F.rms_norm on x and its fp32 weight in fp32 and then x's dtype: the kernels
+    compute that in fp32 and round once, so bf16 outputs agree to an ulp of bf16."""
+    ergo = pytest.importorskip("transformers.models.ergo.modeling_ergo")
+    norm = ergo.ErgoRMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 24))
+    x = torch.randn(7, 24, generator=torch.Generator().manual_seed(2)).bfloat16().requires_grad_()
+    want = norm(x)
+    (want_dx,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    assert hf.rms_norm_rule(norm) is not None
+    assert hf.apply_rms_norm(torch.nn.Sequential(norm), impl="fused") == 1
+    got = norm(x)
+    (got_dx,) = torch.autograd.grad(got, x, torch.ones_like(got))
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-8, atol=0)
+    torch.testing.assert_close(got_dx, want_dx, rtol=2**-7, atol=1e-2)
+
+
 @pytest.mark.parametrize("family, name", [("deepseek_v4", "DeepseekV4UnweightedRMSNorm"),
                                           ("inkling2", "Inkling2UnweightedRMSNorm")])
 def test_an_unweighted_norm_runs_at_scale_one_and_records_so(tmp_path, family, name):
@@ -255,6 +274,23 @@ def test_a_class_named_like_a_norm_known_to_be_none_is_left_to_the_model():
     assert hf.rms_norm_rule(rstd_only) is None and hf.apply_rms_norm(holder, impl="fused") == 1
     assert hasattr(holder[0], "_suite_rms_norm") and not hasattr(rstd_only, "_suite_rms_norm")
     assert torch.equal(rstd_only(x), want) and want.shape == (3, 1)
+
+
+def test_a_gated_norm_keeps_its_gate_and_its_inner_norm_is_patched():
+    """AXK2's gated norm, RMSNorm(x) * sigmoid(gate(RMSNorm(x))): a wrapper of a norm module.
+    Its inner norm (Llama's code) runs the kernels; its gate stays the model's; it was refused
+    whole, and the model with it."""
+    axk2 = pytest.importorskip("transformers.models.axk2.modeling_axk2")
+    gated = axk2.AXK2GatedRMSNorm(axk2.AXK2Config(hidden_size=24, gated_norm_rank=4))
+    x = torch.randn(5, 24, requires_grad=True)
+    want = gated(x)
+    (want_dx,) = torch.autograd.grad(want.square().sum(), x)
+    assert hf.apply_rms_norm(torch.nn.Sequential(gated), impl="fused") == 1
+    assert hasattr(gated.norm, "_suite_rms_norm") and not hasattr(gated, "_suite_rms_norm")
+    got = gated(x)
+    (got_dx,) = torch.autograd.grad(got.square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_dx, want_dx, rtol=1e-5, atol=1e-6)
 
 
 def test_a_patched_model_deepcopies_pickles_and_restores_like_a_stock_one(tmp_path):
