@@ -20,8 +20,9 @@ fused matrix would mix the singular directions of unrelated blocks and scale the
 fused shape. The param-group option split_sizes=(s1, s2, ...) cuts each parameter of the group
 along split_dim (0: the output rows of a torch.nn.Linear weight; 1: weights stored input-major)
 and gives each block the update a separate parameter of the block's shape would get: its own
-Newton-Schulz and its own scale. Momentum stays one buffer of the fused shape (it is elementwise),
-and weight decay and lr are the group's.
+Newton-Schulz and its own scale (split_interleaved=True: n equal blocks that alternate, block k
+every n-th row or column from k). Momentum stays one buffer of the fused shape (it is
+elementwise), and weight decay and lr are the group's.
 
 Batching. The matrices of one step that agree in shape, dtype, device, ns_steps and scale rule
 (blocks and whole parameters alike, across the Muon groups) are orthogonalised together, one
@@ -241,8 +242,10 @@ class Muon(torch.optim.Optimizer):
 
     Param-group options of the Muon groups: split_sizes (None, or two or more positive sizes that
     sum to each matrix's size along split_dim) and split_dim (0 or 1) orthogonalise and scale each
-    block of a fused weight on its own; batch_ns=False runs Newton-Schulz one matrix at a time. A
-    Muon group may hold 3-D params, stacks of matrices each stepped on its own (module docstring).
+    block of a fused weight on its own; split_interleaved=True takes n equal blocks that alternate
+    (block k is every n-th row or column from k: gpt-oss's gate and up); batch_ns=False runs
+    Newton-Schulz one matrix at a time. A Muon group may hold 3-D params, stacks of matrices each
+    stepped on its own (module docstring).
 
     Subclasses change the update by overriding muon_momentum (the momentum step, which returns the
     matrix to orthogonalise), split_blocks and join_blocks (its inverse), orthogonalize (scale *
@@ -258,14 +261,14 @@ class Muon(torch.optim.Optimizer):
     max_batch_elements = 1 << 27
     # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
     # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
-    kept_on_load = ("capturable", "split_sizes", "split_dim", "batch_ns")
+    kept_on_load = ("capturable", "split_sizes", "split_dim", "split_interleaved", "batch_ns")
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, scale: str = "spectral", ns_steps: int = 5,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
                         ns_steps=ns_steps, betas=betas, eps=eps, capturable=capturable,
-                        split_sizes=None, split_dim=0, batch_ns=True)
+                        split_sizes=None, split_dim=0, split_interleaved=False, batch_ns=True)
         # Device copies of the live hyperparameters by group index; kept out of param_groups so
         # that state_dict never saves them and a load never restores stale ones.
         self._device_hyperparameters: dict[int, dict[str, torch.Tensor]] = {}
@@ -333,6 +336,8 @@ class Muon(torch.optim.Optimizer):
         dim, sizes = group["split_dim"], group["split_sizes"]
         if not (_is_int(dim) and dim in (0, 1)):
             raise ValueError(f"{where}: split_dim must be 0 (output rows) or 1 (input columns), not {dim!r}")
+        if not isinstance(group["split_interleaved"], bool):
+            raise ValueError(f"{where}: split_interleaved must be True or False, not {group['split_interleaved']!r}")
         if sizes is None:
             return
         # before the use_muon check: a vector in the group is why use_muon was inferred False
@@ -352,6 +357,9 @@ class Muon(torch.optim.Optimizer):
         if not all(_is_int(size) and size > 0 for size in sizes):
             raise ValueError(f"{where}: split_sizes must be positive ints, not {sizes!r}")
         group["split_sizes"] = tuple(sizes)
+        if group["split_interleaved"] and len(set(sizes)) > 1:
+            raise ValueError(f"{where}: split_interleaved takes every n-th row (or column) into a block, so its "
+                             f"split_sizes must be equal, not {tuple(sizes)}")
         for position, p in enumerate(group["params"]):
             along = p.shape[-2:][dim]  # a 3-D param's matrices split as a 2-D param does
             if sum(sizes) != along:
@@ -478,9 +486,13 @@ class Muon(torch.optim.Optimizer):
         """The blocks of update (views) that are orthogonalised on their own, in order: the whole
         matrix without a split; a 3-D update's matrices one after another, each split alike."""
         matrices = update.unbind(0) if update.dim() == 3 else (update,)
-        if group["split_sizes"] is None:
+        sizes, dim = group["split_sizes"], group["split_dim"]
+        if sizes is None:
             return list(matrices)
-        return [block for matrix in matrices for block in matrix.split(group["split_sizes"], dim=group["split_dim"])]
+        if group["split_interleaved"]:  # block k: rows (columns) k, k + n, k + 2n, ...
+            n = len(sizes)
+            return [matrix.unflatten(dim, (sizes[0], n)).select(dim + 1, k) for matrix in matrices for k in range(n)]
+        return [block for matrix in matrices for block in matrix.split(sizes, dim=dim)]
 
     def join_blocks(self, directions: list[torch.Tensor], update: torch.Tensor, group: dict) -> torch.Tensor:
         """split_blocks' inverse: the blocks' directions as one of update's shape."""
@@ -489,8 +501,14 @@ class Muon(torch.optim.Optimizer):
         if len(directions) == 1:
             return directions[0] if update.dim() == 2 else directions[0].unsqueeze(0)
         per_matrix = len(directions) // (update.shape[0] if update.dim() == 3 else 1)
-        matrices = [torch.cat(directions[i:i + per_matrix], dim=group["split_dim"]) if per_matrix > 1 else directions[i]
-                    for i in range(0, len(directions), per_matrix)]
+        dim = group["split_dim"]
+        if per_matrix == 1:
+            matrices = directions
+        elif group["split_interleaved"]:
+            matrices = [torch.stack(directions[i:i + per_matrix], dim=dim + 1).flatten(dim, dim + 1)
+                        for i in range(0, len(directions), per_matrix)]
+        else:
+            matrices = [torch.cat(directions[i:i + per_matrix], dim=dim) for i in range(0, len(directions), per_matrix)]
         return torch.stack(matrices) if update.dim() == 3 else matrices[0]
 
     def directions(self, work: list[tuple[dict, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:

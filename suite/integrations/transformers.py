@@ -431,20 +431,17 @@ def _fused_split(name: str, module: nn.Module, config) -> tuple[int, ...] | None
 EXPERTS_OPTIMIZERS = ("adamw", "muon")
 
 
-def _expert_weight_options(name: str, module: nn.Module, param: torch.Tensor) -> dict | None:
+def _expert_weight_options(module: nn.Module, param: torch.Tensor) -> dict | None:
     """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own,
-    a concatenated gate_up_proj split into gate and up); None for an expert bias, which AdamW
-    takes."""
+    gate_up_proj split into gate and up, halves or alternating as the module stores them); None
+    for an expert bias, which AdamW takes."""
     if param.dim() != 3:
         return None
     if param is not getattr(module, "gate_up_proj", None):  # down_proj, a gateless up_proj, MoEExperts' three
         return {}
-    if not module.is_concatenated:
-        raise IntegrationError(f"muon_param_groups: {name} alternates gate and up (is_concatenated=False), which "
-                               "Muon's contiguous blocks cannot split; pass experts='adamw'")
     dim = 1 if module.is_transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
     half = param.shape[1 + dim] // 2
-    return {"split_sizes": (half, half), "split_dim": dim}
+    return {"split_sizes": (half, half), "split_dim": dim, "split_interleaved": not module.is_concatenated}
 
 
 def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -> list[dict]:
@@ -453,9 +450,10 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     decay), the output head, vectors (norms, biases, expert biases) and the 3-D expert weights
     to AdamW, with the optimizer's defaults. experts="muon" gives the expert weights (of the
     experts modules transformers' experts interface dispatches, and of `suite.arms.moe.MoEExperts`)
-    to Muon instead, each expert's matrix stepped on its own and gate_up_proj split into gate and up. A fused qkv_proj or
-    gate_up_proj Linear gets split_sizes, so each block is orthogonalised on its own. Every
-    group carries param_names; empty groups are left out.
+    to Muon instead, each expert's matrix stepped on its own and gate_up_proj split into gate and
+    up (alternating ones too, gpt-oss's). A fused qkv_proj or gate_up_proj Linear gets
+    split_sizes, so each block is orthogonalised on its own. Every group carries param_names;
+    empty groups are left out.
 
         optimizer = Muon(muon_param_groups(model, lr=0.02), lr=3e-4)   # lr=3e-4: the AdamW groups'
     """
@@ -469,8 +467,8 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     split_of = {id(m.weight): _fused_split(name, m, config) for name, m in model.named_modules()
                 if isinstance(m, nn.Linear)}
     # an experts module's own parameters: its 3-D weights and any biases (2-D, one row an expert)
-    expert_params = {id(p): (f"{name}.{leaf}", m, p) for name, m in model.named_modules()
-                     if is_experts_module(m) or isinstance(m, MoEExperts) for leaf, p in m.named_parameters(recurse=False)}
+    expert_params = {id(p): (m, p) for m in model.modules() if is_experts_module(m) or isinstance(m, MoEExperts)
+                     for p in m.parameters(recurse=False)}
     groups: dict[tuple, dict] = {}
 
     def put(key: tuple, name: str, param: nn.Parameter, **options) -> None:

@@ -162,6 +162,8 @@ STACKS = {
     "gate-up-rows": ((5, 12, 8), (6, 6), 0),
     "gate-up-columns": ((3, 8, 12), (6, 6), 1),
 }
+# gpt-oss's gate_up [E, d, 2f] alternates gate and up columns: split_interleaved
+INTERLEAVED = {"rows": ((3, 12, 8), (6, 6), 0), "columns": ((3, 8, 12), (4, 4, 4), 1)}
 
 
 def blocks_of(stack, sizes, dim):
@@ -199,6 +201,41 @@ def test_a_stack_of_matrices_is_bitwise_its_matrices_as_separate_params(case, ru
     assert_bitwise(stacked.detach(), joined([p.detach() for p in separate], shape, sizes, dim), case)
     buffers = [separate_opt.state[p]["momentum_buffer"] for p in separate]
     assert_bitwise(stacked_opt.state[stacked]["momentum_buffer"], joined(buffers, shape, sizes, dim), "momentum")
+
+
+@pytest.mark.parametrize("case", INTERLEAVED)
+def test_interleaved_blocks_are_bitwise_their_every_nth_rows_as_separate_params(case):
+    """split_interleaved: block k of each matrix is its rows (columns) k, k + n, ...; the stack
+    steps as those blocks given as separate parameters, de-interleaved."""
+    shape, sizes, dim = INTERLEAVED[case]
+    n = len(sizes)
+
+    def blocks(t):
+        return [m.unflatten(dim, (sizes[0], n)).select(dim + 1, k) for m in t.unbind(0) for k in range(n)]
+
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    stacked = p0.clone().requires_grad_()
+    separate = [b.clone().requires_grad_() for b in blocks(p0)]
+    split = {"split_sizes": sizes, "split_dim": dim, "split_interleaved": True}
+    stacked_opt = Muon([{"params": [stacked], "use_muon": True, **split}], lr=0.02, weight_decay=0.01)
+    separate_opt = Muon([{"params": separate}], lr=0.02, weight_decay=0.01)
+    for grad in grads_for(shape, 4):
+        stacked.grad = grad.clone()
+        for p, block in zip(separate, blocks(grad)):
+            p.grad = block.clone()
+        stacked_opt.step()
+        separate_opt.step()
+    assert_bitwise(torch.stack([b for b in blocks(stacked.detach())]), torch.stack([p.detach() for p in separate]), case)
+    contiguous = Muon([{"params": [p0.clone().requires_grad_()], "use_muon": True, "split_sizes": sizes,
+                        "split_dim": dim}], lr=0.02)
+    assert contiguous.param_groups[0]["split_interleaved"] is False  # the default: contiguous blocks
+
+
+def test_interleaved_blocks_must_be_equal():
+    with pytest.raises(ValueError, match=r"split_interleaved takes every n-th row .* must be equal, not \(4, 8\)"):
+        Muon([{"params": [torch.zeros(12, 4)], "split_sizes": (4, 8), "split_interleaved": True}], lr=0.1)
+    with pytest.raises(ValueError, match=r"split_interleaved must be True or False, not 1"):
+        Muon([{"params": [torch.zeros(12, 4)], "split_sizes": (6, 6), "split_interleaved": 1}], lr=0.1)
 
 
 def test_each_matrix_of_a_stack_gets_its_own_scale_and_polar_factor():

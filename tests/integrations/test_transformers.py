@@ -515,9 +515,11 @@ def test_muon_param_groups_split_a_transposed_gate_up_along_each_experts_columns
     assert (gate_up["split_sizes"], gate_up["split_dim"]) == ((6, 6), 1)
 
 
-def test_muon_param_groups_leave_expert_biases_to_adamw_and_refuse_an_interleaved_split():
+def test_muon_param_groups_leave_expert_biases_to_adamw_and_split_an_interleaved_gate_up():
     """gpt-oss's expert biases are 2-D ([E, 2f]): AdamW's, never Muon's (they had been routed as
-    hidden matrices); its gate and up alternate, which Muon's blocks cannot split."""
+    hidden matrices); its gate_up [E, d, 2f] alternates gate and up columns, split so."""
+    from suite.arms.muon import Muon
+
     config = transformers.GptOssConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=8, intermediate_size=24, num_local_experts=4,
                                        num_experts_per_tok=2)
@@ -525,9 +527,14 @@ def test_muon_param_groups_leave_expert_biases_to_adamw_and_refuse_an_interleave
     groups = hf.muon_param_groups(model)
     adamw = [n for g in groups if not g["use_muon"] for n in g["param_names"]]
     assert {"model.layers.0.mlp.experts.gate_up_proj_bias", "model.layers.0.mlp.experts.down_proj_bias"} <= set(adamw)
-    with pytest.raises(hf.IntegrationError, match=r"model.layers.0.mlp.experts.gate_up_proj alternates gate and up "
-                                                   r"\(is_concatenated=False\).*pass experts='adamw'"):
-        hf.muon_param_groups(model, experts="muon")
+    groups = hf.muon_param_groups(model, experts="muon")
+    gate_up = next(g for g in groups if g["param_names"] == ["model.layers.0.mlp.experts.gate_up_proj"])
+    assert (gate_up["split_sizes"], gate_up["split_dim"], gate_up["split_interleaved"]) == ((24, 24), 1, True)
+    optimizer = Muon(groups, lr=3e-4)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert all(p.isfinite().all() for p in model.parameters())
 
 
 # ---- on the GPU ----
