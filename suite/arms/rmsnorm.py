@@ -228,8 +228,8 @@ def _forward(x2d, weight, eps: float, offset: float, cfg: LaunchConfig, with_sta
 
 def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce_dw: bool, dw=None, partials=None):
     """-> (dx, dw) with reduce_dw, else (dx, dW partials); nothing launched when M is 0. With
-    reduce_dw, `dw` is where the reduced dW goes and `partials` the scratch rows the launch
-    sums it from (the eager path passes both, see _RMSNormFunction); new tensors when None."""
+    reduce_dw, `dw` is where the reduced dW goes; `partials` the rows the launch writes the dW
+    partials to (the eager path passes both, see _RMSNormFunction); new tensors when None."""
     n_rows, n_cols = x2d.shape
     device = x2d.device
     dx = torch.empty_like(x2d)
@@ -243,7 +243,8 @@ def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce
         if dw is None:
             dw = torch.empty(n_cols, dtype=weight.dtype, device=device)
     else:
-        partials = dw = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
+        partials = dw = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device) if partials is None \
+            else partials[:cfg.n_parts]
     if cfg.looped:
         gx_sum = torch.empty(n_rows, dtype=torch.float32, device=device)
         cfg.row_dot(cfg.row_grid, dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset)
@@ -387,7 +388,9 @@ class _RMSNormFunction(torch.autograd.Function):
     piece of Python costs two to three times what it costs alone (docs/arms/rmsnorm.md),
     so the work is kept small: dW's buffer (N values) is allocated in the forward, the dW
     partials come from the stream's workspace (`_partials_workspace`), and the backward
-    allocates dx and launches once (rows that loop: one allocation and one launch more)."""
+    allocates dx and launches once (rows that loop: one allocation and one launch more). A
+    weight that needs no gradient (frozen, or an unweighted norm's ones) gets no dW: the launch
+    leaves its partials unsummed."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset):
@@ -395,7 +398,7 @@ class _RMSNormFunction(torch.autograd.Function):
         y, stats = _forward(x2d, weight, eps, offset, cfg, with_stats=True)
         ctx.save_for_backward(x2d, weight, stats)
         ctx.offset, ctx.cfg = offset, cfg
-        ctx.dw = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
+        ctx.dw = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if weight.requires_grad else None
         return _y_like(y, x)
 
     @staticmethod
@@ -405,8 +408,10 @@ class _RMSNormFunction(torch.autograd.Function):
         # first one returned
         dw, ctx.dw = ctx.dw, None
         partials = _partials_workspace(ctx.cfg, x2d.shape[1], x2d.device) if x2d.shape[0] else None
-        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=True, dw=dw, partials=partials)
-        return _y_like(dx, dy), dw, None, None
+        want_dw = ctx.needs_input_grad[1]
+        dx, dw = _backward(_as_rows(dy), x2d, weight, stats, ctx.offset, ctx.cfg, reduce_dw=want_dw, dw=dw,
+                           partials=partials)
+        return _y_like(dx, dy), dw if want_dw else None, None, None
 
 
 # Under torch.compile the same kernels run as custom ops: opaque to dynamo (no graph break),

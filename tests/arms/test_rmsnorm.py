@@ -151,6 +151,28 @@ def test_a_second_backward_of_one_graph_returns_a_dw_of_its_own():
     torch.testing.assert_close(second[1].float(), 2 * first[1].float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("n", [96, 1 << 15])  # a row in one stripe, and a looped one
+def test_a_frozen_weight_gets_no_dw_and_x_the_same_gradient(monkeypatch, n):
+    """A weight that needs no gradient (frozen, or an unweighted norm's ones): the backward takes
+    the launch that leaves the dW partials unsummed, and dx has the bits it has beside a dW."""
+    launched = []
+    direct = triton_support.KeptLaunches.__call__
+
+    def spy(self, launcher, *args):
+        launched.append(launcher)
+        return direct(self, launcher, *args)
+
+    monkeypatch.setattr(triton_support.KeptLaunches, "__call__", spy)
+    x, weight, dy = make((40, n), torch.bfloat16)
+    x = x.requires_grad_()
+    (frozen_dx,) = torch.autograd.grad(fused(x, weight), x, dy)
+    cfg = arm._launch_config(40, n, x.device)
+    assert cfg.backward_partials in launched and cfg.backward not in launched
+    trained = weight.detach().requires_grad_()
+    dx, dw = torch.autograd.grad(fused(x, trained), (x, trained), dy)
+    assert torch.equal(bits(frozen_dx), bits(dx)) and dw is not None
+
+
 def test_deterministic():
     x, weight, dy = make((200, 96), torch.bfloat16)
     first, second = run(fused, x, weight, dy), run(fused, x, weight, dy)
