@@ -151,6 +151,7 @@ def test_a_second_backward_of_one_graph_returns_a_dw_of_its_own():
     torch.testing.assert_close(second[1].float(), 2 * first[1].float(), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.cuda  # and on the CPU, interpreted: the GPU run takes it too (the stream's workspace)
 @pytest.mark.parametrize("n", [96, 1 << 15])  # a row in one stripe, and a looped one
 def test_a_frozen_weight_gets_no_dw_and_x_the_same_gradient(monkeypatch, n):
     """A weight that needs no gradient (frozen, or an unweighted norm's ones): the backward takes
