@@ -339,6 +339,8 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(group["split_interleaved"], bool):
             raise ValueError(f"{where}: split_interleaved must be True or False, not {group['split_interleaved']!r}")
         if sizes is None:
+            if group["split_interleaved"]:
+                raise ValueError(f"{where}: split_interleaved says how split_sizes cuts; give split_sizes too")
             return
         # before the use_muon check: a vector in the group is why use_muon was inferred False
         for position, p in enumerate(group["params"]):

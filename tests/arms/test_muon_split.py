@@ -236,6 +236,8 @@ def test_interleaved_blocks_must_be_equal():
         Muon([{"params": [torch.zeros(12, 4)], "split_sizes": (4, 8), "split_interleaved": True}], lr=0.1)
     with pytest.raises(ValueError, match=r"split_interleaved must be True or False, not 1"):
         Muon([{"params": [torch.zeros(12, 4)], "split_sizes": (6, 6), "split_interleaved": 1}], lr=0.1)
+    with pytest.raises(ValueError, match=r"split_interleaved says how split_sizes cuts; give split_sizes too"):
+        Muon([{"params": [torch.zeros(12, 4)], "split_interleaved": True}], lr=0.1)
 
 
 def test_each_matrix_of_a_stack_gets_its_own_scale_and_polar_factor():
