@@ -516,9 +516,23 @@ class Muon(torch.optim.Optimizer):
     def directions(self, work: list[tuple[dict, list[torch.Tensor]]]) -> list[list[torch.Tensor]]:
         """For each (group, updates), each update's direction, of its shape: every block orthogonalised
         and scaled on its own. Matrices that agree in shape, dtype, device, ns_steps and scale rule
-        are orthogonalised as one batch, across groups, in order: groups, params, blocks."""
+        are orthogonalised as one batch, across groups, in order: groups, params, blocks. A
+        parameter is joined as soon as its last block is done, and its blocks let go, so a batch's
+        output is freed once every parameter in it is joined (a split or stacked one is a copy)."""
         blocks = [[self.split_blocks(update, group) for update in updates] for group, updates in work]
         oriented = [[[None] * len(parts) for parts in group_blocks] for group_blocks in blocks]
+        waiting = [[len(parts) for parts in group_blocks] for group_blocks in blocks]
+        joined = [[self.join_blocks([], update, group) if not parts else None for parts, update in zip(group_blocks, updates)]
+                  for group_blocks, (group, updates) in zip(blocks, work)]
+
+        def done(g: int, i: int, j: int, direction: torch.Tensor) -> None:
+            oriented[g][i][j] = direction
+            waiting[g][i] -= 1
+            if waiting[g][i] == 0:
+                group, updates = work[g]
+                joined[g][i] = self.join_blocks(oriented[g][i], updates[i], group)
+                oriented[g][i] = None
+
         batches: dict[tuple, list[tuple[int, int, int]]] = {}
         for g, (group, _) in enumerate(work):
             for i, parts in enumerate(blocks[g]):
@@ -527,7 +541,7 @@ class Muon(torch.optim.Optimizer):
                         key = (block.shape, block.dtype, block.device, group["ns_steps"], group["scale"])
                         batches.setdefault(key, []).append((g, i, j))
                     else:
-                        oriented[g][i][j] = self.orthogonalize(block, group)
+                        done(g, i, j, self.orthogonalize(block, group))
         for members in batches.values():
             g, i, j = members[0]
             per_batch = max(1, self.max_batch_elements // blocks[g][i][j].numel())
@@ -537,10 +551,11 @@ class Muon(torch.optim.Optimizer):
                 # the members' groups agree on everything orthogonalize reads
                 stacked = torch.stack([blocks[g][i][j] for g, i, j in chunk])
                 batch = self.orthogonalize(stacked, work[chunk[0][0]][0])
+                del stacked  # freed before the joins below copy out of the batch
                 for k, (g, i, j) in enumerate(chunk):
-                    oriented[g][i][j] = batch[k]
-        return [[self.join_blocks(parts, update, group) for parts, update in zip(group_oriented, updates)]
-                for (group, updates), group_oriented in zip(work, oriented)]
+                    done(g, i, j, batch[k])
+                del batch  # freed before the next chunk's stack, unless a param still holds a view
+        return joined
 
     def orthogonalize(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """scale * newton_schulz(update), a new tensor, for a matrix or a 3-D batch of equal-shaped

@@ -295,6 +295,30 @@ def test_batches_past_the_cap_run_in_consecutive_runs_with_the_bits_of_separate_
     assert_bitwise(*runs)
 
 
+def test_a_chunks_output_is_freed_once_its_params_are_joined():
+    """Three stacks of 4 matrices, a cap of one stack a batch: when the second and third batches
+    are orthogonalised, the earlier batches' outputs are gone (each stack joined as its own
+    copy), so the step holds one batch's output at a time, not all of them."""
+    import weakref
+
+    class Watching(Muon):
+        max_batch_elements = 4 * 8 * 8
+
+        def orthogonalize(self, update, group):
+            self.alive_before.append(sum(ref() is not None for ref in self.outputs))
+            out = super().orthogonalize(update, group)
+            self.outputs.append(weakref.ref(out))
+            return out
+
+    stacks = [torch.zeros(4, 8, 8, requires_grad=True) for _ in range(3)]
+    for p in stacks:
+        p.grad = torch.randn(p.shape)
+    opt = Watching([{"params": stacks, "use_muon": True}], lr=0.02)
+    opt.outputs, opt.alive_before = [], []
+    opt.step()
+    assert opt.alive_before == [0, 0, 0] and len(opt.outputs) == 3
+
+
 @pytest.mark.parametrize("saved_split,loaded_split", [(True, False), (False, True), (True, True)])
 def test_checkpoints_cross_between_split_and_whole(saved_split, loaded_split):
     """Momentum has the fused shape either way; the loading optimizer keeps its own split options."""
