@@ -243,8 +243,9 @@ def _backward(dy2d, x2d, weight, stats, offset: float, cfg: LaunchConfig, reduce
         if dw is None:
             dw = torch.empty(n_cols, dtype=weight.dtype, device=device)
     else:
-        partials = dw = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device) if partials is None \
-            else partials[:cfg.n_parts]
+        if partials is None:
+            partials = torch.empty((cfg.n_parts, n_cols), dtype=torch.float32, device=device)
+        partials = dw = partials[:cfg.n_parts]
     if cfg.looped:
         gx_sum = torch.empty(n_rows, dtype=torch.float32, device=device)
         cfg.row_dot(cfg.row_grid, dy2d, x2d, weight, gx_sum, dy2d.stride(0), x2d.stride(0), n_rows, n_cols, offset)
