@@ -421,7 +421,7 @@ class MoEExperts(nn.Module):
             raise ValueError(f"MoEExperts: x must be [..., {self.hidden_size}] (the layer's hidden_size), "
                              f"got shape {tuple(x.shape)}")
         weights = self.w_gate.dtype
-        # under autocast the eager reference's matmuls take mixed dtypes (the kernels say so themselves)
+        # under autocast the eager reference's matmuls take mixed dtypes; the fused path checks its own
         if x.dtype != weights and not torch.is_autocast_enabled(x.device.type):
             fix = f"x.to({weights}) or layer.to({x.dtype})" if x.is_floating_point() else f"x.to({weights})"
             raise TypeError(f"MoEExperts: x is {x.dtype} but the layer's weights are {weights}: pass {fix}")
