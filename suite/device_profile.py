@@ -43,6 +43,12 @@ def _max_shared_mem(index: int) -> int:
     return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
 
 
+def forget() -> None:
+    """Drop the device facts kept per process (tests and the cross-compiler swap cards)."""
+    _capability_major.cache_clear()
+    _max_shared_mem.cache_clear()
+
+
 def active_profile(device=None) -> Profile:
     choice = os.environ.get("SUITE_PROFILE", "auto").strip().lower()
     if choice in ("rtx", "none"):

@@ -195,6 +195,14 @@ def _compute_launch_config(n_rows: int, n_cols: int, device: torch.device) -> La
     )
 
 
+def forget() -> None:
+    """Drop what is kept per device (launch configs, SM counts, dW workspaces): the next call
+    chooses again (the cross-compiler swaps the card under them)."""
+    _configs.clear()
+    _workspaces.clear()
+    _sm_count.cache_clear()
+
+
 def _counter_slots(n_cols: int, device: torch.device) -> int:
     """Counter slots the forward puts after the rstd: a function of N and the device only (any
     row count gives the same), so a fake tensor with a symbolic row count has its size."""

@@ -1,0 +1,53 @@
+"""scripts/cross_compile.py: its cases on the CPU, and, with a CUDA build of torch (no GPU
+needed), every kernel of the MoE arm at a model preset compiled for the H200 and the RTX card:
+no error, and within each card's shared memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from scriptload import SCRIPTS, load_script
+
+needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                                      reason="compiling for a GPU needs a CUDA build of torch")
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("cross_compile")
+
+
+def test_every_model_preset_is_compiled_in_every_activation_and_layout(script):
+    cases = dict(script.moe_cases([]))
+    for preset in script.MODEL_PRESETS:
+        assert cases[preset]["layout"] == "model" and cases[preset]["activation"] == "swiglu"
+        assert {cases[f"{preset} {a}"]["activation"] for a in ("clamped", "geglu")} == {"clamped", "geglu"}
+        assert {cases[f"{preset} {layout}"]["layout"] for layout in ("transposed", "interleaved", "apart")} == {
+            "transposed", "interleaved", "apart"}
+    assert {cases[f"top2-small {dtype}"]["dtype"] for dtype in ("fp16", "fp32")} == {"fp16", "fp32"}
+    assert all(not name.startswith("tiny") for name in cases)  # the GPU presets alone
+
+
+def _compile(tmp_path, *args) -> list[dict]:
+    out = tmp_path / "builds.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter compiles nothing
+    done = subprocess.run([sys.executable, str(SCRIPTS / "cross_compile.py"), *args, "--json", str(out)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_the_moe_arm_compiles_for_both_cards_within_their_shared_memory(tmp_path):
+    builds = _compile(tmp_path, "--arm", "moe", "--preset", "olmoe")
+    made = {(b["target"], b["kernel"]) for b in builds}
+    assert {("sm90", k) for k in ("up_tma_kernel", "rows_tma_kernel", "gather_rows_kernel")} <= made  # the H200's paths
+    assert {("sm120", k) for k in ("up_kernel", "rows_gemm_kernel", "weight_grad_kernel")} <= made  # the RTX card's
+    assert all(b["error"] is None and b["shared"] <= b["limit"] for b in builds)
