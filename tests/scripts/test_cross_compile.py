@@ -1,6 +1,6 @@
 """scripts/cross_compile.py: its cases on the CPU, and, with a CUDA build of torch (no GPU
 needed), every kernel of the MoE arm at a model preset compiled for the H200 and the RTX card:
-no error, and within each card's shared memory."""
+no error, within each card's shared memory, and no GEMM spilling on the RTX card."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from scriptload import SCRIPTS, load_script
 
 needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
                                       reason="compiling for a GPU needs a CUDA build of torch")
+GEMMS = ("up_kernel", "up_tma_kernel", "rows_gemm_kernel", "rows_tma_kernel", "weight_grad_kernel")
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +52,12 @@ def test_the_moe_arm_compiles_for_both_cards_within_their_shared_memory(tmp_path
     assert {("sm90", k) for k in ("up_tma_kernel", "rows_tma_kernel", "gather_rows_kernel")} <= made  # the H200's paths
     assert {("sm120", k) for k in ("up_kernel", "rows_gemm_kernel", "weight_grad_kernel")} <= made  # the RTX card's
     assert all(b["error"] is None and b["shared"] <= b["limit"] for b in builds)
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_no_gemm_spills_on_the_rtx_card_in_bf16(tmp_path):
+    builds = _compile(tmp_path, "--arm", "moe", "--target", "sm120", "--preset", "qwen3-30b-a3b", "--preset", "mixtral")
+    gemms = [b for b in builds if b["kernel"] in GEMMS and b["signature"].startswith("bfloat16")]
+    assert {b["kernel"] for b in gemms} == {"up_kernel", "rows_gemm_kernel", "weight_grad_kernel"}
+    assert not [(b["kernel"], b["meta"], b["spill_bytes"]) for b in gemms if b["spill_bytes"] != 0]

@@ -61,6 +61,8 @@ GEMM_KINDS = {
 # the L2: taller tiles in groups then pay, 256x(2x64) grouped by 16 (scripts/moe_tune.py --sweep;
 # figures: docs/tuning.md).
 _BIG_WEIGHT = 1 << 24
+# The widest B tile of a kind with two of them under the rtx profile (see choose_gemm_config).
+_RTX_TWO_TILE_N = 64
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
 _MANY_ROWS = 128
@@ -135,6 +137,10 @@ def choose_gemm_config(kind: str, rows: int, n: int, dtype: torch.dtype, device,
         block_m, block_n, num_warps = 64, min(block_n, 128), 4
     if kind == "weight_grad_two" and weight_elems >= _BIG_WEIGHT:
         block_m, block_n, group_m = 256, 64, 16
+    if n_b == 2 and active_profile(device) == "rtx":
+        # sm_120 keeps the accumulators and the pointer tiles in registers: two 128x128
+        # accumulators spill there, two 128x64 do not (ptxas; docs/tuning.md)
+        block_n = min(block_n, _RTX_TWO_TILE_N)
     block_n = max(16, min(block_n, next_pow2(n)))
     if itemsize == 4:
         block_k //= 2  # fp32 (the parity path): the same bytes a step

@@ -425,6 +425,8 @@ def test_every_config_fits_rtx_shared_memory_by_its_estimate(monkeypatch, dtype,
     assert cfg.smem_bytes <= RTX_SMEM_BYTES
     assert cfg.num_stages >= 2  # every class still pipelines on the RTX card
     assert (cfg.n_a, cfg.n_b) == config.GEMM_KINDS[kind][0]
+    if cfg.n_b == 2:  # two accumulators of 128 columns spill on sm_120 (tests/harness/test_cross_compile.py)
+        assert cfg.block_n <= 64
 
 
 def test_the_h200_takes_the_measured_tiles_unshrunk(monkeypatch):
