@@ -13,7 +13,7 @@ import torch
 from triton import knobs
 
 from bitwise import assert_bitwise, bits
-from rtxcheck import assert_fit_rtx, compile_for_sm120, record_compiled
+from rtxcheck import assert_fit_rtx, record_compiled
 from suite.arms import rmsnorm as arm
 from suite import triton_support
 from suite.device_profile import RTX_SMEM_BYTES
@@ -497,22 +497,6 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
     assert {name for name, _ in recorded} == expected
     assert len({id(c) for name, c in recorded if name == "rms_norm_bwd_kernel"}) == 2  # folded, two-stage
     assert_fit_rtx(recorded)
-
-
-@pytest.mark.cuda
-@needs_cuda
-@pytest.mark.parametrize("n", [2048, 4096, 8192, 65536])
-def test_kernels_compiled_for_sm120_fit_rtx_shared_memory(monkeypatch, n):
-    """Compile (not launch) every kernel for the RTX 50-series' sm_120 on this GPU and read
-    the shared memory the compiler gave each: the configs the RTX will really get."""
-    kernels = compile_for_sm120(monkeypatch)
-    x, weight, dy = make((1024, n), torch.bfloat16)
-    _, stats = arm.rms_norm_forward(x, weight, 1e-6, 0.0)
-    arm.rms_norm_backward_reduced(dy, x, weight, stats, 0.0)
-    _, partials = arm.rms_norm_backward(dy, x, weight, stats, 0.0)
-    arm.reduce_dw_partials(partials, weight.dtype)
-    assert [name for name, _ in kernels].count("rms_norm_bwd_kernel") == 2
-    assert_fit_rtx(kernels, arch=120)
 
 
 def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):

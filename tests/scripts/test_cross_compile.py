@@ -1,6 +1,7 @@
 """scripts/cross_compile.py: its cases on the CPU, and, with a CUDA build of torch (no GPU
-needed), every kernel of the MoE arm at a model preset compiled for the H200 and the RTX card:
-no error, within each card's shared memory, and no GEMM spilling on the RTX card."""
+needed), every kernel of the MoE arm at a model preset compiled for the H200 and the RTX card
+(no error, within each card's shared memory, no GEMM spilling on the RTX card), and RMSNorm's
+for the RTX card at every GPU preset's width."""
 
 from __future__ import annotations
 
@@ -61,3 +62,16 @@ def test_no_gemm_spills_on_the_rtx_card_in_bf16(tmp_path):
     gemms = [b for b in builds if b["kernel"] in GEMMS and b["signature"].startswith("bfloat16")]
     assert {b["kernel"] for b in gemms} == {"up_kernel", "rows_gemm_kernel", "weight_grad_kernel"}
     assert not [(b["kernel"], b["meta"], b["spill_bytes"]) for b in gemms if b["spill_bytes"] != 0]
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_rmsnorm_compiles_for_the_rtx_card_unspilled_within_its_shared_memory(tmp_path):
+    """Every GPU preset's width, bf16 x with an fp32 and a bf16 weight: the forward with and
+    without stats, the folded and the two-stage backward, the looped row dot past 16384."""
+    builds = _compile(tmp_path, "--arm", "rmsnorm", "--target", "sm120")
+    assert {b["kernel"] for b in builds} == {"rms_norm_fwd_kernel", "rms_norm_bwd_kernel", "rms_norm_bwd_row_dot_kernel",
+                                              "reduce_dw_partials_kernel"}
+    assert {b["meta"]["REDUCE_DW"] for b in builds if b["kernel"] == "rms_norm_bwd_kernel"} == {True, False}
+    assert {b["meta"]["STORE_STATS"] for b in builds if b["kernel"] == "rms_norm_fwd_kernel"} == {True, False}
+    assert all(b["error"] is None and b["shared"] <= b["limit"] and b["spill_bytes"] == 0 for b in builds)
