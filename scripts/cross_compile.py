@@ -1,7 +1,9 @@
 """Compile every Triton kernel the arms launch at the GPU presets' shapes, for the H200 (sm_90)
 and the RTX 50-series card (sm_120, rtx profile), on a machine with no GPU: each build's shared
-memory against the card's limit, its registers and spills, or the compiler's error. Exit 1 on
-any error or any build over its card's shared memory.
+memory against the card's limit, its registers and spills, or the compiler's error; and every
+MoE gradient's shape and dtype against its input's, on the paths only a GPU takes (TMA
+descriptors, torch._grouped_mm). Exit 1 on any error, any case that fails, or any build over
+its card's shared memory.
 
 Needs a CUDA build of torch (no GPU, no driver; suite/harness/cross_compile.py says why) and
 TRITON_INTERPRET unset:
@@ -82,8 +84,13 @@ def run_moe(p: dict) -> None:
         weights = (torch.randn(gate_up, device="cuda", dtype=dtype), torch.randn(down, device="cuda", dtype=dtype))
     plan = launch.layer_plan(x, weights, layout, max_rows, k, ACTIVATIONS[p["activation"]])
     out, a, gu, y_rows = plan.forward(x, probs, weights, token_of_row, offsets, row_id_map, one_buffer=True)
-    _, grad_probs, _ = plan.backward(torch.randn_like(out), x, probs, weights, a, gu, y_rows, token_of_row, offsets,
-                                     row_id_map, reuse_saved=True)
+    dx, grad_probs, grads = plan.backward(torch.randn_like(out), x, probs, weights, a, gu, y_rows, token_of_row,
+                                          offsets, row_id_map, reuse_saved=True)
+    # the shapes the GPU-only paths give back (TMA, grouped_mm) are checked here, values are not
+    for name, grad, like in (("dx", dx, x), ("grad_probs", grad_probs, probs), *zip(("dw1", "dw2", "dw3"), grads, weights)):
+        if grad.shape != like.shape or grad.dtype != like.dtype:
+            raise AssertionError(f"{name} came back {tuple(grad.shape)} {grad.dtype}, its input is {tuple(like.shape)} "
+                                 f"{like.dtype}")
     grad_z = torch.ones((), device="cuda") if z_loss else None
     route_kernels.route_backward(grad_probs, grad_z, logits, lse, expert_ids, probs, True)
 
