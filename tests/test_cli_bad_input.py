@@ -37,7 +37,7 @@ import suite.files.buffers as buffers_module
 import suite.harness.store as store
 from cli import app
 from suite.arms import moe
-from suite.arms.muon import newton_schulz
+from suite.arms.muon import Muon, newton_schulz
 from suite.arms.rmsnorm import rms_norm
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
@@ -178,6 +178,20 @@ def integration(fn_name: str, *args, **kwargs):
         return getattr(hf, fn_name)(*args, **kwargs)
 
     return call
+
+
+def muon_of(shape=(6, 8), **options):
+    return lambda tmp: Muon([torch.nn.Parameter(torch.ones(shape))], **{"lr": 0.02, **options})
+
+
+def muon_state_of_another_shape(tmp: Path):
+    """Muon's state saved for a [3, 6, 8] expert stack, loaded for a [3, 8, 6] one."""
+    saved = torch.nn.Parameter(torch.randn(3, 6, 8))
+    optimizer = Muon([dict(params=[saved], use_muon=True)], lr=0.02)
+    saved.grad = torch.randn_like(saved)
+    optimizer.step()
+    other = Muon([dict(params=[torch.nn.Parameter(torch.randn(3, 8, 6))], use_muon=True)], lr=0.02)
+    other.load_state_dict(optimizer.state_dict())
 
 
 def capture_call(model, **kwargs):
@@ -777,6 +791,20 @@ CASES = [
          "newton_schulz: G must be floating point, not torch.int64"),
     Case("44.7", "newton_schulz with steps=-1 (it ran none)", library(newton_schulz, torch.ones(4, 4), steps=-1), USAGE,
          "newton_schulz: steps must be an int >= 1, got -1"),
+    Case("44.7", "muon_param_groups with a misspelt option (it rode along, unread)",
+         integration("muon_param_groups", torch.nn.Linear(4, 4), lr=0.02, weight_decy=0.1), USAGE,
+         "muon_param_groups: unknown Muon option(s) ['weight_decy']; a Muon group takes lr, momentum"),
+    Case("44.7", "Muon with lr=inf (it was taken)", muon_of(lr=float("inf")), USAGE,
+         "Muon: param group 0: lr must be a finite python number >= 0, not inf"),
+    Case("44.7", "Muon with eps=inf (every AdamW step zero)", muon_of(eps=float("inf")), USAGE,
+         "eps must be a finite number >= 0, not inf"),
+    Case("44.7", "Muon with ns_steps=True (it ran one step)", muon_of(ns_steps=True), USAGE,
+         "ns_steps must be an int >= 1, not True"),
+    Case("44.7", "Muon with betas=0.9 (a raw len() error)", muon_of(betas=0.9), USAGE,
+         "betas must be two python numbers in [0, 1), not 0.9"),
+    Case("44.7", "Muon.load_state_dict of another model's stacks (a raw error at the next step)",
+         muon_state_of_another_shape, USAGE,
+         "Muon.load_state_dict: the saved momentum_buffer for param group 0's params[0] (shape (3, 8, 6)) is (3, 6, 8)"),
     Case("44.7", "rmsnorm buffers whose dy lost a column", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16, shape [3, 16, 96]; got bfloat16, shape [3, 16, 95]",
          recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"][..., :-1].contiguous()))),

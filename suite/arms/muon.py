@@ -131,7 +131,8 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite python number (a bool is no number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _device_values(group: dict, key: str) -> dict[str, float]:
@@ -262,6 +263,9 @@ class Muon(torch.optim.Optimizer):
     # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
     # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
     kept_on_load = ("capturable", "split_sizes", "split_dim", "split_interleaved", "batch_ns")
+    # what a group may set besides its params and how they split (a constructor's defaults)
+    group_options = ("lr", "momentum", "nesterov", "weight_decay", "scale", "ns_steps", "betas", "eps", "capturable",
+                     "batch_ns")
 
     def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, scale: str = "spectral", ns_steps: int = 5,
@@ -309,20 +313,21 @@ class Muon(torch.optim.Optimizer):
         for key in ("lr", "weight_decay"):
             if not (_is_number(group[key]) and group[key] >= 0):
                 raise ValueError(
-                    f"{where}: {key} must be a python number >= 0, not {group[key]!r} (with capturable=True "
+                    f"{where}: {key} must be a finite python number >= 0, not {group[key]!r} (with capturable=True "
                     f"Muon keeps its own device copy; LR schedulers set python floats)"
                 )
         if not (_is_number(group["momentum"]) and 0 <= group["momentum"] < 1):
             raise ValueError(f"{where}: momentum must be a python number in [0, 1), not {group['momentum']!r}")
         if group["scale"] not in SCALE_RULES:
             raise ValueError(f"{where}: scale must be one of {SCALE_RULES}, not {group['scale']!r}")
-        if not (isinstance(group["ns_steps"], int) and group["ns_steps"] >= 1):
+        if not (_is_int(group["ns_steps"]) and group["ns_steps"] >= 1):
             raise ValueError(f"{where}: ns_steps must be an int >= 1, not {group['ns_steps']!r}")
         betas = group["betas"]
-        if not (len(betas) == 2 and all(_is_number(beta) and 0 <= beta < 1 for beta in betas)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(_is_number(beta) and 0 <= beta < 1 for beta in betas)):
             raise ValueError(f"{where}: betas must be two python numbers in [0, 1), not {betas!r}")
         if not (_is_number(group["eps"]) and group["eps"] >= 0):
-            raise ValueError(f"{where}: eps must be a number >= 0, not {group['eps']!r}")
+            raise ValueError(f"{where}: eps must be a finite number >= 0, not {group['eps']!r}")
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(
@@ -596,6 +601,7 @@ class Muon(torch.optim.Optimizer):
     # ----------------------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self._check_state_shapes(state_dict)
         kept = [{key: group[key] for key in self.kept_on_load} for group in self.param_groups]
         super().load_state_dict(state_dict)
         for index, (group, values) in enumerate(zip(self.param_groups, kept)):
@@ -606,3 +612,24 @@ class Muon(torch.optim.Optimizer):
         for p, state in self.state.items():
             if "step" in state:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+    def _check_state_shapes(self, state_dict: dict) -> None:
+        """Each saved momentum or moment the shape of the param it goes to, checked before anything
+        loads: saved from another model, it would otherwise fail at the next step, mid-update.
+        Other mismatches (group counts and sizes) are the base class's to name."""
+        saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            return
+        saved_state = state_dict.get("state", {})
+        for index, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            ids = saved.get("params", []) if isinstance(saved, dict) else []
+            if len(ids) != len(group["params"]):
+                return
+            for position, (key, p) in enumerate(zip(ids, group["params"])):
+                for name, value in saved_state.get(key, {}).items():
+                    if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                        raise ValueError(
+                            f"Muon.load_state_dict: the saved {name} for param group {index}'s "
+                            f"{param_label(group, position)} is {tuple(value.shape)}: the state was saved for "
+                            f"another model or another parameter order; nothing was loaded"
+                        )

@@ -30,6 +30,7 @@ from torch import nn
 from suite import triton_support
 from suite.arms import rmsnorm
 from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, gate_up_experts, routing_from_topk
+from suite.arms.muon import Muon
 from suite.errors import CouldNotRun
 
 EXPERTS_IMPLEMENTATION = "suite"
@@ -460,6 +461,10 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     _require_module("muon_param_groups", model)
     if experts not in EXPERTS_OPTIMIZERS:
         raise ValueError(f"muon_param_groups: experts must be one of {EXPERTS_OPTIMIZERS}, not {experts!r}")
+    unknown = sorted(set(muon_kwargs) - set(Muon.group_options))
+    if unknown:  # a misspelt option would otherwise ride along in the groups, unread
+        raise TypeError(f"muon_param_groups: unknown Muon option(s) {unknown}; a Muon group takes "
+                        f"{', '.join(Muon.group_options)} (how each weight splits is set here)")
     config = getattr(model, "config", None)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
