@@ -48,6 +48,15 @@ def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
     _check_expert_tensors("experts", x, routing.num_tokens, routing.num_experts, w_gate, w_up, w_down)
 
 
+def _check_like_x(fn, x, **weights) -> None:
+    """The kernels take x and the weights in one dtype on one device (the eager reference
+    takes mixed ones, as autocast gives them)."""
+    for name, w in weights.items():
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(f"{fn}: {name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}: the "
+                             f"kernels take x and the weights in one dtype on one device")
+
+
 def _check_expert_tensors(fn, x, num_tokens, num_experts, w_gate, w_up, w_down) -> None:
     """x [num_tokens, d] and the weights w_gate/w_up [E, d, f], w_down [E, f, d] of the routing's E."""
     for name, t in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):  # x: _check_tokens
@@ -235,6 +244,7 @@ def experts(x, routing: Routing, w_gate, w_up, w_down, activation: GatedActivati
     torch.compile the same kernels run as custom ops (no graph break, the same bits).
     activation: a clamped SwiGLU (`SwiGLU(limit, clamp)`) or `GeGLU()`, None for plain SwiGLU."""
     _check_experts_args(x, routing, w_gate, w_up, w_down)
+    _check_like_x("experts", x, w_gate=w_gate, w_up=w_up, w_down=w_down)
     activation = as_activation(activation, "experts")
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
     out, _ = _ExpertsFunction.apply(x.contiguous(), w_gate, w_up, w_down, None, activation, probs,
@@ -257,6 +267,7 @@ def gate_up_experts(x, routing: Routing, gate_up_proj, down_proj, *, transposed:
                         f"{type(routing).__name__}")
     num_experts, d, _ = layout.sizes(gate_up_proj, down_proj, "gate_up_experts")
     _check_tokens("gate_up_experts", x, d, routing.num_tokens, routing.num_experts, num_experts)
+    _check_like_x("gate_up_experts", x, gate_up_proj=gate_up_proj, down_proj=down_proj)
     probs = routing.probs if routing.probs.is_contiguous() else routing.probs.contiguous()
     out, _ = _ExpertsFunction.apply(x.contiguous(), gate_up_proj, down_proj, None, layout, activation, probs,
                                     routing.token_of_row, routing.offsets, routing.row_id_map, None, None)

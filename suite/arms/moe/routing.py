@@ -201,6 +201,9 @@ def expert_capacity(capacity_factor: float, num_tokens: int, k: int, num_experts
     """ceil(capacity_factor * T * k / E), exact: the factor is read as the decimal it prints as,
     so 1.1 * 10 rows is 11, not the 12 that binary 1.1 (slightly above 1.1) would round up to.
     Integer arithmetic only, so a symbolic T under torch.compile(dynamic=True) passes through."""
+    check_capacity_factor("expert_capacity", capacity_factor)
+    if capacity_factor is None:
+        raise ValueError("expert_capacity: capacity_factor must be a positive number; None means no capacity")
     factor = capacity_factor if isinstance(capacity_factor, Fraction) else Fraction(repr(float(capacity_factor)))
     scale = factor.denominator * num_experts
     return (factor.numerator * num_tokens * k + scale - 1) // scale
