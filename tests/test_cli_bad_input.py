@@ -38,7 +38,7 @@ import suite.harness.store as store
 from cli import app
 from suite.arms import moe
 from suite.arms.muon import Muon, newton_schulz
-from suite.arms.rmsnorm import rms_norm
+from suite.arms.rmsnorm import RMSNorm, rms_norm, rms_norm_reference
 from suite.errors import ExitCode, SuiteError
 from suite.harness.baseline import load_baseline, save_baseline
 from suite.files.buffers import MANIFEST, TENSORS, load_buffers, save_buffers
@@ -811,6 +811,11 @@ CASES = [
          lambda tmp: moe.experts(torch.ones(6, 8), moe.route(torch.randn(6, 4), 2), *(torch.ones(4, 8, 16).half(),) * 2,
                                  torch.ones(4, 16, 8).half()), USAGE,
          "experts: w_gate is torch.float16 on cpu but x is torch.float32 on cpu"),
+    Case("44.7", "RMSNorm(16, eps='1e-6') (taken, refused only at its first call)", library(RMSNorm, 16, eps="1e-6"), USAGE,
+         "RMSNorm: eps must be a finite number >= 0, got '1e-6'"),
+    Case("44.7", "rms_norm_reference of a weight one short (a raw broadcast error)",
+         library(rms_norm_reference, torch.ones(4, 16), torch.ones(15)), USAGE,
+         "rms_norm_reference: weight must be 1-D of size 16 (x's last dim), got shape (15,)"),
     Case("44.7", "rmsnorm buffers whose dy lost a column", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16, shape [3, 16, 96]; got bfloat16, shape [3, 16, 95]",
          recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"][..., :-1].contiguous()))),

@@ -73,6 +73,9 @@ MAX_CACHED_CONFIGS = 4096
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0):
     """Eager RMSNorm with fp32 math (float64 when given float64); autograd gives its backward."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_reference: weight must be 1-D of size {x.shape[-1] if x.dim() else 0} (x's last "
+                         f"dim), got shape {tuple(weight.shape)}")
     xf = x.float() if x.dtype != torch.float64 else x
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     wf = weight.float() if weight.dtype != torch.float64 else weight
@@ -514,13 +517,13 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 _native_rms_norm = torch._fused_rms_norm
 
 
-def _checked_scalars(eps, offset) -> tuple[float, float]:
+def _checked_scalars(eps, offset, fn: str = "rms_norm") -> tuple[float, float]:
     """eps and offset as floats, or a ValueError: a string, a negative or a NaN eps (or a
     non-finite offset) would give NaN rows without a word."""
     for name, value, lowest in (("eps", eps, 0.0), ("offset", offset, -math.inf)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not lowest <= float(value) < math.inf:
             bound = "a finite number >= 0" if name == "eps" else "a finite number"
-            raise ValueError(f"rms_norm: {name} must be {bound}, got {value!r}")
+            raise ValueError(f"{fn}: {name} must be {bound}, got {value!r}")
     return float(eps), float(offset)
 
 
@@ -574,11 +577,10 @@ class RMSNorm(nn.Module):
         if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size < 1:
             raise ValueError(f"RMSNorm: hidden_size must be an int >= 1, got {type(hidden_size).__name__} {hidden_size!r}")
         self.hidden_size = hidden_size
-        self.eps = eps
-        self.offset = offset
+        self.eps, self.offset = _checked_scalars(eps, offset, "RMSNorm")
         self.impl = impl
         # Initial scale offset + w is 1.
-        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - self.offset, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "eager":
