@@ -1,7 +1,8 @@
 """scripts/cross_compile.py: its cases on the CPU, and, with a CUDA build of torch (no GPU
 needed), every kernel of the MoE arm at a model preset compiled for the H200 and the RTX card
 (no error, within each card's shared memory, no GEMM spilling on the RTX card), and RMSNorm's
-for the RTX card at every GPU preset's width."""
+for the RTX card at every GPU preset's width. On the H200 itself: the fake sm_90 card builds
+what the real one launches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from rtxcheck import record_compiled
 from scriptload import SCRIPTS, load_script
 
 needs_cuda_build = pytest.mark.skipif(not torch.backends.cuda.is_built(),
@@ -75,3 +77,21 @@ def test_rmsnorm_compiles_for_the_rtx_card_unspilled_within_its_shared_memory(tm
     assert {b["meta"]["REDUCE_DW"] for b in builds if b["kernel"] == "rms_norm_bwd_kernel"} == {True, False}
     assert {b["meta"]["STORE_STATS"] for b in builds if b["kernel"] == "rms_norm_fwd_kernel"} == {True, False}
     assert all(b["error"] is None and b["shared"] <= b["limit"] and b["spill_bytes"] == 0 for b in builds)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="needs an sm_90 GPU (the H200)")
+def test_the_fake_h200_builds_what_the_h200_launches(tmp_path, monkeypatch, script):
+    """The cross-compiler's stand-in card chooses every tile and path the real one does: one
+    model preset's layer, forward and backward, launched on the H200 and compiled for the fake
+    sm_90, gives the same kernels at the same shared memory and warps (a device query the
+    stand-in does not answer as the card would shows here)."""
+    recorded = record_compiled(monkeypatch, profile="none")
+    (params,) = [dict(p) for name, p in script.moe_cases(["olmoe"]) if name == "olmoe"]
+    script.run_moe(params)
+    torch.cuda.synchronize()
+    launched = {(name, c.metadata.shared, c.metadata.num_warps) for name, c in recorded}
+    builds = _compile(tmp_path, "--arm", "moe", "--target", "sm90", "--preset", "olmoe", "--no-usage")
+    compiled = {(b["kernel"], b["shared"], b["meta"].get("num_warps", 4)) for b in builds if "olmoe" in b["cases"]}
+    assert compiled == launched

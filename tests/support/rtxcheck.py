@@ -21,9 +21,9 @@ class _Recorder(dict):
         self.into.append((name, compiled))
 
 
-def record_compiled(monkeypatch) -> list[tuple[str, Any]]:
-    """Under the rtx profile, every kernel compiled from now on, as (name, compiled kernel)."""
-    monkeypatch.setenv("SUITE_PROFILE", "rtx")
+def record_compiled(monkeypatch, profile: str = "rtx") -> list[tuple[str, Any]]:
+    """Under `profile`, every kernel launched from now on, as (name, compiled kernel)."""
+    monkeypatch.setenv("SUITE_PROFILE", profile)
     recorded: list[tuple[str, Any]] = []
     monkeypatch.setattr(triton_support, "RECORD_COMPILED", True)
     monkeypatch.setattr(triton_support, "compiled_kernels", _Recorder(recorded))
