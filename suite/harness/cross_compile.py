@@ -96,6 +96,7 @@ class _FakeDriver:
 
 
 def cuda_build_required() -> None:
+    """CouldNotRun, naming the fix, where torch cannot make fake CUDA tensors."""
     if not torch.backends.cuda.is_built():
         raise CouldNotRun("compiling for a GPU that is not here needs a CUDA build of torch (its device guards "
                           f"run on the fake tensors); this torch, {torch.__version__}, is a CPU build: install "
@@ -139,6 +140,7 @@ def _mock_argument(arg):
 
 
 def _signature(args) -> str:
+    """What a build was specialised on, readably: dtypes, descriptor blocks, integer classes."""
     parts = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
@@ -146,7 +148,7 @@ def _signature(args) -> str:
         elif hasattr(arg, "block_shape"):
             parts.append(f"desc{list(arg.block_shape)}")
         else:
-            parts.append(triton_support.specialization_key((arg,))[0].__str__())
+            parts.append(str(triton_support.specialization_key((arg,))[0]))
     return ",".join(parts)
 
 
