@@ -10,6 +10,7 @@ TRITON_INTERPRET unset:
 
     python scripts/cross_compile.py                       # every case, both cards
     python scripts/cross_compile.py --target sm120 --arm moe --preset mixtral
+    python scripts/cross_compile.py --target sm100        # a B200 (no card of ours)
 
 The cases: the moe-bwd gate's GPU presets as their weights are stored (a model's layout or
 apart), each model preset also with the clamped SwiGLU and GeGLU and in the other layouts
@@ -35,6 +36,7 @@ from suite.arms.moe.routing import row_bound
 from suite.arms.skip_step import SkipStepOptimizer
 from suite.harness.cross_compile import TARGETS, Build, compiling_for
 
+DEFAULT_TARGETS = ("sm90", "sm120")  # the development card and the user's
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral")
 LAYOUTS = {"model": GateUpLayout(False, True), "transposed": GateUpLayout(True, True),
            "interleaved": GateUpLayout(False, False), "apart": None}
@@ -132,7 +134,8 @@ def run_optimizers() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="a card (repeatable; default both)")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS),
+                        help=f"a card (repeatable; default {' and '.join(DEFAULT_TARGETS)})")
     parser.add_argument("--arm", action="append", choices=("moe", "rmsnorm", "optimizers"),
                         help="an arm (repeatable; default all)")
     parser.add_argument("--preset", action="append", default=[], help="a moe-bwd preset (repeatable; default all)")
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             ([("optimizers", lambda _: run_optimizers(), {})] if "optimizers" in arms else [])
     builds: dict[tuple, Build] = {}
     failed_cases = []
-    for target in (TARGETS[name] for name in (args.target or sorted(TARGETS))):
+    for target in (TARGETS[name] for name in (args.target or DEFAULT_TARGETS)):
         for name, run, params in cases:
             with compiling_for(target, usage=not args.no_usage) as made:
                 try:

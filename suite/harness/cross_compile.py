@@ -5,7 +5,7 @@ checks, tile choices and launch plans run as they would on the target card; each
 compiles its kernel for the target instead of running it, and the build is recorded: shared
 memory against the card's limit, registers and spills (ptxas's own count), or the compiler's
 error. Targets: the H200 (sm_90) and the user's RTX 50-series card (sm_120, under the rtx
-profile, whose tiles it must hold to 99 KiB).
+profile, whose tiles it must hold to 99 KiB); a B200 (sm_100) on request.
 
 Kernel outputs stay unwritten and every pointer reads as 16-byte aligned (the case every real
 buffer of the arms is). No GPU or driver is needed, but torch must be a CUDA build: the fake
@@ -45,6 +45,7 @@ TARGETS = {
     "sm90": Target("sm90", 90, "none", 232448, 132),  # the H200
     # an RTX 5080's SMs; the shared memory is every 12.0 card's
     "sm120": Target("sm120", 120, "rtx", device_profile.RTX_SMEM_BYTES, 84),
+    "sm100": Target("sm100", 100, "none", 232448, 148),  # a B200: on request, no card of ours
 }
 
 
