@@ -34,6 +34,7 @@ from suite.arms import muon, rmsnorm
 from suite.arms.moe import GateUpLayout, GeGLU, SwiGLU, expert_capacity, launch, route_kernels
 from suite.arms.moe.routing import row_bound
 from suite.arms.skip_step import SkipStepOptimizer
+from suite.errors import CouldNotRun
 from suite.harness.cross_compile import TARGETS, Build, compiling_for
 
 DEFAULT_TARGETS = ("sm90", "sm120")  # the development card and the user's
@@ -146,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     cases = ([(name, run_moe, p) for name, p in moe_cases(args.preset)] if "moe" in arms else []) + \
             ([(name, run_rmsnorm, p) for name, p in rmsnorm_cases()] if "rmsnorm" in arms else []) + \
             ([("optimizers", lambda _: run_optimizers(), {})] if "optimizers" in arms else [])
+    try:
+        with compiling_for(TARGETS["sm90"], usage=False):
+            pass  # what this machine lacks, said before any case runs
+    except CouldNotRun as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     builds: dict[tuple, Build] = {}
     failed_cases = []
     for target in (TARGETS[name] for name in (args.target or DEFAULT_TARGETS)):

@@ -38,6 +38,14 @@ def test_every_model_preset_is_compiled_in_every_activation_and_layout(script):
     assert all(not name.startswith("tiny") for name in cases)  # the GPU presets alone
 
 
+@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build of torch can fake a card")
+def test_a_cpu_build_of_torch_gets_one_line_and_exit_2(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "cross_compile.py"), "--arm", "optimizers"],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.startswith("error: compiling for a GPU that is not here needs a CUDA build")
+    assert "Traceback" not in done.stderr
+
+
 def _compile(tmp_path, *args) -> list[dict]:
     out = tmp_path / "builds.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter compiles nothing
