@@ -59,6 +59,15 @@ def _seed(text: str) -> int:
     return value
 
 
+def _suite_options_given(config: pytest.Config) -> list[str]:
+    """The --suite-* options set away from their defaults."""
+    defaults = {"suite_seed": 0, "suite_device": "auto", "suite_reports": "reports"}
+    return [f"--{name.replace('_', '-')}" for name in ("suite_gate", "suite_preset", "suite_bench", "suite_no_sabotage",
+                                                        "suite_thorough", "suite_strict", "suite_seed", "suite_device",
+                                                        "suite_profile", "suite_reports")
+            if getattr(config.option, name) not in (None, False, defaults.get(name))]
+
+
 def _worker_index() -> int | None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     return int(worker.removeprefix("gw")) if worker.startswith("gw") else None
@@ -82,6 +91,10 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("suite"):
+        given = _suite_options_given(config)
+        if given:  # alone they would collect nothing of the suite, and say nothing
+            raise pytest.UsageError(f"{', '.join(given)} given without --suite: add --suite to run the suite's gates "
+                                    f"as pytest items")
         return
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         # a unit's items share its buffers: one worker runs them, in order. They are the items

@@ -231,6 +231,13 @@ def test_without_suite_the_plugin_is_idle(suite_dir):
     assert not (suite_dir.path / "reports").exists()
 
 
+def test_suite_options_without_suite_are_a_usage_error(suite_dir):
+    """Alone, --suite-gate and the rest collected nothing of the suite and said nothing."""
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "-q", "--suite-gate", "rmsnorm", "--suite-seed", "3")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--suite-gate, --suite-seed given without --suite: add --suite*"])
+
+
 def test_spread_runs_the_gates_over_two_workers_into_one_report(tmp_path):
     report, path, status = pytest_plugin.spread(2, "cpu", None, ["tiny"], str(tmp_path / "r"),
                                                 gates=["rmsnorm", "split-muon"])
