@@ -71,6 +71,9 @@ def split_state(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: d
         if t.is_meta:
             raise UsageError(f"save_checkpoint: {path} is a meta tensor, which holds no data to save; "
                              "materialise it (to_empty, then load or initialise it) first")
+        if t.layout != torch.strided:  # safetensors stores dense buffers alone
+            raise UsageError(f"save_checkpoint: {path} is a {t.layout} tensor; store it dense (.to_dense()) or as its "
+                             "index and value tensors")
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) if t.numel() else None
         if key in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[key], "device": str(t.device)}
