@@ -200,3 +200,14 @@ def test_a_loaded_cpu_tensor_owns_its_memory_and_tied_ones_stay_tied(tmp_path):
     # a kept step counter must not hold the file's buffer (256 KB here, gigabytes in a run)
     assert state["step"].untyped_storage().nbytes() == 4 and torch.equal(state["step"], step)
     assert state["tied"][0] is state["tied"][1] and torch.equal(state["tied"][0], weight)
+
+
+def test_a_slice_and_its_base_come_back_apart_with_their_values(tmp_path):
+    """Two views of one storage that differ are two tensors in the file (safetensors keeps no
+    aliasing): each comes back with its values, sharing no memory (docs/arms/checkpoint.md)."""
+    base = torch.arange(12.0)
+    gc.ck.save_checkpoint(tmp_path / "c", {"base": base, "slice": base[2:5], "t": base.view(3, 4).t()}, step=1)
+    state = gc.ck.load_checkpoint(tmp_path / "c").state
+    assert torch.equal(state["slice"], base[2:5]) and torch.equal(state["t"], base.view(3, 4).t())
+    state["base"][3] = 100.0
+    assert state["slice"].tolist() == [2.0, 3.0, 4.0]
