@@ -180,6 +180,15 @@ def integration(fn_name: str, *args, **kwargs):
     return call
 
 
+def captured_optimizer(**options):
+    def call(tmp: Path):
+        from suite.arms.graph import CapturedOptimizer
+
+        return CapturedOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], capturable=True), **options)
+
+    return call
+
+
 def muon_of(shape=(6, 8), **options):
     return lambda tmp: Muon([torch.nn.Parameter(torch.ones(shape))], **{"lr": 0.02, **options})
 
@@ -819,6 +828,10 @@ CASES = [
     Case("44.7", "rms_norm_reference of a weight one short (a raw broadcast error)",
          library(rms_norm_reference, torch.ones(4, 16), torch.ones(15)), USAGE,
          "rms_norm_reference: weight must be 1-D of size 16 (x's last dim), got shape (15,)"),
+    Case("44.7", "CapturedOptimizer(live_lr='no') (it read as on)", captured_optimizer(live_lr="no"), USAGE,
+         "CapturedOptimizer: live_lr must be True or False, not 'no'"),
+    Case("44.7", "CapturedOptimizer(warmup_steps=True) (it warmed one step)", captured_optimizer(warmup_steps=True), USAGE,
+         "CapturedOptimizer: warmup_steps must be an int >= 1, not True"),
     Case("44.7", "rmsnorm buffers whose dy lost a column", ("gate", "rmsnorm", "--buffers", "{tmp}/dump", "--no-sabotage", *CPU),
          COULD_NOT_RUN, "rmsnorm buffer 'dy' must be bfloat16, shape [3, 16, 96]; got bfloat16, shape [3, 16, 95]",
          recording_edited("rmsnorm", lambda t: t.__setitem__("dy", t["dy"][..., :-1].contiguous()))),

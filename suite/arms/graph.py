@@ -168,12 +168,15 @@ class CapturedOptimizer(OptimizerWrapper):
                 f"keep live hyperparameters on the device (live_hyperparameters and sync_hyperparameters(keys), "
                 f"like suite.arms.muon.Muon) and torch.optim.Adam / AdamW"
             )
-        if not (isinstance(warmup_steps, int) and warmup_steps >= 1):
+        if not (isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 1):
             raise ValueError(
                 f"CapturedOptimizer: warmup_steps must be an int >= 1, not {warmup_steps!r}: the optimizer "
                 f"state must exist before capture, or every replay would re-initialise it"
             )
         self.optimizer = optimizer
+        for name, flag in (("live_lr", live_lr), ("check_grads", check_grads)):
+            if not isinstance(flag, bool):  # a string such as "no" would read as on
+                raise TypeError(f"CapturedOptimizer: {name} must be True or False, not {flag!r}")
         self.warmup_steps = warmup_steps
         self.live_lr = live_lr
         self.check_grads = check_grads
