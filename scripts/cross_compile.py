@@ -35,7 +35,7 @@ from suite.arms.moe import GateUpLayout, GeGLU, SwiGLU, expert_capacity, launch,
 from suite.arms.moe.routing import row_bound
 from suite.arms.skip_step import SkipStepOptimizer
 from suite.errors import CouldNotRun
-from suite.harness.cross_compile import TARGETS, Build, compiling_for
+from suite.harness.cross_compile import TARGETS, Build, compiling_for, require_cross_compiling
 
 DEFAULT_TARGETS = ("sm90", "sm120")  # the development card and the user's
 MODEL_PRESETS = ("olmoe", "qwen3-30b-a3b", "mixtral")
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             ([(name, run_rmsnorm, p) for name, p in rmsnorm_cases()] if "rmsnorm" in arms else []) + \
             ([("optimizers", lambda _: run_optimizers(), {})] if "optimizers" in arms else [])
     try:
-        with compiling_for(TARGETS["sm90"], usage=False):
-            pass  # what this machine lacks, said before any case runs
+        require_cross_compiling()  # what this machine lacks, said before any case runs
     except CouldNotRun as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

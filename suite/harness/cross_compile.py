@@ -96,12 +96,15 @@ class _FakeDriver:
         return self.target
 
 
-def cuda_build_required() -> None:
-    """CouldNotRun, naming the fix, where torch cannot make fake CUDA tensors."""
+def require_cross_compiling() -> None:
+    """CouldNotRun, naming the fix, where this process cannot compile for a fake card: torch
+    cannot make fake CUDA tensors, or Triton interprets its kernels."""
     if not torch.backends.cuda.is_built():
         raise CouldNotRun("compiling for a GPU that is not here needs a CUDA build of torch (its device guards "
                           f"run on the fake tensors); this torch, {torch.__version__}, is a CPU build: install "
                           "the default Linux wheel of torch in another environment")
+    if triton_support.interpreted():
+        raise CouldNotRun("compiling for a GPU: unset TRITON_INTERPRET (the interpreter compiles nothing)")
 
 
 _PTXAS_USAGE = re.compile(r"Used (\d+) registers")
@@ -162,9 +165,7 @@ def compiling_for(target: Target, usage: bool = True) -> Iterator[list[Build]]:
     import triton
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    cuda_build_required()
-    if triton_support.interpreted():
-        raise CouldNotRun("compiling for a GPU: unset TRITON_INTERPRET (the interpreter compiles nothing)")
+    require_cross_compiling()
     builds: list[Build] = []
 
     def compile_only(bound: triton_support.Launcher, grid, *args):
