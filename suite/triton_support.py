@@ -34,10 +34,14 @@ compiled_kernels: dict[str, object] = {}
 # SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
 FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
 # The calling convention used below was read in these releases' source (runtime/jit.py
-# JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher);
-# any other version launches through kernel[grid].
-FAST_LAUNCH_TRITON_VERSIONS = ("3.6.",)
+# JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher)
+# and is held to Triton's own launch by tests/test_triton_support.py; any other version
+# launches through kernel[grid]. torch 2.11 brings 3.6, torch 2.12 and 2.13 bring 3.7.
+FAST_LAUNCH_TRITON_VERSIONS = ("3.6.", "3.7.")
 _fast_launch_verified = triton.__version__.startswith(FAST_LAUNCH_TRITON_VERSIONS)
+# 3.6 generates a C launcher per kernel that takes the kernel's arguments spread out; 3.7 has
+# one C launcher that takes them as a tuple, beside annotations that say which to drop.
+_ARGUMENTS_AS_TUPLE = triton.__version__.startswith("3.7.")
 
 
 def next_pow2(n: int) -> int:
@@ -127,7 +131,7 @@ class UnsupportedArgument(Exception):
 
 
 def _int_key(value: int) -> str:
-    """Triton 3.6 (specialize.cc) passes 1 as a constexpr, else types an int i32 / i64 / u64
+    """Triton (specialize.cc, alike in 3.6, 3.7 and 3.9) passes 1 as a constexpr, else types an int i32 / i64 / u64
     by range and marks it divisible by 16 ("D")."""
     if value == 1:
         return "one"
@@ -187,27 +191,32 @@ def specialization_key(args, constexpr_positions=frozenset()) -> tuple:
 
 
 class _CachedLaunch:
-    __slots__ = ("compiled", "call", "prefix", "tail")
+    __slots__ = ("compiled", "call", "prefix", "tail", "as_tuple")
 
-    def __init__(self, compiled, call, prefix, tail):
+    def __init__(self, compiled, call, prefix, tail, as_tuple=False):
         self.compiled = compiled
-        self.call = call  # call(grid_0, grid_1, grid_2, stream, *prefix, *args, *tail)
+        # call(grid_0, grid_1, grid_2, stream, *prefix, *args, *tail), or with as_tuple
+        # call(grid_0, grid_1, grid_2, stream, *prefix, (*args, *tail))
+        self.call = call
         self.prefix = prefix
         self.tail = tail  # parameters after the positional ones (constexprs from meta)
+        self.as_tuple = as_tuple
 
 
 _MISSING = object()
 
 
 def _idle(hook) -> bool:
-    # 3.6 keeps hooks as HookChain objects, empty unless a profiler registered one.
+    # 3.6 and 3.7 keep hooks as HookChain objects, empty unless a profiler registered one.
     return hook is None or not getattr(hook, "calls", True)
 
 
 def _hooks_idle(kernel: JITFunction) -> bool:
-    """No launch hook (a profiler's) and no pre-run hook: nothing the cached path would skip."""
+    """No launch hook (a profiler's), no pre-run hook and no stages-inspection hook (3.7's,
+    which recompiles with a pipeline of its own): nothing the cached path would skip."""
     runtime = knobs.runtime
-    return _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook) and not kernel.pre_run_hooks
+    return (_idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook) and not kernel.pre_run_hooks
+            and getattr(runtime, "add_stages_inspection_hook", None) is None)
 
 
 def _tail_params(kernel: JITFunction, n_positional: int, meta: dict) -> tuple | None:
@@ -232,8 +241,10 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
     CompiledKernel.run is a CudaLauncher; JITFunction.run calls it as run(grid_0, grid_1, grid_2,
     stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every parameter
     in signature order, constexprs included), and it forwards to its C `launch` with the
-    cooperative-grid and PDL flags and two scratch buffers before packed_metadata. With idle
-    hooks, passing None for the metadata and both hooks is what the C launcher skips on.
+    cooperative-grid and PDL flags and two scratch buffers: in 3.6 before packed_metadata, with
+    the parameters spread; in 3.7 after the hooks, then the parameters' annotations and
+    signature, then the parameters as one tuple. With idle hooks, passing None for the launch
+    metadata and both hooks is what the C launcher skips on.
     """
     tail = _tail_params(kernel, n_positional, meta)
     if tail is None or compiled is None or getattr(compiled, "function", None) is None:
@@ -244,10 +255,12 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
         and getattr(launcher, "profile_scratch_size", None) == 0
         and hasattr(launcher, "launch")
     ):
-        prefix = (
-            compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-            compiled.packed_metadata, None, None, None,
-        )
+        flags = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+        if _ARGUMENTS_AS_TUPLE:
+            prefix = (*flags, compiled.packed_metadata, None, None, None, None, None,
+                      launcher.arg_annotations, launcher.kernel_signature)
+            return _CachedLaunch(compiled, launcher.launch, prefix, tail, as_tuple=True)
+        prefix = (*flags, None, None, compiled.packed_metadata, None, None, None)
         return _CachedLaunch(compiled, launcher.launch, prefix, tail)
     # A kernel that needs scratch memory: the Python launcher allocates it.
     return _CachedLaunch(compiled, launcher, (compiled.function, compiled.packed_metadata, None, None, None), tail)
@@ -272,7 +285,7 @@ class Launcher:
 
     What the cached path skips besides the binding: Triton's check that the globals a kernel
     reads have not changed since it compiled (ours read none but constexprs), its options from
-    the environment (debug, instrumentation mode), which 3.6 reads once at import, and the
+    the environment (debug, instrumentation mode), read once at import here, and the
     driver's check of each CUDA tensor's address (see `_pointers`). It
     is taken only for a compiled kernel, a Triton version whose calling convention was read
     (see FAST_LAUNCH_TRITON_VERSIONS), a tuple grid and idle hooks; anything else goes
@@ -314,9 +327,12 @@ class Launcher:
             compiled = self.kernel[grid](*args, **self.meta)
         else:
             n = len(grid)
-            stream = torch._C._cuda_getCurrentRawStream(device)
-            entry.call(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, *entry.prefix,
-                       *_pointers(args), *entry.tail)
+            head = (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                    torch._C._cuda_getCurrentRawStream(device))
+            if entry.as_tuple:
+                entry.call(*head, *entry.prefix, (*_pointers(args), *entry.tail))
+            else:
+                entry.call(*head, *entry.prefix, *_pointers(args), *entry.tail)
             compiled = entry.compiled
         self._record(compiled)
 
@@ -356,11 +372,11 @@ class DirectLaunch:
     on every call. An arm's hottest launch saves about half its host time this way (the
     RMSNorm backward inside an eager forward+backward: docs/arms/rmsnorm.md)."""
 
-    __slots__ = ("kernel", "head", "prefix", "tail", "call", "compiled")
+    __slots__ = ("kernel", "head", "prefix", "tail", "call", "compiled", "as_tuple")
 
     def __init__(self, kernel, grid: tuple, entry: _CachedLaunch):
         self.kernel, self.head, self.compiled = kernel, grid, entry.compiled
-        self.call, self.prefix, self.tail = entry.call, entry.prefix, entry.tail
+        self.call, self.prefix, self.tail, self.as_tuple = entry.call, entry.prefix, entry.tail, entry.as_tuple
 
     def __call__(self, stream: int, *values) -> bool:
         """Launch; False (nothing launched) while a launch hook is registered, FAST_LAUNCH is off
@@ -368,7 +384,10 @@ class DirectLaunch:
         honours all three."""
         if not FAST_LAUNCH or RECORD_COMPILED or not _hooks_idle(self.kernel):
             return False
-        self.call(*self.head, stream, *self.prefix, *values, *self.tail)
+        if self.as_tuple:
+            self.call(*self.head, stream, *self.prefix, (*values, *self.tail))
+        else:
+            self.call(*self.head, stream, *self.prefix, *values, *self.tail)
         return True
 
 

@@ -70,6 +70,23 @@ def test_key_of_constexpr_positions_is_the_value():
     assert specialization_key((4, True), frozenset({1})) != specialization_key((4, 1), frozenset({1}))
 
 
+def test_key_is_at_least_as_fine_as_the_installed_tritons_own():
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    ints = [0, 1, 2, 15, 16, 17, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+            -2**31 - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**64 - 16, 2**64 - 1]
+    base = torch.zeros(64)
+    tensors = [base, base[1:], base[2:], base[4:], base.view(torch.int32), base.view(torch.int32)[3:],
+               base.to(torch.bfloat16), base.to(torch.bfloat16)[8:], base.to(torch.bfloat16)[1:],
+               torch.nn.Parameter(base)]
+    tritons_by_key = {}
+    for value in [*ints, 0.5, 1.0, -3.0, True, False, None, *tensors]:
+        theirs = native_specialize_impl(CUDABackend, value, False, True, True)
+        tritons_by_key.setdefault(key(value), set()).add(theirs)
+    assert all(len(theirs) == 1 for theirs in tritons_by_key.values()), tritons_by_key
+
+
 @pytest.mark.parametrize("value", ["a string", (1, 2), 2**64])
 def test_key_refuses_what_it_does_not_model(value):
     with pytest.raises(UnsupportedArgument):
@@ -220,7 +237,7 @@ def _plain(kernel, grid, *args, **meta):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch verified for triton 3.6 only")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
 def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     torch.manual_seed(0)
@@ -249,7 +266,7 @@ def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch verified for triton 3.6 only")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
 def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     x = torch.randn(4, 32, device="cuda")
@@ -269,3 +286,105 @@ def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypat
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", False)  # SUITE_TRITON_FAST_LAUNCH=0
     with pytest.raises(AssertionError, match="JITFunction.run"):
         _run(triton_support.launch, x, 32)
+
+
+# ---- the cached launch's calling convention, held to Triton's own (no GPU needed) ----
+
+
+@triton.jit
+def _shift(X, Y, n, alpha, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, -x + alpha if NEGATE else x + alpha, mask=offs < n)
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that reads as a CUDA one, so the cached path passes its address."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+_FAKE_DEVICE, _FAKE_STREAM, _FAKE_FUNCTION = 90, 7, 0xF00D
+
+
+@pytest.fixture
+def c_launches(monkeypatch):
+    """Triton compiling for an sm_90 card that is not here, with the C launcher it builds
+    replaced by one that records its arguments: Triton's own CudaLauncher stays in between."""
+    import triton.backends.nvidia.driver as nvidia
+    from triton.backends.compiler import GPUTarget
+
+    calls = []
+    utils = type("Utils", (), {
+        "load_binary": staticmethod(lambda name, kernel, shared, device: (1, _FAKE_FUNCTION, 32, 0, 1024)),
+        "get_device_properties": staticmethod(lambda device: {"max_shared_mem": 232448}),
+        "launch": staticmethod(lambda *args: calls.append(args)),  # 3.7's one C launcher
+        "build_signature_metadata": staticmethod(lambda types: ("signature", *types)),
+    })
+    driver = type("Driver", (), {
+        "utils": utils, "launcher_cls": nvidia.CudaLauncher,
+        "get_current_device": staticmethod(lambda: _FAKE_DEVICE),
+        "get_current_stream": staticmethod(lambda device=None: _FAKE_STREAM),
+        "get_current_target": staticmethod(lambda: GPUTarget("cuda", 90, 32)),
+    })
+    # 3.6 builds a C launcher per kernel; here it is the recorder
+    monkeypatch.setattr(nvidia, "compile_module_from_src", lambda **_: type("Module", (), {"launch": utils.launch}),
+                        raising=False)
+    monkeypatch.setattr(nvidia, "library_dirs", lambda: [], raising=False)
+    # 3.7's argument annotations come from the C module CudaUtils would have built
+    monkeypatch.setattr(nvidia, "PyKernelArg", lambda nested_tuple, type: (type, nested_tuple), raising=False)
+    for kind in ("ARG_KERNEL", "ARG_CONSTEXPR", "ARG_TUPLE"):
+        monkeypatch.setattr(nvidia, kind, kind, raising=False)
+    monkeypatch.setattr(triton.runtime.driver, "_active", driver())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: _FAKE_DEVICE)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: _FAKE_DEVICE, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: _FAKE_STREAM, raising=False)
+    monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
+    return calls
+
+
+def _as_the_launcher_reads_it(value):
+    """What the C launcher does with an argument: a tensor is its address, and None, an empty
+    hook chain and the launch metadata only the hooks read all mean no hook is called."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, tuple):
+        return tuple(map(_as_the_launcher_reads_it, value))
+    if isinstance(value, knobs.HookChain):
+        assert not value.calls
+        return None
+    if type(value).__name__ == "LazyDict":
+        return None
+    return value
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.backends.cuda.is_built() or triton_support.interpreting(_shift),
+                    reason="compiling for a fake card needs a CUDA build of torch and TRITON_INTERPRET=0")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
+def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches):
+    base = torch.zeros(4096)
+    cases = {
+        "aligned": (base, 1000, 0.5, {}),
+        "misaligned": (base[1:], 1000, 0.5, {}),  # another specialization, its own entry
+        "n of 1": (base, 1, 0.5, {}),  # Triton passes 1 as a constexpr: the launcher drops it
+        "i64 n": (base, 2**31 + 16, -2.0, {}),
+        "constexpr from meta": (base, 1000, 0.5, {"NEGATE": True}),
+    }
+    for name, (x, n, alpha, extra) in cases.items():
+        x, y = (torch.Tensor._make_subclass(_OnDevice, t) for t in (x, torch.zeros(4096)))
+        args, grid, meta = (x, y, n, alpha), (3,), {"BLOCK": 128, **extra}
+        c_launches.clear()
+        _shift[grid](*args, **meta)  # Triton's own launch
+        bound = triton_support.launcher(_shift, **meta)
+        bound(grid, *args)  # the first call goes through Triton and keeps its entry
+        bound(grid, *args)  # the second takes the cached path
+        direct = bound.direct(grid, *args)  # launches through the cached path, then binds
+        assert direct is not None, name
+        assert direct(_FAKE_STREAM, x.data_ptr(), y.data_ptr(), n, alpha), name
+        tritons, *ours = map(_as_the_launcher_reads_it, c_launches)
+        assert len(ours) == 4 and all(call == tritons for call in ours), (name, tritons, ours)
+        flat = str(tritons)  # the call carries the kernel, the stream and the tensors' addresses
+        assert all(str(value) in flat for value in (_FAKE_FUNCTION, _FAKE_STREAM, x.data_ptr(), y.data_ptr())), name
