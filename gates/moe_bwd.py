@@ -125,8 +125,8 @@ def experts_bytes(p: dict[str, Any]) -> int:
     """The experts' part: the buffers; the arm's outputs three times (judged, determinism and
     after-timing runs) and its saved activations; the reference's outputs and its fp32 autograd
     temporaries; the float64 truth's outputs and its temporaries for the largest expert (every
-    token); a bench's gradients. The H200's measured peaks of this part alone were 0.70-0.87 of
-    it; a test keeps it between the peak and 1.5x."""
+    token); a bench's gradients. It lies above the H200's measured peaks of this part alone
+    (docs/gpu-notes.md); a test keeps it between the peak and 1.5x."""
     tokens, d, f, num_experts, k = p["tokens"], p["hidden"], p["ffn"], p["experts"], p["top_k"]
     item = torch.empty((), dtype=getattr(torch, p["dtype"])).element_size()
     rows, weights = tokens * k, 3 * num_experts * d * f
@@ -496,8 +496,8 @@ def _build_combine_backward(kernel: bool) -> Callable[[BenchCase, Buffers, Prese
 
 def _build_same_bytes_copy(case: BenchCase, buffers: Buffers, preset: Preset) -> Callable[[], Any]:
     """A device copy moving the combine backward's bytes (read + written): the bandwidth a
-    transfer of this size reaches, timed in the same rounds as the arm. The ceiling's copy moves
-    about 2 GB; one of 84 MB (top2-small) reaches about 80% of it (scripts/moe_tune.py)."""
+    transfer of this size reaches, timed in the same rounds as the arm: a copy much smaller than
+    the ceiling's falls short of the ceiling's rate itself (docs/tuning.md, the bars)."""
     src = torch.empty(_combine_bwd_bytes(preset) // 2, dtype=torch.uint8, device=buffers["x"].device)
     dst = torch.empty_like(src)
     return lambda: dst.copy_(src)

@@ -38,9 +38,9 @@ from suite.errors import BadBuffers
 from suite.files.buffers import expect_buffer
 from suite.harness.results import Check
 
-# bytes per element of x a GPU preset needs at its peak: measured 57 on the H200 (x, dy, the
-# arm's, the reference's and the float64 truth's y and dx, the eager fwd+bwd's fp32
-# temporaries and the graph pools while timing), plus a margin
+# bytes per element of x a GPU preset needs at its peak (x, dy, the arm's, the reference's and
+# the float64 truth's y and dx, the eager fwd+bwd's fp32 temporaries and the graph pools while
+# timing): the H200's measured peak (docs/gpu-notes.md, "Memory") plus a margin
 _GPU_BYTES_PER_ELEMENT = 60
 
 

@@ -3,8 +3,8 @@ compiled kernels recorded on request (tests check their shared memory against th
 and a cached launch that skips Triton's per-call Python.
 
 `kernel[grid](...)` binds the arguments, builds a cache-key string, runs hooks and builds launch
-metadata on every call: about 12 us of host time on the H200's host, more than a small kernel
-takes on the GPU. A `Launcher` (one per kernel and meta; `launch` finds it, a launch config
+metadata on every call: more host time than a small kernel takes on the GPU
+(docs/arms/rmsnorm.md, "Why this way"). A `Launcher` (one per kernel and meta; `launch` finds it, a launch config
 keeps it) does that once per specialization: it keeps the `CompiledKernel` that `kernel[grid]`
 returned under a key of everything Triton specialises on, and later calls hand the arguments
 straight to the kernel's C launcher.
@@ -269,8 +269,8 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
 def _pointers(args) -> list:
     """args with each CUDA tensor replaced by its data pointer. Triton's C launcher takes an int
     as the address itself, where for a tensor it calls data_ptr() and then asks the driver about
-    the address (cuPointerGetAttribute): 1.5-2.5 us a pointer inside an eager forward+backward on
-    the H200's host (docs/arms/rmsnorm.md), 12-20 us a launch. That check was also
+    the address (cuPointerGetAttribute), a cost inside an eager forward+backward that a loop of
+    launches alone does not show (docs/arms/rmsnorm.md). That check was also
     what refused a tensor on another device: a CPU tensor is still passed as is (the launcher's
     check names it), but a tensor on another GPU is not caught here, so an arm checks that its
     tensors share one device, made current, before it launches."""
@@ -430,7 +430,7 @@ class KeptLaunches:
 
 
 # (id(kernel), meta items) -> its Launcher. Keyed by id: JITFunction.__hash__ hashes the
-# source's sha under a lock, ~1 us a call; the Launcher holds the kernel, so the id stays its.
+# source's sha under a lock on every call; the Launcher holds the kernel, so the id stays its.
 _launchers: dict[tuple, Launcher] = {}
 
 
@@ -465,8 +465,8 @@ def on_device_of(t: torch.Tensor):
 def launch_kept(kernel, grid, *args, **meta) -> None:
     """launch(), for a kernel whose tensor arguments all come first: once a call with these
     dtypes, scalars and grid has launched, later ones go through its kept DirectLaunch (see
-    KeptLaunches), about 5 us a launch on the H200's host where the Launcher's key over some
-    twenty arguments costs 10-25 (scripts/moe_host_probe.py)."""
+    KeptLaunches), which skips the Launcher's key over some twenty arguments (what each costs:
+    scripts/moe_host_probe.py)."""
     n_tensors = 0
     for arg in args:
         if not isinstance(arg, _Tensor):

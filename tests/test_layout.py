@@ -4,7 +4,12 @@ cannot erode them: the library imports nothing of the harness, the gates or the 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("suite/arms", "suite/integrations", "suite/files", "suite/record.py")
@@ -147,3 +152,49 @@ def test_the_tests_mirror_the_source_in_one_naming_scheme():
     assert not strays, f"name these tests/<package>/test_<module>[_<topic>].py after the module they test: {strays}"
     helpers = [p for p in (ROOT / "tests").rglob("*.py") if not p.name.startswith("test_") and p.name != "conftest.py"]
     assert all(p.parent == ROOT / "tests" / "support" for p in helpers), helpers  # one place for what tests share
+
+
+# A figure a run measured, said in a comment or docstring: a duration, "measured 57", "ran 15%
+# slower", "1.36 ms read 1.40". Thresholds are code (a comment names their constant) and figures
+# live in docs/tuning.md and docs/results, where a rerun replaces them.
+_MEASUREMENT = re.compile(
+    r"~?\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?\s?(?:us|µs|ms|ns)\b"  # a duration
+    r"|\bmeasured (?:at |as |to be )?~?\d"  # "measured 57"
+    r"|\b(?:ran|read|took|drifted)\b[^.;]*?\b\d+(?:\.\d+)?(?:%|x\b)"  # "ran 15% slower"
+    r"|(?<!at most )(?<!within )\b\d+(?:\.\d+)?% (?:slower|faster)\b",
+    re.IGNORECASE)
+
+
+def _comments_and_docstrings(path: Path):
+    """(line number, text) of each comment and each docstring line of a module."""
+    source = path.read_text()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            yield token.start[0], token.string
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                first = node.body[0].lineno
+                yield from ((first + i, line) for i, line in enumerate(doc.splitlines()))
+
+
+def test_no_source_comment_quotes_a_measurement():
+    """Issue 46: a comment states the rule and points to docs/tuning.md; the figure that chose it
+    goes stale in a comment, where no rerun replaces it."""
+    quoted = [f"{path.relative_to(ROOT)}:{line}: {text.strip()}" for path in _sources()
+              for line, text in _comments_and_docstrings(path) if _MEASUREMENT.search(text)]
+    assert not quoted, "\n".join(quoted)
+
+
+@pytest.mark.parametrize("text, quotes", [
+    ("an autograd.Function costs ~6 us a call", True),
+    ("measured 57 on the H200", True),
+    ("a compiled Llama step ran 15% slower", True),
+    ("drifted apart by up to 1.35x a round", True),
+    ("at most 10% slower: the speedup >= 0.9", False),
+    ("1.1x at olmoe and qwen3-30b-a3b", False),
+    ("measured in the same run", False),
+])
+def test_the_measurement_pattern_tells_a_figure_from_a_rule(text, quotes):
+    assert bool(_MEASUREMENT.search(text)) is quotes

@@ -6,8 +6,8 @@ judges a new run against those files, and refuses a different class of machine.
 A gate's presets may need separate runs (one device call cannot hold them all), so a baseline
 records, per preset, the runs its figures come from; saving replaces the presets the report
 measured and keeps the others. One run cannot say how far the next lands from it on another
-day, lease or host: a 1.36 ms kernel read 1.40 ms on the next H200 lease, every contender of
-its bench with it. So a preset may hold several runs (`add=True`); their spread widens the bar
+day, lease or host, where every contender of a bench moves together (docs/design-notes.md).
+So a preset may hold several runs (`add=True`); their spread widens the bar
 an entry's change must clear (`_judge`). That read-modify-write holds a lock beside each file,
 so concurrent saves each keep their presets.
 """
@@ -397,7 +397,7 @@ def _judge(
 
     `others` are the ratios (new / baseline) of the bench's other reference and peers. With at
     least MIN_OTHERS of them, their median is the machine's own drift, and the change must
-    count beyond it as well as outright: a host 68% slower moved every eager contender alike.
+    count beyond it as well as outright: a slower host moves every eager contender alike.
     With fewer, one of them sharing the arm's code (the eager Muon step the captured one
     replays) could carry a regression of the arm away, so the drift is shown, not used."""
     center = _center(samples)

@@ -147,7 +147,7 @@ class ContenderTiming(Record):
     ceiling_fraction: Amount | None = None  # of the case's measured ceiling
     gpu_busy_ms: Amount | None = None  # host-bound benches: kernel time per call, beside the wall time
     host_us: Amount | None = None  # host time per call on the gate's host-probe shape
-    window: int | None = None  # calls per timing: the case's window, or 1 for calls of 1 ms or more (round_shape)
+    window: int | None = None  # calls per timing: the case's window, or 1 for calls too slow to batch (round_shape)
     # timed without a lead-in call: the device work its call had queued on return (ms), the
     # most an idle start added to each timing
     idle_start_tail_ms: Amount | None = None

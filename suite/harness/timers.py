@@ -160,8 +160,8 @@ def host_us_per_call(
     """Host time per call: back-to-back calls timed with the host's clock, synchronized before
     and after, best of `batches`. Each batch holds `calls` calls, or fewer for a slow call (as
     many as fill about batch_ms, never under min_calls), sized by a timed batch of min_calls
-    after an untimed one (first-call compiles): the eager MoE reference, a few ms a call, spent
-    3.6 s a case at 1200 calls. On a shape too small to keep the device busy, what is left is
+    after an untimed one (first-call compiles), so a reference of milliseconds a call does not
+    spend seconds a case. On a shape too small to keep the device busy, what is left is
     dispatch: Python, the framework, the launches."""
 
     def timed(n: int) -> float:

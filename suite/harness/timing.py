@@ -308,8 +308,8 @@ class _Bench:
         """Each slot's figure is the median of its calls_per_round timings. The slots take turns
         timing by timing (forward, then backward), so a change in the host's state (clocks,
         other load, the autograd thread's core) falls on every contender of the round alike
-        instead of on whichever one's batch it hit: on the H200's hosts eager windows of two
-        calls into the same kernel drifted apart by up to 1.35x a round when timed in batches."""
+        instead of on whichever one's batch it hit: timed in batches, eager windows of two
+        calls into the same kernel drift apart round by round (docs/judging.md)."""
         self.say(f"round {index + 1}/{target}")
         order = round_order(self.ref_name, self.judged, self.others, index)
         slots: list[list[float]] = [[] for _ in order]

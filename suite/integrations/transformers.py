@@ -362,7 +362,7 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     how many. impl="auto": the suite's kernels in eager calls (`rms_norm`'s own "auto", which
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
     (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
-    custom op would stop it: a compiled Llama step ran 15% slower). impl="fused": the suite's
+    custom op would stop it, docs/arms/rmsnorm.md). impl="fused": the suite's
     kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
     Helium's, Ergo's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
     another name, as most of transformers' models carry; a class its code shows is no norm

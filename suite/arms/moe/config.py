@@ -66,9 +66,8 @@ _RTX_TWO_TILE_N = 64
 # Average rows per expert below which a 128-row tile is mostly masked (decode-like batches):
 # 64-row tiles at 4 warps there (not measured: no bench preset has under 512 rows an expert).
 _MANY_ROWS = 128
-# Measured on the H200 (triton 3.6): the dx kernel at 64x128x64 (then with both operand pairs
-# buffered a step), 2 stages of bf16, took 102400 bytes against 98304 for its operand buffers;
-# twice that margin is kept.
+# Shared memory the compiler takes beyond a config's operand buffers, kept twice over the most
+# a kernel of ours took on the H200 (docs/gpu-notes.md).
 _SMEM_SCRATCH = 8192
 
 
