@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every build here")
     args = parser.parse_args(argv)
     arms = args.arm or ["moe", "rmsnorm", "optimizers"]
+    # said before the minutes of compiling, not after them
+    known = [p.name for p in moe_bwd.PRESETS if p.where == "cuda"]
+    if unknown := [name for name in args.preset if name not in known]:
+        parser.error(f"--preset {', '.join(unknown)}: not a GPU preset of moe-bwd; choose from {', '.join(known)}")
+    if args.preset and "moe" not in arms:
+        parser.error("--preset picks moe-bwd presets: add --arm moe")
+    if args.json and not args.json.parent.is_dir():
+        parser.error(f"--json {args.json}: its directory {args.json.parent} does not exist")
     cases = ([(name, run_moe, p) for name, p in moe_cases(args.preset)] if "moe" in arms else []) + \
             ([(name, run_rmsnorm, p) for name, p in rmsnorm_cases()] if "rmsnorm" in arms else []) + \
             ([("optimizers", lambda _: run_optimizers(), {})] if "optimizers" in arms else [])

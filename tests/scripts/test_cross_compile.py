@@ -46,6 +46,19 @@ def test_a_cpu_build_of_torch_gets_one_line_and_exit_2(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--preset", "nope"], "--preset nope: not a GPU preset of moe-bwd; choose from "),
+    (["--preset", "tiny"], "--preset tiny: not a GPU preset of moe-bwd"),  # a CPU preset compiles nothing
+    (["--preset", "olmoe", "--arm", "rmsnorm"], "--preset picks moe-bwd presets: add --arm moe"),
+    (["--json", "{tmp}/missing/builds.json"], "its directory {tmp}/missing does not exist"),
+])
+def test_an_argument_that_would_compile_nothing_or_lose_the_builds_is_refused_first(script, tmp_path, capsys,
+                                                                                      args, says):
+    with pytest.raises(SystemExit) as exited:
+        script.main([a.format(tmp=tmp_path) for a in args])
+    assert exited.value.code == 2 and says.format(tmp=tmp_path) in capsys.readouterr().err
+
+
 def _compile(tmp_path, *args) -> list[dict]:
     out = tmp_path / "builds.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter compiles nothing
