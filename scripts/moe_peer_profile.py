@@ -24,6 +24,7 @@ from tabulate import tabulate
 from torch.profiler import ProfilerActivity, profile
 
 from gates.moe_bwd import GATE
+from suite.errors import UsageError
 
 DEFAULT_CONTENDERS = ("arm", "sonicmoe", "grouped_mm gate|up compiled")
 
@@ -60,7 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bench = next(c for c in GATE.benches if c.name == args.case)
     args.names = {}
     for preset_name in args.preset or ["olmoe"]:
-        preset = GATE.preset(preset_name)
+        try:
+            preset = GATE.preset(preset_name)
+        except UsageError as error:
+            parser.error(str(error))
         if bench.presets is not None and preset_name not in bench.presets:
             parser.error(f"case {args.case} is timed at {list(bench.presets)}, not at {preset_name}")
         contenders = [c.name for c in GATE.contenders_for(bench, preset)]

@@ -23,6 +23,7 @@ def loaded(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--case", "block", "--preset", "nope"], "gate 'moe-bwd' has no preset 'nope'; its presets are: tiny,"),
     (["--case", "block", "--preset", "tiny"], "case block is timed at ['olmoe', 'qwen3-30b-a3b', 'mixtral',"),
     (["--case", "block", "--preset", "mixtral-4k", "--contender", "arm"],
      "['arm'] not timed in case block at mixtral-4k; its contenders: ['block grouped_mm', 'block suite']"),
