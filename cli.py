@@ -267,9 +267,10 @@ def _names_table(title: str, names: dict[str, int], *others: str) -> Table:
 
 
 def _print_summary(report) -> None:
-    from suite.harness.render import bench_summary
-
     title = f"suite {report.what}: exit {report.exit_code} ({ExitCode(report.exit_code).name.lower()}) in {report.duration_s:.0f} s"
+    if not console.is_terminal:
+        _print_summary_plain(report, title)
+        return
     table = Table(title=title)
     longest = max([len(r.gate) for r in report.results] + [len(s.gate) for s in report.skipped] + [4])
     longest_preset = max([len(r.preset) for r in report.results] + [6])
@@ -279,21 +280,44 @@ def _print_summary(report) -> None:
         table.add_column(column, overflow="fold")
     colours = {"passed": "green", "failed": "red", "could_not_run": "yellow", "ambiguous": "magenta", "skipped": "dim"}
     for r in report.results:
-        parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
-        caught = sum(s.caught for s in r.saboteurs)
-        saboteurs = f"{caught}/{len(r.saboteurs)} caught" if r.saboteurs else "-"
-        bench = bench_summary(r) if r.parity else (r.reason or "")
-        table.add_row(r.gate, r.preset, f"[{colours[r.status]}]{r.status}[/]", f"{r.duration_s:.0f}", parity,
-                      saboteurs, escape(bench))
+        status, seconds, parity, saboteurs, bench = _unit_row(r)
+        table.add_row(r.gate, r.preset, f"[{colours[status]}]{status}[/]", seconds, parity, saboteurs, escape(bench))
     for s in report.skipped:
         table.add_row(s.gate, "-", "[dim]skipped[/]", "-", "-", "-", escape(s.reason))
     console.print(table)
+    _print_reasons(report)
+
+
+def _unit_row(r) -> tuple[str, str, str, str, str]:
+    """A result's status, seconds, parity, saboteurs and bench, as the summary shows them."""
+    from suite.harness.render import bench_summary
+
+    parity = "-" if r.parity is None else ("pass" if r.parity.passed else "FAIL")
+    caught = sum(s.caught for s in r.saboteurs)
+    saboteurs = f"{caught}/{len(r.saboteurs)} caught" if r.saboteurs else "-"
+    bench = bench_summary(r) if r.parity else (r.reason or "")
+    return r.status, f"{r.duration_s:.0f}", parity, saboteurs, bench
+
+
+def _print_summary_plain(report, title: str) -> None:
+    """The summary into a pipe or a CI log: one line a row, never wrapped at 80 columns, so
+    `suite run | grep GATE` keeps each of its rows whole."""
+    from tabulate import tabulate
+
+    rows = [(r.gate, r.preset, *_unit_row(r)) for r in report.results]
+    rows += [(s.gate, "-", "skipped", "-", "-", "-", s.reason) for s in report.skipped]
+    sys.stdout.write(f"{title}\n" + tabulate(rows, headers=("gate", "preset", "status", "s", "parity", "saboteurs",
+                                                            "bench"), tablefmt="plain") + "\n")
+    _print_reasons(report)
+
+
+def _print_reasons(report) -> None:
     for r in report.results:
         where = f"[bold]{escape(r.gate)} {escape(f'[{r.preset}]')}[/]"
         if r.status != "passed" and r.reason:
-            console.print(f"{where}: {escape(r.reason)}")
+            console.print(f"{where}: {escape(r.reason)}", soft_wrap=True)  # one line, as a log greps it
         if r.buffers is not None and r.buffers.source == "loaded" and r.saboteurs_note:
-            console.print(f"{where} saboteurs: {escape(r.saboteurs_note)}")  # why none ran on the user's buffers
+            console.print(f"{where} saboteurs: {escape(r.saboteurs_note)}", soft_wrap=True)  # why none ran on the user's buffers
 
 
 @app.command()

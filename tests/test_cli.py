@@ -375,6 +375,19 @@ def test_list_into_a_pipe_keeps_each_row_on_one_line():
     assert all(p.name in row for p in gate.presets) and gate.summary in row
 
 
+def test_the_summary_into_a_pipe_keeps_each_row_and_reason_on_one_line(tmp_path):
+    """A CI log or `suite gate ... | grep PRESET`: a row whole, its reason unwrapped at 80 columns
+    (the boxed table had folded the bench column to eight characters a line)."""
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["gate", "rmsnorm", "--preset", "tiny", "--preset", "4096x2048",
+                                                          "--device", "cpu", "--no-sabotage", "--reports", str(tmp_path)])
+    lines = result.output.splitlines()
+    reason = "preset 4096x2048 of gate rmsnorm needs CUDA; use --preset tiny on the CPU"
+    rows = {line.split()[1]: line for line in lines if line.split()[:1] == ["rmsnorm"]}
+    assert rows["4096x2048"].split()[2] == "could_not_run" and rows["4096x2048"].endswith(reason)
+    assert rows["tiny"].split()[2:5:2] == ["passed", "pass"]
+    assert f"rmsnorm [4096x2048]: {reason}" in lines
+
+
 def test_a_gate_missing_its_extra_is_not_marked_as_run_by_suite_run(monkeypatch):
     """Without transformers, `suite run` skips train-step: list and env must not say it runs."""
     train_step = gates.get("train-step")
