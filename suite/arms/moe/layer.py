@@ -38,7 +38,7 @@ from suite.arms.moe.routing import (
     route_grads,
 )
 from suite.arms.moe.weights import GateUpLayout
-from suite.triton_support import runs_on
+from suite.triton_support import FLOAT_DTYPES, runs_on
 
 
 def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
@@ -51,6 +51,8 @@ def _check_experts_args(x, routing, w_gate, w_up, w_down) -> None:
 def _check_like_x(fn, x, **weights) -> None:
     """The kernels take x and the weights in one dtype on one device (the eager reference
     takes mixed ones, as autocast gives them)."""
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{fn}: x must be bfloat16, float16 or float32 (the kernels' dtypes), not {x.dtype}")
     for name, w in weights.items():
         if w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"{fn}: {name} is {w.dtype} on {w.device} but x is {x.dtype} on {x.device}: the "
