@@ -288,7 +288,7 @@ def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypat
         _run(triton_support.launch, x, 32)
 
 
-# ---- the cached launch's calling convention, held to Triton's own (no GPU needed) ----
+# ---- the cached launch's calling convention, held to Triton's own (no GPU, nor CUDA torch, needed) ----
 
 
 @triton.jit
@@ -361,8 +361,7 @@ def _as_the_launcher_reads_it(value):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.backends.cuda.is_built() or triton_support.interpreting(_shift),
-                    reason="compiling for a fake card needs a CUDA build of torch and TRITON_INTERPRET=0")
+@pytest.mark.skipif(triton_support.interpreting(_shift), reason="compiling for a fake card needs TRITON_INTERPRET=0")
 @pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
 def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches):
     base = torch.zeros(4096)
