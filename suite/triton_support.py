@@ -36,12 +36,12 @@ FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
 # The calling convention used below was read in these releases' source (runtime/jit.py
 # JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher)
 # and is held to Triton's own launch by tests/test_triton_support.py; any other version
-# launches through kernel[grid]. torch 2.11 brings 3.6, torch 2.12 and 2.13 bring 3.7.
-FAST_LAUNCH_TRITON_VERSIONS = ("3.6.", "3.7.")
+# launches through kernel[grid]. torch 2.11 brings 3.6, 2.12 and 2.13 bring 3.7, 2.14 brings 3.8.
+FAST_LAUNCH_TRITON_VERSIONS = ("3.6.", "3.7.", "3.8.")
 _fast_launch_verified = triton.__version__.startswith(FAST_LAUNCH_TRITON_VERSIONS)
-# 3.6 generates a C launcher per kernel that takes the kernel's arguments spread out; 3.7 has
-# one C launcher that takes them as a tuple, beside annotations that say which to drop.
-_ARGUMENTS_AS_TUPLE = triton.__version__.startswith("3.7.")
+# 3.6 generates a C launcher per kernel that takes the kernel's arguments spread out; 3.7 and
+# 3.8 have one C launcher that takes them as a tuple, beside annotations that say which to drop.
+_ARGUMENTS_AS_TUPLE = not triton.__version__.startswith("3.6.")
 
 
 def next_pow2(n: int) -> int:
@@ -243,7 +243,7 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
     in signature order, constexprs included), and it forwards to its C `launch` with the
     cooperative-grid and PDL flags and two scratch buffers: in 3.6 before packed_metadata, with
     the parameters spread; in 3.7 after the hooks, then the parameters' annotations and
-    signature, then the parameters as one tuple. With idle hooks, passing None for the launch
+    signature, then the parameters as one tuple (3.8 alike). With idle hooks, passing None for the launch
     metadata and both hooks is what the C launcher skips on.
     """
     tail = _tail_params(kernel, n_positional, meta)
@@ -253,6 +253,7 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
     if (
         getattr(launcher, "global_scratch_size", None) == 0
         and getattr(launcher, "profile_scratch_size", None) == 0
+        and not getattr(launcher, "gsan_enabled", False)  # 3.8's sanitizer adds arguments of its own
         and hasattr(launcher, "launch")
     ):
         flags = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
@@ -262,7 +263,7 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
             return _CachedLaunch(compiled, launcher.launch, prefix, tail, as_tuple=True)
         prefix = (*flags, None, None, compiled.packed_metadata, None, None, None)
         return _CachedLaunch(compiled, launcher.launch, prefix, tail)
-    # A kernel that needs scratch memory: the Python launcher allocates it.
+    # A kernel that needs scratch memory (or 3.8's sanitizer): the Python launcher provides it.
     return _CachedLaunch(compiled, launcher, (compiled.function, compiled.packed_metadata, None, None, None), tail)
 
 

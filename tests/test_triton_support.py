@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import triton
@@ -237,7 +241,7 @@ def _plain(kernel, grid, *args, **meta):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
 def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     torch.manual_seed(0)
@@ -266,7 +270,7 @@ def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
 def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     x = torch.randn(4, 32, device="cuda")
@@ -320,7 +324,8 @@ def c_launches(monkeypatch):
     utils = type("Utils", (), {
         "load_binary": staticmethod(lambda name, kernel, shared, device: (1, _FAKE_FUNCTION, 32, 0, 1024)),
         "get_device_properties": staticmethod(lambda device: {"max_shared_mem": 232448}),
-        "launch": staticmethod(lambda *args: calls.append(args)),  # 3.7's one C launcher
+        "unload_module": staticmethod(lambda module: None),  # 3.8 unloads a collected kernel
+        "launch": staticmethod(lambda *args: calls.append(args)),  # 3.7's and 3.8's one C launcher
         "build_signature_metadata": staticmethod(lambda types: ("signature", *types)),
     })
     driver = type("Driver", (), {
@@ -362,7 +367,7 @@ def _as_the_launcher_reads_it(value):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(triton_support.interpreting(_shift), reason="compiling for a fake card needs TRITON_INTERPRET=0")
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6 and 3.7 only")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
 def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches):
     base = torch.zeros(4096)
     cases = {
@@ -387,3 +392,14 @@ def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches)
         assert len(ours) == 4 and all(call == tritons for call in ours), (name, tritons, ours)
         flat = str(tritons)  # the call carries the kernel, the stream and the tensors' addresses
         assert all(str(value) in flat for value in (_FAKE_FUNCTION, _FAKE_STREAM, x.data_ptr(), y.data_ptr())), name
+
+
+@pytest.mark.skipif(not triton_support.interpreting(_shift), reason="the check above runs in this process")
+@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
+def test_the_c_launcher_check_runs_compiled_beside_the_interpreted_tests():
+    """The tests interpret every kernel (CI has no GPU); the check above compiles one, so it runs
+    in a process of its own with the interpreter off, on the Triton installed here."""
+    check = f"{__file__}::test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", check],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
