@@ -4,10 +4,10 @@ and a cached launch that skips Triton's per-call Python.
 
 `kernel[grid](...)` binds the arguments, builds a cache-key string, runs hooks and builds launch
 metadata on every call: more host time than a small kernel takes on the GPU
-(docs/arms/rmsnorm.md, "Why this way"). A `Launcher` (one per kernel and meta; `launch` finds it, a launch config
-keeps it) does that once per specialization: it keeps the `CompiledKernel` that `kernel[grid]`
-returned under a key of everything Triton specialises on, and later calls hand the arguments
-straight to the kernel's C launcher.
+(docs/arms/rmsnorm.md, "Why this way"). A `Launcher` (one per kernel and meta; `launch` finds
+it, a launch config keeps it) does that once per specialization: it keeps the `CompiledKernel`
+that `kernel[grid]` returned under a key of everything Triton specialises on, and later calls
+hand the arguments straight to the kernel's C launcher.
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class UnsupportedArgument(Exception):
 
 
 def _int_key(value: int) -> str:
-    """Triton (specialize.cc, alike in 3.6, 3.7 and 3.9) passes 1 as a constexpr, else types an int i32 / i64 / u64
-    by range and marks it divisible by 16 ("D")."""
+    """Triton (specialize.cc, alike from 3.6 to 3.9) passes 1 as a constexpr, else types an int
+    i32 / i64 / u64 by range and marks it divisible by 16 ("D")."""
     if value == 1:
         return "one"
     if _I32_MIN <= value <= _I32_MAX:
@@ -207,7 +207,7 @@ _MISSING = object()
 
 
 def _idle(hook) -> bool:
-    # 3.6 and 3.7 keep hooks as HookChain objects, empty unless a profiler registered one.
+    # 3.6 to 3.8 keep hooks as HookChain objects, empty unless a profiler registered one.
     return hook is None or not getattr(hook, "calls", True)
 
 
@@ -242,8 +242,8 @@ def _cached_launch(kernel: JITFunction, compiled, n_positional: int, meta: dict)
     stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook, *every parameter
     in signature order, constexprs included), and it forwards to its C `launch` with the
     cooperative-grid and PDL flags and two scratch buffers: in 3.6 before packed_metadata, with
-    the parameters spread; in 3.7 after the hooks, then the parameters' annotations and
-    signature, then the parameters as one tuple (3.8 alike). With idle hooks, passing None for the launch
+    the parameters spread; in 3.7 and 3.8 after the hooks, then the parameters' annotations and
+    signature, then the parameters as one tuple. With idle hooks, passing None for the launch
     metadata and both hooks is what the C launcher skips on.
     """
     tail = _tail_params(kernel, n_positional, meta)
@@ -286,8 +286,8 @@ class Launcher:
 
     What the cached path skips besides the binding: Triton's check that the globals a kernel
     reads have not changed since it compiled (ours read none but constexprs), its options from
-    the environment (debug, instrumentation mode), read once at import here, and the
-    driver's check of each CUDA tensor's address (see `_pointers`). It
+    the environment (debug, instrumentation mode), which a process sets before it launches, and
+    the driver's check of each CUDA tensor's address (see `_pointers`). It
     is taken only for a compiled kernel, a Triton version whose calling convention was read
     (see FAST_LAUNCH_TRITON_VERSIONS), a tuple grid and idle hooks; anything else goes
     through kernel[grid].

@@ -13,6 +13,8 @@ from suite import triton_support
 from suite.triton_support import UnsupportedArgument, specialization_key
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+needs_read_triton = pytest.mark.skipif(not triton_support._fast_launch_verified,
+                                       reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
 
 
 @triton.jit
@@ -241,7 +243,7 @@ def _plain(kernel, grid, *args, **meta):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
+@needs_read_triton
 def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     torch.manual_seed(0)
@@ -270,7 +272,7 @@ def test_fast_launch_matches_kernel_getitem_bit_for_bit(monkeypatch):
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
+@needs_read_triton
 def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypatch):
     monkeypatch.setattr(triton_support, "FAST_LAUNCH", True)
     x = torch.randn(4, 32, device="cuda")
@@ -367,7 +369,7 @@ def _as_the_launcher_reads_it(value):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(triton_support.interpreting(_shift), reason="compiling for a fake card needs TRITON_INTERPRET=0")
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
+@needs_read_triton
 def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches):
     base = torch.zeros(4096)
     cases = {
@@ -395,7 +397,7 @@ def test_the_cached_launch_hands_the_c_launcher_what_triton_hands_it(c_launches)
 
 
 @pytest.mark.skipif(not triton_support.interpreting(_shift), reason="the check above runs in this process")
-@pytest.mark.skipif(not triton_support._fast_launch_verified, reason="fast launch read for triton 3.6, 3.7 and 3.8 only")
+@needs_read_triton
 def test_the_c_launcher_check_runs_compiled_beside_the_interpreted_tests():
     """The tests interpret every kernel (CI has no GPU); the check above compiles one, so it runs
     in a process of its own with the interpreter off, on the Triton installed here."""
