@@ -388,6 +388,14 @@ def test_the_summary_into_a_pipe_keeps_each_row_and_reason_on_one_line(tmp_path)
     assert f"rmsnorm [4096x2048]: {reason}" in lines
 
 
+def test_env_into_a_pipe_keeps_each_gates_row_on_one_line():
+    """`suite env | grep GATE`: what a gate lacks here on its one line, never wrapped."""
+    shown = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["env", "--device", "cpu"]).output
+    (row,) = [line for line in shown.splitlines() if line.startswith("graph-capture ")]
+    assert row.split()[1:3] == ["no", "no"] and row.endswith("CUDA (the gate needs a GPU); CUDA for timing")
+    assert any(line.split()[:2] == ["device_slug", "cpu"] for line in shown.splitlines())
+
+
 def test_a_gate_missing_its_extra_is_not_marked_as_run_by_suite_run(monkeypatch):
     """Without transformers, `suite run` skips train-step: list and env must not say it runs."""
     train_step = gates.get("train-step")

@@ -146,6 +146,15 @@ def _print_listing_plain(listing: list[dict], presets_of: dict[str, list[str]], 
 
 def print_environment(fingerprint: dict, rows: list[dict]) -> None:
     """`suite env`: this machine's fingerprint, then what each gate lacks here."""
+    if not console.is_terminal:
+        from tabulate import tabulate
+
+        gate_rows = [(r["gate"], "yes" if r["parity"] else "no", "yes" if r["bench"] else "no",
+                      "; ".join(r["missing"]) or "-") for r in rows]
+        sys.stdout.write(tabulate(list(fingerprint.items()), headers=("what", "value"), tablefmt="plain") + "\n\n"
+                         + tabulate(gate_rows, headers=("gate", "parity", "bench", "missing"), tablefmt="plain")
+                         + "\n")
+        return
     table = Table(title="environment")
     table.add_column("what", no_wrap=True)
     table.add_column("value", overflow="fold")
