@@ -9,6 +9,7 @@ import contextlib
 import functools
 import inspect
 import json
+import os
 import signal
 import sys
 import threading
@@ -288,10 +289,14 @@ def _spread(flags: RunFlags, gpus: str) -> None:
     check_presets(gates.select("all"), flags.preset)
     check_writable(flags.reports)
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None
-    workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() and int(gpus) > 0 else None
-    if workers is None or (count is not None and workers > count):
+    # CPU workers each load torch and run gates on all cores: more than the cores only thrashes
+    limit = count if count is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else os.cpu_count() or 1
+    workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() else None
+    if not workers or workers > limit:
         raise UsageError(f"--gpus must be 'all' or a number from 1 to this host's GPUs ({count or 'none'}), "
-                         f"not {gpus!r}" + ("; on the CPU give a number of workers" if count is None else ""))
+                         f"not {gpus!r}" + (f"; on the CPU give a number of workers from 1 to its {limit} cores"
+                                             if count is None else ""))
     report, path, status = spread(workers, settings.device.type, flags.profile, flags.preset, str(flags.reports),
                                   flags.seed, flags.thorough, flags.strict)
     if status == pytest.ExitCode.INTERRUPTED:
@@ -419,7 +424,7 @@ def baseline_show(
     gate_names: Annotated[Optional[list[str]], typer.Argument(help="Gates to show; default: every saved one.")] = None,
     baselines: Annotated[Path, typer.Option("--baselines", help="Baselines directory.")] = Path("baselines"),
     write: Annotated[Optional[Path], typer.Option(
-        "--write", help="Write the pages under this directory (docs/results: <machine>/<gate>.md and an index) "
+        "--write", help="Write the pages under this directory (docs/results: `<machine>/<gate>.md` and an index) "
                         "instead of printing them; pages of baselines that are gone are removed.")] = None,
 ) -> None:
     """Render the saved figures as Markdown pages: per preset its runs, per case each contender's

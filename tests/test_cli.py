@@ -335,10 +335,31 @@ def test_gate_names_are_never_cut_in_a_narrow_pipe():
         assert any(contender in row for row in rows), listed
 
 
-def test_help_renders_the_baseline_path_whole():
-    # help is rendered as Markdown (paragraphs rewrapped): a bare <device-slug> would be an HTML tag
-    output = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["baseline", "save", "--help"]).output
-    assert "baselines/<device-slug>/<gate>.json" in output, output
+def _commands(command, path=()):
+    yield command, list(path)
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_help_text_reaches_the_terminal_whole():
+    """Help is rendered as Markdown (paragraphs rewrapped), where a bare <gate> is an HTML tag and
+    vanishes: every option's help and every docstring paragraph must show word for word."""
+    import re
+
+    import typer
+
+    def words(text: str) -> str:
+        return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+
+    checked = 0
+    for command, path in _commands(typer.main.get_command(app)):
+        shown = words(CliRunner().invoke(app, [*path, "--help"], terminal_width=2000, env={"COLUMNS": "2000"}).output)
+        texts = [param.help for param in command.params if getattr(param, "help", None)] + [command.help or ""]
+        for paragraph in (p for text in texts for p in text.split("\n\n") if p.strip()):
+            assert words(paragraph.replace("`", "")) in shown, (path, paragraph, shown)
+            checked += 1
+    assert checked > 60, checked
+    assert "baselines/<device-slug>/<gate>.json" in CliRunner().invoke(app, ["baseline", "save", "--help"]).output
 
 
 def test_checkpoint_verify_says_whole_or_names_the_fault(tmp_path):

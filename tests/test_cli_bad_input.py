@@ -878,6 +878,8 @@ CASES = [
     Case("47", "suite run --gpus two (a word), 0, or all on a machine without GPUs",
          ("run", "--gpus", "two", *CPU), USAGE, "--gpus must be 'all' or a number from 1 to this host's GPUs (none), "
          "not 'two'; on the CPU give a number of workers"),
+    Case("47", "suite run --gpus with more CPU workers than a host has cores", ("run", "--gpus", "9" * 20, *CPU),
+         USAGE, f"not '{'9' * 20}'; on the CPU give a number of workers from 1 to its"),
     Case("47", "suite run --gpus all on the CPU", ("run", "--gpus", "all", *CPU), USAGE,
          "--gpus must be 'all' or a number from 1 to this host's GPUs (none), not 'all'"),
     Case("47", "suite run --gpus 2 with a preset no gate has", ("run", "--gpus", "2", "--preset", "nope", *CPU), USAGE,
@@ -958,7 +960,7 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
                # tests of their own in tests/arms/test_checkpoint.py and test_skip_step.py (several processes, optimizer state)
                ("44.3", 2), ("44.4", 0), ("44.5", 2),
                # tests of their own in tests/harness/test_pytest_plugin.py (pytest runs, a worker that dies)
-               ("47", 4), ("47", 3)}
+               ("47", 4), ("47", 3), ("47", 5)}
 
 
 def test_every_numbered_item_has_a_test():

@@ -17,6 +17,7 @@ junit.xml, benchmark.json), each result with its worker's fingerprint.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 from datetime import datetime, timezone
@@ -96,6 +97,8 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"{', '.join(given)} given without --suite: add --suite to run the suite's gates "
                                     f"as pytest items")
         return
+    if config.option.suite_gate:  # a gate named twice runs once
+        config.option.suite_gate = list(dict.fromkeys(config.option.suite_gate))
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         # a unit's items share its buffers: one worker runs them, in order. They are the items
         # of one collector, which is the scope xdist's loadscope keeps together
@@ -160,7 +163,7 @@ class _Session:
             self.runner = Runner(RunOptions(
                 device=settings.device, presets=opt.suite_preset, bench=opt.suite_bench,
                 sabotage=not opt.suite_no_sabotage, thorough=opt.suite_thorough, seed=opt.suite_seed,
-                strict=opt.suite_strict, explicit=bool(opt.suite_gate) and opt.suite_gate != ["all"],
+                strict=opt.suite_strict, explicit=bool(opt.suite_gate) and "all" not in opt.suite_gate,
                 plan_memory=False))
         return self.runner
 
@@ -173,26 +176,34 @@ class _Session:
             import gates
 
             selected = [gate for name in self.config.option.suite_gate or ["all"] for gate in gates.select(name)]
-            self.planned = runner.plan(selected)
+            self.planned = runner.plan(list({gate.name: gate for gate in selected}.values()))  # each gate once
         return self.planned
 
+    def pytest_ignore_collect(self, collection_path) -> bool:
+        """Under --suite the gates are the items: no test file is collected beside them."""
+        return True
+
     def pytest_collection_modifyitems(self, session: pytest.Session, items: list[pytest.Item]) -> None:
-        """Under --suite the gates are the items: test files collected beside them are dropped."""
+        """The gates' items, collected as pytest collects any node (genitems), so its count and
+        reports see them."""
         runner = self.setup()
         units, skipped, refused = self.plan()
-        parent = _Gates.from_parent(session, name="suite", nodeid="suite")
-        made: list[pytest.Item] = [_SkippedItem.from_parent(parent, name=s.gate, skipped=s) for s in skipped]
-        made += [_RefusedItem.from_parent(parent, name=r.gate, result=r) for r in refused]
-        for unit in units:
-            node = _Gates.from_parent(parent, name=_unit_key(unit))
-            made.append(_GateItem.from_parent(node, name="gate", unit=unit))
+
+        def unit_items(node: _Gates, unit: Unit) -> list[pytest.Item]:
+            made = [_GateItem.from_parent(node, name="gate", unit=unit)]
             made += [_BenchItem.from_parent(node, name=f"{case.name} {mode}", unit=unit, case=case, mode=mode)
                      for case, mode in runner.bench_plan(unit)[0]]
-            if unit.bench:
-                made.append(_RecheckItem.from_parent(node, name="recheck", unit=unit))
-        for order, item in enumerate(made):
+            return made + ([_RecheckItem.from_parent(node, name="recheck", unit=unit)] if unit.bench else [])
+
+        def suite_nodes(parent: _Gates) -> list[pytest.Node]:
+            made: list[pytest.Node] = [_SkippedItem.from_parent(parent, name=s.gate, skipped=s) for s in skipped]
+            made += [_RefusedItem.from_parent(parent, name=r.gate, result=r) for r in refused]
+            return made + [_Gates.from_parent(parent, name=_unit_key(unit), make=functools.partial(unit_items, unit=unit))
+                           for unit in units]
+
+        items[:] = session.genitems(_Gates.from_parent(session, name="suite", nodeid="suite", make=suite_nodes))
+        for order, item in enumerate(items):
             item.user_properties.append((_ORDER, order))
-        items[:] = made
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.expected.update(_units_of(item.nodeid for item in session.items))
@@ -263,6 +274,12 @@ class _Session:
             if key in self.expected and key not in self.accounted:
                 why = self.failures.get(key, "its last item did not run (stopped by -x, or deselected by -k?)")
                 results.append(runner.could_not_run(unit.gate, unit.preset, f"no result came back: {why}"))
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if not results and not self.skipped:  # -k deselected every item: an empty report would read as a pass
+            if reporter is not None:
+                reporter.write_line("suite: no gate ran (every item was deselected), so no report was written",
+                                    yellow=True)
+            return
         report = runner.report(
             results, self.skipped, "run" if opt.suite_bench else "gate " + ",".join(opt.suite_gate or ["all"]),
             " ".join(["pytest", *self.config.invocation_params.args]), self.started,
@@ -270,7 +287,6 @@ class _Session:
         self.config.stash[REPORT] = report
         path, trouble = save_report(report, self.config.option.suite_reports, report.what)
         self.config.stash[REPORT_PATH] = str(path) if path is not None else None
-        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             if trouble is not None:
                 reporter.write_line(f"suite: {trouble}", yellow=True)
@@ -295,10 +311,15 @@ def _units_of(nodeids) -> set[str]:
 
 
 class _Gates(pytest.Collector):
-    """The suite (nodeid "suite"), and in it one collector a unit: suite::moe-bwd[tiny]::gate."""
+    """The suite (nodeid "suite"), and in it one collector a unit: suite::moe-bwd[tiny]::gate.
+    `make(self)` gives its children (planned in _Session.pytest_collection_modifyitems)."""
 
-    def collect(self):  # its items are made in _Session.pytest_collection_modifyitems
-        return []
+    def __init__(self, *, make, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.make = make
+
+    def collect(self):
+        return self.make(self)
 
 
 class _Verdict(Exception):

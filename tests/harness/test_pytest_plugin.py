@@ -70,6 +70,7 @@ def test_a_gate_a_bench_case_and_a_recheck_are_items_and_the_report_is_the_runs(
     assert outcomes(result) == {"toy-bench[tiny]::gate": "PASSED", "toy-bench[tiny]::sum wall": "PASSED",
                                 "toy-bench[tiny]::recheck": "PASSED"}
     assert "test_a_users_own_test" not in result.stdout.str()  # under --suite the gates are the items
+    assert "collected 3 items" in result.stdout.str()  # collected as pytest collects, so counted
     assert report.exit_code == 0 and report.what == "run"
     (gate,) = report.results
     assert gate.gate == "toy-bench" and gate.status == "passed" and [b.case for b in gate.bench] == ["sum"]
@@ -139,6 +140,18 @@ def test_a_unit_cut_short_by_k_or_x_could_not_run_and_one_left_out_is_not_in_the
     assert [(r.gate, r.status) for r in report.results] == [("toy-bench", "passed")] and report.exit_code == 0
     result, report = run_again(suite_dir, "--suite-gate", "toy-wrong", "--suite-gate", "toy-bench", "-x")
     assert {r.gate: r.status for r in report.results} == {"toy-wrong": "failed", "toy-bench": "could_not_run"}
+
+
+def test_every_item_deselected_writes_no_report_and_a_gate_named_twice_runs_once(suite_dir):
+    result = suite_dir.runpytest_subprocess("-p", "no:cacheprovider", "--suite", "--suite-device", "cpu",
+                                            "--suite-reports", str(suite_dir.path / "reports"), "--suite-gate",
+                                            "toy-bench", "-k", "nothing-is-called-this", timeout=300)
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED  # not a report that passes what did not run
+    assert "no gate ran (every item was deselected), so no report was written" in result.stdout.str()
+    assert not list((suite_dir.path / "reports").iterdir())  # checked writable at the start, left empty
+    result, report = run(suite_dir, "--suite-gate", "toy-bench", "--suite-gate", "toy-bench")
+    assert outcomes(result) == {"toy-bench[tiny]::gate": "PASSED"} and report.what == "gate toy-bench"
+    assert [r.gate for r in report.results] == ["toy-bench"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -262,12 +275,14 @@ def test_suite_run_gpus_exits_with_the_spread_runs_code(tmp_path, monkeypatch, c
         return report, str(tmp_path / "the-report"), 0
 
     monkeypatch.setattr(pytest_plugin, "spread", spread)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)  # a 3-core host
     out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu", "--preset", "tiny"])
     assert out.exit_code == 4, out.output
     assert asked == {"workers": 2, "device": "cpu", "presets": ["tiny"]} and "the-report" in "".join(out.output.split())
-    for bad in ("two", "0", "all"):  # all: a CPU has no GPUs to count
+    for bad in ("two", "0", "all", "4", "99999999999999999999"):  # all: a CPU has no GPUs to count; 4: > cores
         out = CliRunner().invoke(app, ["run", "--gpus", bad, "--device", "cpu"])
         assert out.exit_code == 2 and "--gpus must be 'all' or a number" in out.output, (bad, out.output)
+        assert "from 1 to its 3 cores" in " ".join(out.output.split()), out.output
     asked.clear()
     out = CliRunner().invoke(app, ["run", "--gpus", "2", "--device", "cpu", "--preset", "nope"])
     assert out.exit_code == 2 and "no gate of this run has the preset(s) ['nope']" in out.output and not asked
