@@ -195,6 +195,9 @@ def expect_buffer(gate: str, buffers: Mapping[str, torch.Tensor], name: str, sha
 
 def read_manifest(directory: str | os.PathLike) -> BufferManifest:
     path = Path(directory) / MANIFEST
+    if Path(directory).is_file() and (Path(directory).parent / MANIFEST).is_file():
+        raise BadBuffers(f"{directory} is a file of a buffer recording; pass its directory, "
+                         f"{Path(directory).parent}")
     if not path.is_file():
         raise BadBuffers(
             f"{directory} holds no {MANIFEST}; it is not a buffer directory. "
