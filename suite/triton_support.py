@@ -25,14 +25,26 @@ from triton import knobs
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from suite.errors import CouldNotRun
+from suite.errors import CouldNotRun, UsageError
 
 # Tests set RECORD_COMPILED to collect each kernel's compiled form, keyed by kernel name.
 RECORD_COMPILED = False
 compiled_kernels: dict[str, object] = {}
 
-# SUITE_TRITON_FAST_LAUNCH=0 sends every launch through kernel[grid] (the probe measures both).
-FAST_LAUNCH = os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1") != "0"
+
+def _fast_launch_setting(value: str) -> bool:
+    """SUITE_TRITON_FAST_LAUNCH: 0 (or false, off, no) sends every launch through kernel[grid]
+    (the probe measures both). Anything else but its on words is refused: `=false` read as on
+    would leave a user who turned the cached launches off running them."""
+    choice = value.strip().lower()
+    if choice in ("0", "false", "off", "no"):
+        return False
+    if choice in ("", "1", "true", "on", "yes"):
+        return True
+    raise UsageError(f"SUITE_TRITON_FAST_LAUNCH must be 0 or 1 (false/true, off/on, no/yes), not {value!r}")
+
+
+FAST_LAUNCH = _fast_launch_setting(os.environ.get("SUITE_TRITON_FAST_LAUNCH", "1"))
 # The calling convention used below was read in these releases' source (runtime/jit.py
 # JITFunction.run, compiler/compiler.py CompiledKernel, backends/nvidia/driver.py CudaLauncher)
 # and is held to Triton's own launch by tests/test_triton_support.py; any other version

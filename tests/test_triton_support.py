@@ -294,6 +294,23 @@ def test_cached_launch_bypasses_triton_run_and_uses_the_current_stream(monkeypat
         _run(triton_support.launch, x, 32)
 
 
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), (" OFF ", False), ("no", False), ("1", True),
+                                       ("", True), ("True", True), ("yes", True)])
+def test_the_fast_launch_switch_reads_the_words_a_user_writes(value, on):
+    assert triton_support._fast_launch_setting(value) is on
+
+
+def test_a_fast_launch_switch_it_cannot_read_stops_the_cli_with_one_line():
+    # =false had read as on: a user who turned the cached launches off still ran them
+    with pytest.raises(ValueError, match="SUITE_TRITON_FAST_LAUNCH must be 0 or 1 .* not 'maybe'"):
+        triton_support._fast_launch_setting("maybe")
+    env = {**os.environ, "SUITE_TRITON_FAST_LAUNCH": "maybe", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "cli", "gate", "rmsnorm", "--device", "cpu", "--no-sabotage"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "error: SUITE_TRITON_FAST_LAUNCH must be 0 or 1 (false/true, off/on, no/yes), not 'maybe'"], done.stderr
+
+
 # ---- the cached launch's calling convention, held to Triton's own (no GPU, nor CUDA torch, needed) ----
 
 
