@@ -36,6 +36,7 @@ import suite.files.atomic as atomic
 import suite.files.buffers as buffers_module
 import suite.harness.store as store
 from cli import app
+from suite import triton_support
 from suite.arms import moe
 from suite.arms.muon import Muon, newton_schulz
 from suite.arms.rmsnorm import RMSNorm, rms_norm, rms_norm_reference
@@ -627,6 +628,9 @@ CASES = [
     Case("-", "--buffers naming a recording's file, not its directory",
          ("gate", "rmsnorm", "--buffers", "{tmp}/rec/buffers.safetensors", "--no-sabotage", *CPU), COULD_NOT_RUN,
          "{tmp}/rec/buffers.safetensors is a file of a buffer recording; pass its directory, {tmp}/rec", recording),
+    Case("-", "SUITE_TRITON_FAST_LAUNCH a word it cannot read (any but 0 had read as on)",
+         library(triton_support._fast_launch_setting, "maybe"), USAGE,
+         "SUITE_TRITON_FAST_LAUNCH must be 0 or 1 (false/true, off/on, no/yes), not 'maybe'"),
     Case("9", "a baseline entry with median_ms 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
          USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
     Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
