@@ -313,6 +313,13 @@ def bench_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     write_report(make_report(), tmp / "reports", "bench")
 
 
+def report_passing_a_failure(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A report edited to say exit 0 over its results, one of which failed."""
+    report = make_report()
+    report.results[0].status = "failed"
+    (tmp / "edited.json").write_text(report.model_copy(update={"exit_code": 0}).model_dump_json())
+
+
 def baseline_saved(edit: Callable[[Path], None]):
     """A bench report under {tmp}/reports, its baseline under {tmp}/baselines, then `edit`ed."""
 
@@ -631,6 +638,9 @@ CASES = [
     Case("-", "SUITE_TRITON_FAST_LAUNCH a word it cannot read (any but 0 had read as on)",
          library(triton_support._fast_launch_setting, "maybe"), USAGE,
          "SUITE_TRITON_FAST_LAUNCH must be 0 or 1 (false/true, off/on, no/yes), not 'maybe'"),
+    Case("-", "a report whose exit code is not its results' (edited to pass a failed gate)",
+         ("report", "{tmp}/edited.json"), USAGE, "{tmp}/edited.json is not a consistent run report: it says exit code "
+         "0, but its results (1 failed, 1 passed, 1 could_not_run) give 1", report_passing_a_failure),
     Case("9", "a baseline entry with median_ms 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
          USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
     Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Callable, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from suite.files import jsonfile
-from suite.errors import UsageError
+from suite.errors import UsageError, combine
 
 # 2: failures carry the check that found them; parity mode per output; bench modes; phases
 SCHEMA_VERSION = 3
@@ -369,4 +369,13 @@ def validation_summary(exc: ValidationError, limit: int = 5) -> str:
 
 
 def load_report(path: str | Path) -> RunReport:
-    return read_versioned_json(path, RunReport, SCHEMA_VERSION, "run report")
+    """A saved run report, whose exit code must be the one its results give (a hand-edited or
+    half-copied report that says 0 over a failed gate is refused, not rendered as a pass)."""
+    report = read_versioned_json(path, RunReport, SCHEMA_VERSION, "run report")
+    statuses = [r.status for r in report.results]
+    possible = {int(combine(statuses)), int(combine(statuses + ["could_not_run"] * len(report.skipped)))}  # --strict
+    if report.exit_code not in possible:
+        counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) or "no results"
+        raise UsageError(f"{path} is not a consistent run report: it says exit code {report.exit_code}, but its "
+                         f"results ({counts}) give {min(possible)}; was it edited? run the gates again")
+    return report

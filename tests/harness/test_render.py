@@ -53,6 +53,20 @@ def test_json_round_trip_is_equal(tmp_path):
     assert json.loads(to_json(report))["schema_version"] == results_mod.SCHEMA_VERSION
 
 
+@pytest.mark.parametrize("exit_code, loads", [(0, True), (3, True), (1, False), (4, False)])
+def test_load_report_takes_only_the_exit_code_its_results_give(tmp_path, exit_code, loads):
+    # passed results beside a skipped gate: 0, or 3 under --strict (the skip could not run)
+    report = make_report(results=[make_tolerance_result()]).model_copy(update={"exit_code": exit_code})
+    assert report.exit_code == exit_code and report.skipped
+    path = tmp_path / "report.json"
+    path.write_text(to_json(report))
+    if loads:
+        assert load_report(path).exit_code == exit_code
+    else:
+        with pytest.raises(UsageError, match=f"it says exit code {exit_code}, but its results \\(1 passed\\) give 0"):
+            load_report(path)
+
+
 def test_load_report_not_json_names_file_and_problem(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{ not json")
