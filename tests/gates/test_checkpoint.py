@@ -211,3 +211,40 @@ def test_a_slice_and_its_base_come_back_apart_with_their_values(tmp_path):
     assert torch.equal(state["slice"], base[2:5]) and torch.equal(state["t"], base.view(3, 4).t())
     state["base"][3] = 100.0
     assert state["slice"].tolist() == [2.0, 3.0, 4.0]
+
+
+def test_each_bench_contender_saves_or_loads_the_benched_state_on_the_cpu():
+    """The bench runs at small and medium only (wall clock, on the GPU host): each contender's
+    build, at the tiny preset's state, saves a file the state loads back from, or loads one
+    holding every tensor of it, as timed."""
+    from safetensors.torch import load_file
+
+    from suite.arms.checkpoint import load_checkpoint
+
+    preset = GATE.preset("tiny")
+    buffers = GATE.make_buffers(preset, 0, torch.device("cpu"))
+    state = gc._bench_state(buffers)
+    flat = gc._flat_tensors(state)
+    assert flat and all(isinstance(t, torch.Tensor) for t in flat.values())
+    for contender in GATE.contenders:
+        (case,) = [case for case in GATE.benches if contender.timed_in(case)]
+        call = contender.build(case, buffers, preset)
+        done = call()
+        disk = done[-1] if isinstance(done, tuple) else done
+        target = disk.root / "ckpt"
+        if case.name == gc.SAVE:
+            if contender.role == "arm":
+                back = load_checkpoint(target).state
+                assert all(torch.equal(back["params"][n], p) for n, p in state["params"].items()), contender.name
+            elif contender.name.startswith("torch.save"):
+                back = torch.load(target, weights_only=True)
+                assert all(torch.equal(back["params"][n], p) for n, p in state["params"].items()), contender.name
+            else:  # safetensors, and the same bytes written plainly
+                back = load_file(target)
+                assert back.keys() == flat.keys() and all(torch.equal(back[k], flat[k]) for k in flat), contender.name
+        else:
+            loaded = done[0]
+            if contender.role == "arm":
+                loaded = loaded.state
+            tensors = gc._flat_tensors(loaded) if "params" in loaded else loaded
+            assert tensors.keys() == flat.keys() and all(torch.equal(tensors[k], flat[k]) for k in flat), contender.name

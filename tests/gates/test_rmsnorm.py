@@ -61,3 +61,26 @@ def test_bench_bytes_match_the_issue_counting():
     n = 16384 * 4096
     fwd, fwd_bwd = (case.bytes(preset) for case in GATE.benches)
     assert fwd == 4 * n + 2 * 4096 and fwd_bwd == 10 * n + 4 * 4096
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # F.rms_norm of tiny's fp32 weight
+def test_every_eager_bench_contender_computes_the_references_norm_on_the_cpu():
+    """What each contender's build times (the benches run on the GPU): the forward alone, or
+    dx and dW, each within the gate's tolerance of the reference's. The compiled ones are timed
+    on the GPU only (inductor's CPU build needs a C++ compiler CI may lack)."""
+    preset = GATE.preset("tiny")
+    buffers = GATE.make_buffers(preset, 0, CPU)
+    reference = next(c for c in GATE.contenders if c.role == "reference")
+    built = []
+    for case in GATE.benches:
+        want = reference.build(case, buffers, preset)()
+        for contender in GATE.contenders:
+            if "compile" in contender.name or contender.unavailable(CPU):
+                continue
+            got = contender.build(case, buffers, preset)()
+            pairs = [(got, want)] if case.name == "fwd" else list(zip(got, want))
+            for ours, theirs in pairs:
+                assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, contender.name
+                torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-2, msg=contender.name)
+            built.append((contender.name, case.name))
+    assert {"arm", "fused", "F.rms_norm"} <= {name for name, _ in built} and len({c for _, c in built}) == 2
