@@ -27,7 +27,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from suite.files.buffers import save_buffers
+from suite.errors import UsageError
+from suite.files.buffers import check_destination, save_buffers
 
 MODULE_KINDS = ("rms_norm", "experts")
 
@@ -106,6 +107,12 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
         raise ValueError(f"capture: step must be an int >= 0, got {step!r}")
     recording = Recording(Path(out_dir))
     watched = _watch(model, modules, step, recording)
+    for w in watched:  # before the step runs: a refusal after it would waste the step
+        try:
+            check_destination(recording.out_dir / w.path, overwrite)
+        except UsageError as exc:
+            raise UsageError(f"capture: {exc}".replace("pass --overwrite (save_buffers(..., overwrite=True))",
+                                                       "pass capture(..., overwrite=True)")) from None
     handles = [w.module.register_forward_hook(_recorder(w), with_kwargs=True) for w in watched]
     try:
         yield recording

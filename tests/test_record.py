@@ -172,3 +172,18 @@ def test_bad_arguments_are_named(tmp_path, bad, message):
     with pytest.raises(ValueError, match=message):
         with capture(tiny("llama"), tmp_path, **bad):
             pass
+
+
+def test_a_capture_onto_a_recording_is_refused_before_the_step_runs(tmp_path):
+    model = tiny("llama")
+    with capture(model, tmp_path / "rec", modules=("rms_norm",)):
+        step(model)
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "rec").rglob("*")}
+    ran = []
+    with pytest.raises(ValueError, match=r"capture: .* already holds a recording; pass capture\(\.\.\., overwrite=True\)"):
+        with capture(model, tmp_path / "rec", modules=("rms_norm",)):
+            ran.append(step(model))  # a training step the refusal must not waste
+    assert ran == [] and before == {p: p.stat().st_mtime_ns for p in (tmp_path / "rec").rglob("*")}
+    with capture(model, tmp_path / "rec", modules=("rms_norm",), overwrite=True) as recording:
+        step(model, seed=3)
+    assert len(recording.saved) == len(before) // 3  # a directory and its two files a module
