@@ -425,11 +425,12 @@ def baseline_show(
     baselines: Annotated[Path, typer.Option("--baselines", help="Baselines directory.")] = Path("baselines"),
     write: Annotated[Optional[Path], typer.Option(
         "--write", help="Write the pages under this directory (docs/results: `<machine>/<gate>.md` and an index) "
-                        "instead of printing them; pages of baselines that are gone are removed.")] = None,
+                        "instead of printing them; its pages of baselines that are gone are removed, and no other "
+                        "file is touched.")] = None,
 ) -> None:
     """Render the saved figures as Markdown pages: per preset its runs, per case each contender's
     median ms in both timing modes, throughput, share of the ceiling, host time, spread."""
-    from suite.harness.render import baseline_pages
+    from suite.harness.render import baseline_pages, write_baseline_pages
     from suite.harness.store import unwritable
 
     if not baselines.is_dir():
@@ -443,12 +444,7 @@ def baseline_show(
     if gate_names:
         raise UsageError("--write renders every baseline (the index lists them all); drop the gate names")
     try:
-        for stale in write.glob("*/*.md"):
-            if str(stale.relative_to(write)) not in pages:
-                stale.unlink()
-        for page, text in pages.items():
-            (write / page).parent.mkdir(parents=True, exist_ok=True)
-            (write / page).write_text(text, encoding="utf-8")
+        write_baseline_pages(write, pages)
     except OSError as exc:
         raise unwritable("--write", write, exc) from exc
     console.print(f"wrote {len(pages)} pages under {write}", markup=False, highlight=False)

@@ -481,7 +481,7 @@ def render_baseline(baseline: Baseline, source: str) -> str:
                if first else "no runs saved")
     lines = [
         f"# {baseline.gate} on {machine}", "",
-        f"Rendered from `{source}` by `suite baseline show --write docs/results`; do not edit by hand.",
+        f"Rendered from `{source}` {WRITTEN_BY}; do not edit by hand.",
         "Each figure is the median over the runs saved for its preset (`suite baseline save --add` keeps the newest 5);",
         "*apart* is how far those runs lie apart (slowest over fastest, minus one).", "",
     ]
@@ -531,6 +531,37 @@ def _advice(rec: Recommendation | None) -> str:
     return f"{rec.speedup:.3f}x [{rec.ci_low:.3f}, {rec.ci_high:.3f}] over {rec.against}: {rec.advice}"
 
 
+# every page `baseline_pages` renders says so near its top: how write_baseline_pages knows its own
+WRITTEN_BY = "by `suite baseline show --write docs/results`"
+
+
+def _written_by_us(path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return any(WRITTEN_BY in fh.readline() for _ in range(5))
+
+
+def write_baseline_pages(directory, pages: dict[str, str]) -> None:
+    """`pages` written under `directory`, and its pages of baselines that are gone removed. Only
+    pages this function wrote (they say so near their top) are replaced or removed: a directory
+    of other Markdown (`--write docs` for docs/results) is refused before anything is written,
+    and other files are left as they are. OSError from the disk passes through."""
+    from pathlib import Path
+
+    from suite.errors import UsageError
+
+    root = Path(directory)
+    foreign = [p for p in (root / page for page in pages) if p.is_file() and not _written_by_us(p)]
+    if foreign:
+        raise UsageError(f"--write {root}: {foreign[0]} is not a page `suite baseline show` wrote, and --write never "
+                         f"replaces one ({len(foreign)} such); pass the results directory (docs/results) or a new one")
+    for stale in root.glob("*/*.md"):
+        if str(stale.relative_to(root)) not in pages and _written_by_us(stale):
+            stale.unlink()
+    for page, text in pages.items():
+        (root / page).parent.mkdir(parents=True, exist_ok=True)
+        (root / page).write_text(text, encoding="utf-8")
+
+
 def baseline_pages(baselines_dir, gates: list[str] | None = None) -> dict[str, str]:
     """Every baseline file under baselines_dir (<machine>/<gate>.json) rendered: relative page
     path (<machine>/<gate>.md) -> Markdown, plus README.md, the index of the pages."""
@@ -543,9 +574,8 @@ def baseline_pages(baselines_dir, gates: list[str] | None = None) -> dict[str, s
             continue
         relative = path.relative_to(root)
         pages[str(relative.with_suffix(".md"))] = render_baseline(load_baseline(path), f"{root.name}/{relative}")
-    index = ["# Results", "", "Each gate's saved figures per class of machine, rendered from `baselines/` by "
-             "`suite baseline show --write docs/results` (CI fails when a page here differs from what that renders).",
-             ""]
+    index = ["# Results", "", f"Each gate's saved figures per class of machine, rendered from `baselines/` "
+             f"{WRITTEN_BY} (CI fails when a page here differs from what that renders).", ""]
     index += [f"- [{page.removesuffix('.md')}]({page})" for page in sorted(pages)]
     pages["README.md"] = "\n".join(index) + "\n"
     return pages

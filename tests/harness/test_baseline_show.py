@@ -43,14 +43,32 @@ def test_a_figure_is_the_median_of_the_saved_runs():
 def test_show_prints_write_writes_and_removes_stale_pages(tmp_path):
     shown = invoke("baseline", "show", "split-muon", "--baselines", ROOT / "baselines")
     assert shown.exit_code == 0 and shown.output.startswith("# split-muon on NVIDIA H200")
-    stale = tmp_path / "nvidia-h200" / "gone.md"
+    stale = tmp_path / "nvidia-h200" / "gone.md"  # a page of a baseline since removed
     stale.parent.mkdir(parents=True)
-    stale.write_text("old")
+    stale.write_text((ROOT / "docs/results/nvidia-h200/rmsnorm.md").read_text())
+    notes = tmp_path / "nvidia-h200" / "notes.md"  # not a page of ours: never touched
+    notes.write_text("old")
     written = invoke("baseline", "show", "--baselines", ROOT / "baselines", "--write", tmp_path)
     assert written.exit_code == 0, written.output
-    assert not stale.exists()
+    assert not stale.exists() and notes.read_text() == "old"
     assert (tmp_path / "nvidia-h200" / "moe-bwd.md").read_text() == (ROOT / "docs/results/nvidia-h200/moe-bwd.md").read_text()
     assert "[nvidia-h200/rmsnorm](nvidia-h200/rmsnorm.md)" in (tmp_path / "README.md").read_text()
+
+
+def test_write_into_a_directory_of_other_markdown_is_refused_and_deletes_nothing(tmp_path):
+    """`--write docs` for `--write docs/results`: docs/README.md would have been replaced by the
+    index and docs/arms/*.md deleted as stale pages."""
+    docs = {"README.md": "# the project's docs\n", "arms/moe.md": "# MoE\n", "arms/rmsnorm.md": "# RMSNorm\n"}
+    for name, text in docs.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    result = invoke("baseline", "show", "--baselines", ROOT / "baselines", "--write", tmp_path)
+    assert result.exit_code == ExitCode.USAGE
+    assert f"{tmp_path / 'README.md'} is not a page `suite baseline show` wrote" in " ".join(result.output.split())
+    assert {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*.md")} == docs
+    (tmp_path / "README.md").unlink()  # with the index's name free: the pages beside the other files
+    assert invoke("baseline", "show", "--baselines", ROOT / "baselines", "--write", tmp_path).exit_code == 0
+    assert (tmp_path / "arms/moe.md").read_text() == "# MoE\n" and (tmp_path / "nvidia-h200/rmsnorm.md").is_file()
 
 
 def test_bad_input_is_one_line(tmp_path):
