@@ -200,6 +200,14 @@ def test_any_unknown_preset_is_a_usage_error(reports):
     assert result.exit_code == ExitCode.USAGE
 
 
+def test_a_preset_named_twice_runs_once(reports):
+    result = invoke("gate", "rmsnorm", "--device", "cpu", "--preset", "tiny", "--preset", "tiny", "--no-sabotage",
+                    "--reports", reports)
+    assert result.exit_code == ExitCode.OK, result.output
+    (report,) = [json.loads(p.read_text()) for p in reports.glob("*/report.json")]
+    assert [(r["gate"], r["preset"]) for r in report["results"]] == [("rmsnorm", "tiny")]
+
+
 def test_buffers_recorded_for_another_preset_is_a_usage_error(tmp_path, reports):
     out = tmp_path / "buffers"
     invoke("record", "rmsnorm", "--preset", "tiny-fp32", "--out", out, "--device", "cpu")

@@ -156,10 +156,11 @@ class Runner:
             # the real preset is built from the manifest once the buffers are loaded
             return [Preset("recorded", {}, where="any")]
         if opts.presets:
+            named = list(dict.fromkeys(opts.presets))  # a preset named twice runs once
             if opts.explicit:
-                return [gate.preset(name) for name in opts.presets]  # an unknown name is a UsageError
+                return [gate.preset(name) for name in named]  # an unknown name is a UsageError
             known = {p.name for p in gate.presets}
-            return [gate.preset(name) for name in opts.presets if name in known]
+            return [gate.preset(name) for name in named if name in known]
         return gate.default_presets(opts.device, all_gates=not opts.explicit)
 
     @property
