@@ -289,9 +289,9 @@ def _spread(flags: RunFlags, gpus: str) -> None:
     check_presets(gates.select("all"), flags.preset)
     check_writable(flags.reports)
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None
-    # CPU workers each load torch and run gates on all cores: more than the cores only thrashes
-    limit = count if count is not None else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-        else os.cpu_count() or 1
+    limit = count
+    if count is None:  # CPU workers each load torch and use every core: more than the cores only thrash
+        limit = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = count if gpus == "all" and count else int(gpus) if gpus.isdigit() else None
     if not workers or workers > limit:
         raise UsageError(f"--gpus must be 'all' or a number from 1 to this host's GPUs ({count or 'none'}), "
@@ -430,8 +430,8 @@ def baseline_show(
 ) -> None:
     """Render the saved figures as Markdown pages: per preset its runs, per case each contender's
     median ms in both timing modes, throughput, share of the ceiling, host time, spread."""
-    from suite.harness.render import baseline_pages, write_baseline_pages
-    from suite.harness.store import unwritable
+    from suite.harness.render import baseline_pages
+    from suite.harness.store import unwritable, write_baseline_pages
 
     if not baselines.is_dir():
         raise UsageError(f"--baselines {baselines} is not a directory; pass the baselines directory")

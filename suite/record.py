@@ -109,10 +109,9 @@ def capture(model: nn.Module, out_dir: str | os.PathLike, modules: tuple[str, ..
     watched = _watch(model, modules, step, recording)
     for w in watched:  # before the step runs: a refusal after it would waste the step
         try:
-            check_destination(recording.out_dir / w.path, overwrite)
+            check_destination(recording.out_dir / w.path, overwrite, "capture(..., overwrite=True)")
         except UsageError as exc:
-            raise UsageError(f"capture: {exc}".replace("pass --overwrite (save_buffers(..., overwrite=True))",
-                                                       "pass capture(..., overwrite=True)")) from None
+            raise UsageError(f"capture: {exc}") from None
     handles = [w.module.register_forward_hook(_recorder(w), with_kwargs=True) for w in watched]
     try:
         yield recording

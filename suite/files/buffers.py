@@ -108,9 +108,11 @@ def _checked_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
     return checked
 
 
-def check_destination(out_dir: str | os.PathLike, overwrite: bool = False) -> None:
+def check_destination(out_dir: str | os.PathLike, overwrite: bool = False,
+                      how_to_overwrite: str = "--overwrite (save_buffers(..., overwrite=True))") -> None:
     """Refuse to write a recording where one already is (unless overwrite) or where anything
-    else is: replacing the directory would delete it."""
+    else is: replacing the directory would delete it. how_to_overwrite: the caller's own switch,
+    which the refusal names."""
     out = Path(out_dir)
     if not out.exists():
         return
@@ -126,8 +128,7 @@ def check_destination(out_dir: str | os.PathLike, overwrite: bool = False) -> No
         )
     if not overwrite:
         raise UsageError(
-            f"{out} already holds a recording; pass --overwrite (save_buffers(..., overwrite=True)) "
-            "to replace it, or choose another directory"
+            f"{out} already holds a recording; pass {how_to_overwrite} to replace it, or choose another directory"
         )
 
 

@@ -470,6 +470,10 @@ def _center(entries: list[BaselineEntry], field: str) -> float | None:
     return _median(values) if values else None
 
 
+# every page `baseline_pages` renders says so near its top: how store.write_baseline_pages knows its own
+WRITTEN_BY = "by `suite baseline show --write docs/results`"
+
+
 def render_baseline(baseline: Baseline, source: str) -> str:
     """One gate's saved figures on one class of machine as a Markdown page: per preset its runs
     (run id, commit, command), then per bench case each contender's median ms in both timing
@@ -529,37 +533,6 @@ def _advice(rec: Recommendation | None) -> str:
     if rec is None:
         return _DASH
     return f"{rec.speedup:.3f}x [{rec.ci_low:.3f}, {rec.ci_high:.3f}] over {rec.against}: {rec.advice}"
-
-
-# every page `baseline_pages` renders says so near its top: how write_baseline_pages knows its own
-WRITTEN_BY = "by `suite baseline show --write docs/results`"
-
-
-def _written_by_us(path) -> bool:
-    with open(path, encoding="utf-8", errors="replace") as fh:
-        return any(WRITTEN_BY in fh.readline() for _ in range(5))
-
-
-def write_baseline_pages(directory, pages: dict[str, str]) -> None:
-    """`pages` written under `directory`, and its pages of baselines that are gone removed. Only
-    pages this function wrote (they say so near their top) are replaced or removed: a directory
-    of other Markdown (`--write docs` for docs/results) is refused before anything is written,
-    and other files are left as they are. OSError from the disk passes through."""
-    from pathlib import Path
-
-    from suite.errors import UsageError
-
-    root = Path(directory)
-    foreign = [p for p in (root / page for page in pages) if p.is_file() and not _written_by_us(p)]
-    if foreign:
-        raise UsageError(f"--write {root}: {foreign[0]} is not a page `suite baseline show` wrote, and --write never "
-                         f"replaces one ({len(foreign)} such); pass the results directory (docs/results) or a new one")
-    for stale in root.glob("*/*.md"):
-        if str(stale.relative_to(root)) not in pages and _written_by_us(stale):
-            stale.unlink()
-    for page, text in pages.items():
-        (root / page).parent.mkdir(parents=True, exist_ok=True)
-        (root / page).write_text(text, encoding="utf-8")
 
 
 def baseline_pages(baselines_dir, gates: list[str] | None = None) -> dict[str, str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from suite.errors import CouldNotRun, SuiteError, UsageError
 from suite.files import atomic
-from suite.harness.render import render_markdown, to_json
+from suite.harness.render import WRITTEN_BY, render_markdown, to_json
 from suite.harness.render_ci import render_junit, render_pytest_benchmark
 from suite.harness.results import RunReport, slugify
 
@@ -131,3 +131,26 @@ def list_reports(reports_dir: str | Path) -> list[Path]:
         if p.is_dir() and not p.name.startswith(".") and (p / "report.json").is_file()
     ]
     return sorted(runs, key=_newest_last)
+
+
+def _written_by_us(path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return any(WRITTEN_BY in fh.readline() for _ in range(5))
+
+
+def write_baseline_pages(directory, pages: dict[str, str]) -> None:
+    """`pages` written under `directory`, and its pages of baselines that are gone removed. Only
+    pages this function wrote (they say so near their top) are replaced or removed: a directory
+    of other Markdown (`--write docs` for docs/results) is refused before anything is written,
+    and other files are left as they are. OSError from the disk passes through."""
+    root = Path(directory)
+    foreign = [p for p in (root / page for page in pages) if p.is_file() and not _written_by_us(p)]
+    if foreign:
+        raise UsageError(f"--write {root}: {foreign[0]} is not a page `suite baseline show` wrote, and --write never "
+                         f"replaces one ({len(foreign)} such); pass the results directory (docs/results) or a new one")
+    for stale in root.glob("*/*.md"):
+        if str(stale.relative_to(root)) not in pages and _written_by_us(stale):
+            stale.unlink()
+    for page, text in pages.items():
+        (root / page).parent.mkdir(parents=True, exist_ok=True)
+        (root / page).write_text(text, encoding="utf-8")
