@@ -66,9 +66,10 @@ def test_a_recording_carries_the_models_own_routing_and_the_gate_replays_it(tmp_
     judged = moe_bwd.arm(buffers, preset)
     torch.testing.assert_close(judged["out"], out, rtol=1e-5, atol=1e-6)
     assert "dlogits" not in judged and "z_loss" not in judged  # the router is the model's, not the gate's
+    # --no-sabotage: the saboteurs would run on the gate's own tiny preset, which tests/gates covers
     result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", "cpu", "--buffers",
                                       str(tmp_path / "rec" / "model.layers.1.mlp.experts"),
-                                      "--reports", str(tmp_path / "reports")], catch_exceptions=False)
+                                      "--reports", str(tmp_path / "reports"), "--no-sabotage"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     (report,) = (tmp_path / "reports").glob("*/report.json")
     (unit,) = [u for u in json.loads(report.read_text())["results"] if u["preset"] == "recorded"]
@@ -105,7 +106,7 @@ def test_a_recording_carries_a_clamped_swiglu_and_the_gate_judges_the_clamp(tmp_
     plain = Preset("recorded", {k: v for k, v in preset.params.items() if not k.startswith("swiglu")}, where="any")
     assert not torch.allclose(moe_bwd.arm(buffers, plain)["out"], seen[0], rtol=1e-3, atol=1e-4)
     result = CliRunner().invoke(app, ["gate", "moe-bwd", "--device", "cpu", "--buffers", str(path), "--reports",
-                                      str(tmp_path / "reports")], catch_exceptions=False)
+                                      str(tmp_path / "reports"), "--no-sabotage"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
 
 
