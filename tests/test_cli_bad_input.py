@@ -641,6 +641,9 @@ CASES = [
     Case("-", "a report whose exit code is not its results' (edited to pass a failed gate)",
          ("report", "{tmp}/edited.json"), USAGE, "{tmp}/edited.json is not a consistent run report: it says exit code "
          "0, but its results (1 failed, 1 passed, 1 could_not_run) give 1", report_passing_a_failure),
+    Case("-", "a reports directory where a run's is asked for", ("report", "{tmp}/reports"), USAGE,
+         "{tmp}/reports is a reports directory, not a run's: pass one of its runs (the newest is {tmp}/reports/",
+         bench_report),
     Case("9", "a baseline entry with median_ms 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
          USAGE, "entry medium/fwd/graph/arm has median_ms 0.0, not a positive time", baseline_saved(arm_median(0.0))),
     Case("9", "a baseline entry with median_ms < 0", ("baseline", "compare", "--reports", "{tmp}/reports", "--baselines", "{tmp}/baselines"),
