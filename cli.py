@@ -357,9 +357,10 @@ def _report_path(path: Path | None, reports: Path) -> Path:
         if not runs:
             raise UsageError(f"no report under {reports}; run `suite bench NAME` first or pass a report path")
         path = runs[-1]
-    if path.is_dir() and not (path / "report.json").exists() and list_reports(path):
+    runs_inside = list_reports(path) if path.is_dir() and not (path / "report.json").exists() else []
+    if runs_inside:
         raise UsageError(f"{path} is a reports directory, not a run's: pass one of its runs (the newest is "
-                         f"{list_reports(path)[-1]})")
+                         f"{runs_inside[-1]})")
     return path / "report.json" if path.is_dir() else path
 
 

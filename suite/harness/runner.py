@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import torch
 
 from suite.device_profile import active_profile
-from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError, combine
+from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError
 from suite.harness import parity
 from suite.files.buffers import load_buffers
 from suite.harness.fingerprint import fingerprint
@@ -40,6 +40,7 @@ from suite.harness.results import (
     RunReport,
     SaboteurResult,
     SkippedGate,
+    run_exit_code,
 )
 from suite.harness.timers import CudaTimer, WallTimer
 from suite.harness.timing import (
@@ -282,7 +283,6 @@ class Runner:
                started: datetime, duration_s: float, ceilings: Ceilings | None = None) -> RunReport:
         """A run's report from its results: this run's, or (pytest --suite -n) its workers' merged,
         whose ceilings and fingerprints came with them."""
-        statuses = [r.status for r in results] + (["could_not_run"] * len(skipped) if self.options.strict else [])
         own = next((r.fingerprint for r in results if r.fingerprint), None)
         return RunReport(
             run_id=started.strftime("%Y%m%dT%H%M%S%fZ"),
@@ -294,7 +294,7 @@ class Runner:
             ceilings=ceilings or self._ceilings,
             results=results,
             skipped=skipped,
-            exit_code=int(combine(statuses)),
+            exit_code=run_exit_code(results, skipped, self.options.strict),
             duration_s=duration_s,
         )
 
