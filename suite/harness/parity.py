@@ -24,6 +24,10 @@ from suite.harness.results import Check, Failure, ParityResult, TensorCheck
 CHUNK_ELEMENTS = 1 << 24  # bounds the float64 temporaries on large tensors
 # a truth row this far below the largest truth value is float64 rounding noise (fp32 resolves 6e-8)
 NOISE = 1e-12
+# A row can lose its whole value to rounding alone where its truth is within a few roundings of
+# the tensor's scale (a sum of large terms that cancels): rows below this many epsilons of the
+# working dtype x the RMS row norm are left to the error checks, not counted as lost.
+ROUNDING_ROWS = 8
 
 _BITS_VIEW = {
     torch.float16: torch.int16,
@@ -231,15 +235,18 @@ def _is_constant(t: torch.Tensor, finite: torch.Tensor) -> bool:
 
 def tolerance_check(
     name: str, arm: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor, k: float, floor: float,
-    row_floor: float = 0.0, noise: float = 0.0,
+    row_floor: float = 0.0, noise: float = 0.0, rounding: float = 0.0,
 ) -> TensorCheck:
     """Arm's error against the float64 truth must be within k x the reference's own + floor.
 
     A row whose error is as large as its truth has lost its whole value (an all-zero output
     where x*x overflowed to Inf in an rsqrt). Where the reference loses it too, the buffers lie
     beyond the working dtype, counted with `overflowed` (judge_arm refuses them); where only the
-    arm does, it fails. Rows whose truth norm is at most `noise` (rounding noise of the float64
-    truth around an exact zero) are not counted either way."""
+    arm does, it fails. Only rows whose truth stands above rounding are counted either way: rows
+    of norm at most `noise` (float64 noise around an exact zero), or below the larger of
+    `row_floor` and ROUNDING_ROWS x `rounding` (the working dtype's epsilon) of the RMS row
+    norm, can be lost to rounding by either side at random; which ones is noise, and the
+    whole-tensor and worst-row errors judge them."""
     base = dict(name=name, shape=list(ref.shape), dtype=str(ref.dtype), mode="tolerance", k=k, floor=floor,
                 row_floor=row_floor)
     layout = _same_layout(name, arm, ref, "reference")
@@ -268,8 +275,10 @@ def tolerance_check(
     arm_l2, arm_row, arm_zero, arm_diff, row_truth = _relative_errors(arm, truth, finite, row_floor)
     ref_l2, ref_row, ref_zero, ref_diff, _ = _relative_errors(ref, truth, finite, row_floor)
     limit_l2, limit_row = k * ref_l2 + floor, k * ref_row + floor
-    meaningful = row_truth > noise**2
-    arm_lost, ref_lost = meaningful & (arm_diff >= row_truth), meaningful & (ref_diff >= row_truth)
+    rounding = max(rounding, *(torch.finfo(t.dtype).eps for t in (arm, ref) if t.is_floating_point()))
+    above_rounding = max(row_floor, ROUNDING_ROWS * rounding) ** 2 * float(row_truth.mean())
+    counted = row_truth > max(noise**2, above_rounding)
+    arm_lost, ref_lost = counted & (arm_diff >= row_truth), counted & (ref_diff >= row_truth)
     lost_by_arm = int((arm_lost & ~ref_lost).sum())
     lost_by_both = int((arm_lost & ref_lost).sum()) * (ref.numel() // max(row_truth.numel(), 1))
     if lost_by_arm:
@@ -319,6 +328,9 @@ class Expected:
     # the largest finite |value| of any output's truth: a row whose truth is below NOISE of it is
     # rounding noise around an exact zero, not a value an output can lose
     truth_scale: float = 0.0
+    # the epsilon of the narrowest floating dtype among the inputs: an fp32 output computed from
+    # bf16 operands carries bf16's rounding
+    rounding: float = 0.0
 
 
 def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
@@ -332,7 +344,8 @@ def expected_outputs(gate: Gate, preset: Preset, buffers: Buffers) -> Expected:
         raise RuntimeError(f"gate {gate.name!r}: its reference or truth modified the input buffers")
     _require_something_to_compare(reference, truth)
     scale = max((_finite_amax(t) for t in (truth or {}).values() if t.is_floating_point()), default=0.0)
-    return Expected(reference=reference, truth=truth, input_digests=digests, truth_scale=scale)
+    rounding = max((torch.finfo(t.dtype).eps for t in buffers.values() if t.is_floating_point()), default=0.0)
+    return Expected(reference=reference, truth=truth, input_digests=digests, truth_scale=scale, rounding=rounding)
 
 
 def _finite_amax(t: torch.Tensor) -> float:
@@ -413,7 +426,7 @@ def _check(gate: Gate, name: str, output: torch.Tensor, expected: Expected) -> T
     output = output.to(expected.reference[name].device)  # an arm may leave a host-side output on the CPU
     if isinstance(mode, Tolerance):
         return tolerance_check(name, output, expected.reference[name], expected.truth[name], mode.k, mode.floor,
-                               mode.row_floor, noise=NOISE * expected.truth_scale)
+                               mode.row_floor, noise=NOISE * expected.truth_scale, rounding=expected.rounding)
     return bitwise_check(name, output, expected.reference[name])
 
 
