@@ -438,10 +438,11 @@ class _BenchItem(_SuiteItem):
         if not run.timeable:
             pytest.skip(f"not timed: {run.raised[0] if run.raised else run.result.bench_skipped}")
         bench = self.session_state.setup().time(run, self.case, self.mode)
-        if bench is None and run.raised is None:
-            pytest.skip(f"not timed: {run.result.bench_skipped}")  # the case cannot run on this device
+        error = next((e for e in run.result.bench_errors if (e.case, e.mode) == (self.case.name, self.mode)), None)
+        if error is not None:
+            raise _Verdict(f"could not run: {error.message}")
         if bench is None:
-            raise _Verdict(f"could not run: {run.raised[0]}")
+            pytest.skip(f"not timed: {run.result.bench_skipped}")  # the case cannot run on this device
         missed = [f"{c.name}: {c.detail}" for c in bench.criteria if not c.passed and not c.ambiguous and not c.target]
         if missed:
             raise _Verdict("failed: performance: " + "; ".join(missed))

@@ -118,6 +118,7 @@ def bench_summary(result: GateResult) -> str:
         elif not bench.passed:
             text += " FAILED"
         parts.append(text)
+    parts += [f"{e.case} ({e.mode}) COULD NOT RUN" for e in result.bench_errors]
     return "; ".join(parts) or _DASH
 
 
@@ -128,6 +129,8 @@ def _header(report: RunReport) -> list[str]:
         gpu += f", {fp.gpu_memory_bytes / 2**30:.0f} GiB"
     if fp.sm_count is not None:
         gpu += f", {fp.sm_count} SMs"
+    if fp.gpu_memory_cap_bytes is not None:
+        gpu += f", held to {fp.gpu_memory_cap_bytes / 2**30:g} GiB (--gpu-memory)"
     clocks = ", ".join(f"{k} {v} MHz" for k, v in fp.clocks.items()) or _DASH
     git = _DASH if fp.git_sha is None else fp.git_sha[:12] + (" (dirty)" if fp.git_dirty else "")
     machine = [
@@ -350,6 +353,10 @@ def _result_section(result: GateResult) -> list[str]:
         lines += [f"Bench skipped: {result.bench_skipped}", ""]
     for bench in result.bench:
         lines += _bench_section(bench)
+    for error in result.bench_errors:
+        lines += [f"Bench case {error.case} ({error.mode}) could not run: {error.message}", ""]
+        if error.traceback:
+            lines += ["```", error.traceback.rstrip(), "```", ""]
     return lines
 
 

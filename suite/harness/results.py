@@ -218,6 +218,15 @@ class BenchResult(Record):
     duration_s: float = 0.0
 
 
+class CaseError(Record):
+    """A bench case that raised: the unit could not run it, its other cases' figures stand."""
+
+    case: str
+    mode: TimingMode
+    message: str
+    traceback: str | None = None  # where an unexpected exception was raised
+
+
 class Ceilings(Record):
     copy_gbps: float  # device-to-device copy, bytes read + written
     copy_bytes: int
@@ -245,6 +254,7 @@ class GateResult(Record):
     # where the saboteurs are not run here: the preset they ran at, or why they cannot apply
     saboteurs_note: str | None = None
     bench: list[BenchResult] = Field(default_factory=list)
+    bench_errors: list[CaseError] = Field(default_factory=list)
     bench_skipped: str | None = None
     traceback: str | None = None  # where the harness or the arm raised unexpectedly
     buffers: BufferProvenance | None = None
@@ -276,6 +286,7 @@ class Fingerprint(Record):
     git_dirty: bool | None = None
     clocks: dict[str, int] = Field(default_factory=dict)  # MHz, when nvidia-smi answers
     profile: str = "none"  # "rtx" when Triton configs were held to 99 KB of shared memory
+    gpu_memory_cap_bytes: int | None = None  # --gpu-memory: the process held to a smaller card's memory
     device: str | None = None  # the device a result ran on where a run used several ("cuda:1": the host's second GPU)
 
 

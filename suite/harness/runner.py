@@ -34,6 +34,7 @@ from suite.harness.gate import BenchCase, Buffers, Contender, Gate, Preset, Sabo
 from suite.harness.results import (
     BenchResult,
     BufferProvenance,
+    CaseError,
     Ceilings,
     Check,
     GateResult,
@@ -50,6 +51,7 @@ from suite.harness.timing import (
     measure_bench,
     measure_ceilings,
 )
+from suite.settings import gpu_memory_cap, resolve_gpu_memory
 
 GIB = 1 << 30
 MAX_ROTATION = 16  # input sets an eager bench cycles through at most
@@ -121,6 +123,11 @@ class UnitRun:
         return self.raised is None and self.buffers is not None and self.result.parity.passed
 
 
+def _capped() -> str:
+    gib = resolve_gpu_memory(None)
+    return "" if gib is None else f" within --gpu-memory {gib:g} GiB"
+
+
 def _mib(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.0f} MiB"
 
@@ -175,13 +182,17 @@ class Runner:
         free = self._free_memory() if free is None else free
         if free is None or self.options.presets or preset.memory_bytes <= free:
             return None
-        return f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the {_mib(free)} free on this GPU"
+        return f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the {_mib(free)} free on this GPU{_capped()}"
 
     def _free_memory(self, planning: bool = False) -> int | None:
+        """Free GPU memory, within the process's --gpu-memory cap where one is set (what a
+        smaller card would have free)."""
         device = self.options.device
         if device.type != "cuda" or (planning and not self.options.plan_memory):
             return None
-        return torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0]
+        cap = gpu_memory_cap(device)
+        return free if cap is None else max(0, min(free, cap - torch.cuda.memory_reserved(device)))
 
     def _place_saboteurs(self, gate: Gate, units: list[Unit]) -> list[Unit]:
         """Give each saboteur its unit: the smallest preset of the gate where it can show,
@@ -351,7 +362,8 @@ class Runner:
             if free is not None and preset.memory_bytes > free:
                 raise CouldNotRun(
                     f"preset {preset.name} of gate {gate.name} needs about {_mib(preset.memory_bytes)} of GPU memory "
-                    f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}; pick a smaller preset (suite list)"
+                    f"and {_mib(free)} is free on {torch.cuda.get_device_name(device)}{_capped()}; pick a smaller preset "
+                    "(suite list)"
                 )
             self._judge(run)
             run.result.bench_skipped = self.bench_plan(unit)[1]
@@ -373,7 +385,7 @@ class Runner:
             if note not in (run.result.bench_skipped or ""):
                 run.result.bench_skipped = "; ".join(filter(None, (run.result.bench_skipped, note)))
             return None
-        with self._step(run):
+        with self._case_step(run, case, mode):
             if device.type == "cuda" and self._ceilings is None:
                 # once a run, in the phases of the first preset that benches (every second is named)
                 with self._phase(run.phases, unit, "ceilings"):
@@ -430,6 +442,22 @@ class Runner:
         except Exception as exc:  # an arm that raises (compile error, launch failure) could not run
             # one line is enough for a known failure, not for a bug: keep where it was raised
             run.raised = (f"{type(exc).__name__} while running: {_first_line(exc)}", traceback.format_exc())
+
+    @contextlib.contextmanager
+    def _case_step(self, run: UnitRun, case: BenchCase, mode: str) -> Iterator[None]:
+        """One bench case: what it raises is that case's error in the result, and the unit's
+        other cases are still timed and kept."""
+        try:
+            yield
+        except UsageError:
+            raise
+        except Exception as exc:
+            known = isinstance(exc, (CouldNotRun, torch.OutOfMemoryError))
+            message = _first_line(exc) if known else f"{type(exc).__name__} while running: {_first_line(exc)}"
+            run.result.bench_errors.append(CaseError(case=case.name, mode=mode, message=message,
+                                                     traceback=None if known else traceback.format_exc()))
+            if self.options.device.type == "cuda":
+                torch.cuda.empty_cache()  # the case's half-built contenders are gone: free their memory
 
     @contextlib.contextmanager
     def _phase(self, phases: dict[str, float], unit: Unit, name: str) -> Iterator[None]:
@@ -593,7 +621,7 @@ class Runner:
         """Host time per call of every contender on the gate's host-probe shape, once a run (a
         phase of the first preset that needs it)."""
         device, gate = self.options.device, unit.gate
-        if gate.host_probe is None or device.type != "cuda":
+        if device.type != "cuda" or not host_probed(gate, case):
             return {}
         missing = [c for c in contenders if (gate.name, case.name, c.name) not in self._host_us]
         if missing:
@@ -618,6 +646,12 @@ class Runner:
             self._host_us[(gate.name, case.name, contender.name)] = us
 
 
+def host_probed(gate: Gate, case: BenchCase) -> bool:
+    """Whether a case's host time per call is measured on the gate's host-probe shape: not for a
+    case timed only at some presets (compiled peers), which is never built at that shape."""
+    return gate.host_probe is not None and (case.presets is None or gate.host_probe in case.presets)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
@@ -640,6 +674,8 @@ def status_of(result: GateResult) -> tuple[str, str | None]:
         reasons.append("performance: " + "; ".join(slow))
     if reasons:
         return "failed", " | ".join(reasons)
+    if result.bench_errors:
+        return "could_not_run", "bench: " + "; ".join(f"{e.case} ({e.mode}): {e.message}" for e in result.bench_errors)
     ambiguous = [f"{b.case} ({b.mode})" for b in result.bench if b.ambiguous]
     if ambiguous:
         return "ambiguous", f"timing stayed ambiguous against the noise floor for {ambiguous}"

@@ -12,6 +12,7 @@ import gates
 import gates.moe_block as moe_block
 import gates.moe_bwd as moe_bwd
 from suite.arms import moe
+from suite.harness.runner import host_probed
 
 GATE = gates.get("moe-bwd")
 TINY = [p for p in GATE.presets if p.where == "any"]
@@ -334,3 +335,11 @@ def test_the_sonicmoe_build_refuses_a_layer_that_is_not_the_arms(monkeypatch):
 def test_sonicmoe_says_why_it_cannot_run_here():
     assert moe_bwd.sonicmoe_missing(CPU) == "SonicMoE runs on CUDA devices only"
     assert "sonicmoe" in moe_bwd.STRONGEST_PEERS
+
+
+def test_the_host_probe_builds_only_the_cases_timed_at_its_shape():
+    """The block cases are timed at the model presets alone: probing them on host-probe raised
+    "compiled peers are timed at ..." and `suite bench moe-bwd --preset olmoe` lost every case."""
+    probed = {case.name: host_probed(GATE, case) for case in GATE.benches}
+    assert probed == {"fwd+bwd": True, "bwd": True, "combine-bwd": True, "layer": True, "block": False,
+                      "block-compiled": False}

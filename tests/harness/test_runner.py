@@ -105,3 +105,25 @@ def test_a_contender_that_skips_a_preset_is_not_built_there_and_the_declaration_
     with pytest.raises(ValueError, match="skips presets the gate lacks"):
         dataclasses.replace(gate, contenders=(*gate.contenders[:-1], dataclasses.replace(
             gate.contenders[-1], skip_presets=("huge",))))
+
+
+def test_a_case_that_raises_is_its_own_error_and_the_other_cases_keep_their_figures():
+    """moe-bwd's host probe once raised for one case and the unit's every timed case was lost."""
+    arm = next(c for c in toygate.BENCH_GATE.contenders if c.role == "arm")
+
+    def build(case, buffers, preset):
+        if case.name == "broken":
+            raise RuntimeError("compiled peers are timed at olmoe only")
+        return arm.build(case, buffers, preset)
+
+    sum_case = toygate.BENCH_GATE.benches[0]
+    gate = dataclasses.replace(
+        toygate.BENCH_GATE, benches=(dataclasses.replace(sum_case, name="broken"), sum_case),
+        contenders=tuple(dataclasses.replace(c, build=build) if c is arm else c
+                         for c in toygate.BENCH_GATE.contenders))
+    result = runner()._run_unit(Unit(gate, toygate.PRESET, bench=True))
+    assert [b.case for b in result.bench] == ["sum"] and result.bench[0].contenders
+    (error,) = result.bench_errors
+    assert (error.case, error.mode) == ("broken", "wall") and "compiled peers" in error.message and error.traceback
+    assert result.status == "could_not_run"
+    assert result.reason == "bench: broken (wall): RuntimeError while running: compiled peers are timed at olmoe only"
