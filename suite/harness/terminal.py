@@ -94,8 +94,7 @@ def names_table(title: str, names: dict[str, int], *others: str) -> Table:
 def print_listing(listing: list[dict], device) -> None:
     """`suite list`'s gates with their presets, then each contender and whether it runs here."""
     presets_of = {
-        g["name"]: [f"{p['name']}{'' if p['where'] == 'any' else ' (cuda)'}"
-                    f"{' **' if p['in_run_here'] else ' *' if p['default_here'] else ''}"
+        g["name"]: [f"{p['name']}{_where(p)}{' **' if p['in_run_here'] else ' *' if p['default_here'] else ''}"
                     for p in g["presets"]]
         for g in listing
     }
@@ -119,7 +118,15 @@ def print_listing(listing: list[dict], device) -> None:
     console.print(LIST_LEGEND)
 
 
-LIST_LEGEND = "* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too"
+LIST_LEGEND = ("* = run by default on this device by `suite gate/bench NAME`; ** = by `suite run` too; "
+               "GiB = the GPU memory a preset needs (a run refuses it where less is free)")
+
+
+def _where(preset: dict) -> str:
+    if preset["where"] == "any":
+        return ""
+    need = preset["memory_bytes"]
+    return f" (cuda, {need / 2**30:.1f} GiB)" if need else " (cuda)"
 
 
 def _contender_rows(listing: list[dict], device) -> Iterator[tuple[str, str, str, str]]:

@@ -130,7 +130,8 @@ def test_presets_declare_what_the_issue_names():
 def test_the_wide_presets_are_the_moe_bwd_layers_and_fit_beside_their_three_contenders():
     """olmoe-wide, qwen3-moe-wide and mixtral-wide run moe-bwd's model layers (d, f, E, k) as whole
     models: on request, one parity step, stock, rms_norm and experts timed; their stated need
-    below an H200's 141 GB and above the three models' weights, gradients and AdamW state."""
+    within an H100's 80 GB (79.2 GiB free on a fresh one; mixtral-wide once asked 96 GiB) and above
+    the three models' weights, gradients and AdamW state."""
     import gates
 
     moe = gates.get("moe-bwd")
@@ -140,7 +141,7 @@ def test_the_wide_presets_are_the_moe_bwd_layers_and_fit_beside_their_three_cont
         assert (p["hidden"], p["ffn"], p["experts"], p["top_k"]) == (q["hidden"], q["ffn"], q["experts"], q["top_k"])
         assert p["steps"] == 1 and not GATE.preset(name).standard
         assert [c.name for c in GATE.contenders_for(step, GATE.preset(name))] == ["stock", "rms_norm", "experts"]
-        assert 3 * 8 * ts._params(p) < GATE.preset(name).memory_bytes < 141e9, name
+        assert 3 * 8 * ts._params(p) < GATE.preset(name).memory_bytes < 79 * 2**30, name
     assert len(GATE.contenders_for(step, GATE.preset("olmoe"))) == len(GATE.contenders)
 
 
