@@ -70,6 +70,10 @@ class RunFlags:
     reports: ReportsOpt = Path("reports")
     seed: SeedOpt = 0
     profile: ProfileOpt = None
+    gpu_memory: Annotated[Optional[str], typer.Option(
+        "--gpu-memory", help="GiB this process may allocate on the GPU, as on a smaller card (16: the RTX card's), "
+        "or none; presets that need more are skipped, or could not run where named. Default: SUITE_GPU_MEMORY, "
+        "else the whole card.")] = None
     sabotage: Annotated[bool, typer.Option(
         "--sabotage/--no-sabotage", help="Also run the gate's saboteurs and require each to be caught.")] = True
     thorough: Annotated[bool, typer.Option(
@@ -190,15 +194,15 @@ class _RichProgress:
         self.bar.advance(self.task)
 
 
-def _setup(device: str, profile: str | None):
-    """Decide device, Triton mode and profile before any gate (and so Triton) is imported."""
+def _setup(device: str, profile: str | None, gpu_memory: str | None = None):
+    """Decide device, Triton mode, profile and memory cap before any gate (and so Triton) is imported."""
     from suite.settings import configure
 
-    return configure(device, profile)
+    return configure(device, profile, gpu_memory)
 
 
 def _execute(what: str, name: str, flags: RunFlags, *, bench: bool) -> None:
-    settings = _setup(flags.device, flags.profile)
+    settings = _setup(flags.device, flags.profile, flags.gpu_memory)
     import gates
     from suite.harness.runner import RunOptions, Runner
     from suite.harness.store import check_writable
@@ -285,7 +289,7 @@ def _spread(flags: RunFlags, gpus: str) -> None:
     from suite.harness.runner import check_presets
     from suite.harness.store import check_writable
 
-    settings = _setup(flags.device, flags.profile)
+    settings = _setup(flags.device, flags.profile, flags.gpu_memory)  # its workers inherit the cap
     check_presets(gates.select("all"), flags.preset)
     check_writable(flags.reports)
     count = torch.cuda.device_count() if settings.device.type == "cuda" else None

@@ -1,13 +1,16 @@
-"""The process settings every command shares: the device, whether Triton interprets, the profile.
+"""The process settings every command shares: the device, whether Triton interprets, the
+profile, and the GPU memory the process may use.
 
 They are decided once, before any gate (and so Triton) is imported, from the command line and
-the environment: an explicit `--profile` wins over SUITE_PROFILE, which wins over auto. The
-decision is written back to SUITE_PROFILE, which is what the arms read (suite.device_profile),
-so a run and everything it launches agree on one profile.
+the environment: an explicit `--profile` wins over SUITE_PROFILE, which wins over auto, and
+`--gpu-memory` over SUITE_GPU_MEMORY. The decisions are written back to those variables, which
+is what the arms and the runner read (suite.device_profile, `gpu_memory_cap`), so a run and
+every worker it launches agree on them.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ class Settings:
     device: torch.device
     profile_choice: str  # what was asked for: auto, rtx or none
     interpret: bool  # Triton kernels run under its CPU interpreter
+    gpu_memory_cap: int | None = None  # bytes this process may allocate on the GPU (None: the card's)
 
     @property
     def profile(self) -> str:
@@ -69,9 +73,50 @@ def _choose_triton_mode(device: torch.device) -> bool:
     return True
 
 
-def configure(device: str = "auto", profile: str | None = None) -> Settings:
+def resolve_gpu_memory(option: str | None) -> float | None:
+    """--gpu-memory if given, else SUITE_GPU_MEMORY: GiB the process may allocate on the GPU
+    (the RTX card's 16, say), or None for the whole card ("", "none" or "0")."""
+    source, value = ("--gpu-memory", option) if option is not None else (
+        "SUITE_GPU_MEMORY", os.environ.get("SUITE_GPU_MEMORY", ""))
+    text = value.strip().lower()
+    if text in ("", "none", "0"):
+        return None
+    try:
+        gib = float(text)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise UsageError(f"{source} must be a number of GiB above 0 (16 for the RTX card) or none, not {value!r}")
+    return gib
+
+
+def _cap_gpu_memory(gib: float | None, device: torch.device) -> int | None:
+    """Hold this process's CUDA allocations to `gib` (torch's per-process fraction: past it an
+    allocation raises OutOfMemoryError, as on a card of that size); the cap in bytes."""
+    if gib is None or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(gib * 2**30)
+    if cap > total:
+        raise UsageError(f"--gpu-memory {gib:g} GiB is more than this GPU's {total / 2**30:.1f} GiB; "
+                         "give at most that, or none for the whole card")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    return cap
+
+
+def gpu_memory_cap(device: torch.device) -> int | None:
+    """The cap `configure` set for this process (bytes), or None."""
+    gib = resolve_gpu_memory(None)
+    return None if gib is None or device.type != "cuda" else int(gib * 2**30)
+
+
+def configure(device: str = "auto", profile: str | None = None, gpu_memory: str | None = None) -> Settings:
     """Decide the settings for this process; call before importing a gate."""
     choice = resolve_profile(profile)
+    gib = resolve_gpu_memory(gpu_memory)
     resolved = resolve_device(device)
+    cap = _cap_gpu_memory(gib, resolved)
     os.environ["SUITE_PROFILE"] = choice
-    return Settings(device=resolved, profile_choice=choice, interpret=_choose_triton_mode(resolved))
+    os.environ["SUITE_GPU_MEMORY"] = "" if gib is None else f"{gib:g}"
+    return Settings(device=resolved, profile_choice=choice, interpret=_choose_triton_mode(resolved),
+                    gpu_memory_cap=cap)

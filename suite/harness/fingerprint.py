@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from suite.harness.results import Fingerprint, slugify
+from suite.settings import gpu_memory_cap
 
 # suite/harness/fingerprint.py -> the project root, where git answers for this checkout
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -114,6 +115,7 @@ def fingerprint(device: torch.device, profile: str) -> Fingerprint:
             sm_count=props.multi_processor_count,
             driver=driver,
             clocks=clocks,
+            gpu_memory_cap_bytes=gpu_memory_cap(device),
         )
     return Fingerprint(**fields)
 
