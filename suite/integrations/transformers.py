@@ -433,16 +433,19 @@ EXPERTS_OPTIMIZERS = ("adamw", "muon")
 
 
 def _expert_weight_options(module: nn.Module, param: torch.Tensor) -> dict | None:
-    """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own,
-    gate_up_proj split into gate and up, halves or alternating as the module stores them); None
-    for an expert bias, which AdamW takes."""
+    """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own
+    as the layer's [out, in], gate_up_proj split into gate and up, halves or alternating as the
+    module stores them); None for an expert bias, which AdamW takes."""
     if param.dim() != 3:
         return None
+    # stored [in, out] (is_transposed; MoEExperts always): Muon's scale must read it transposed
+    transposed = isinstance(module, MoEExperts) or bool(module.is_transposed)
     if param is not getattr(module, "gate_up_proj", None):  # down_proj, a gateless up_proj, MoEExperts' three
-        return {}
-    dim = 1 if module.is_transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
+        return {"transposed": transposed}
+    dim = 1 if transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
     half = param.shape[1 + dim] // 2
-    return {"split_sizes": (half, half), "split_dim": dim, "split_interleaved": not module.is_concatenated}
+    return {"split_sizes": (half, half), "split_dim": dim, "split_interleaved": not module.is_concatenated,
+            "transposed": transposed}
 
 
 def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -> list[dict]:
@@ -451,8 +454,9 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     decay), the output head, vectors (norms, biases, expert biases) and the 3-D expert weights
     to AdamW, with the optimizer's defaults. experts="muon" gives the expert weights (of the
     experts modules transformers' experts interface dispatches, and of `suite.arms.moe.MoEExperts`)
-    to Muon instead, each expert's matrix stepped on its own and gate_up_proj split into gate and
-    up (alternating ones too, gpt-oss's). A fused qkv_proj or gate_up_proj Linear gets
+    to Muon instead, each expert's matrix stepped on its own as the layer's [out, in] whatever
+    the storage (transposed=True where the module stores [in, out]) and gate_up_proj split into
+    gate and up (alternating ones too, gpt-oss's). A fused qkv_proj or gate_up_proj Linear gets
     split_sizes, so each block is orthogonalised on its own. Every group carries param_names;
     empty groups are left out.
 
