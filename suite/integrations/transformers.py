@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from suite import triton_support
+from suite.triton_support import FLOAT_DTYPES
 from suite.arms import rmsnorm
 from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, gate_up_experts, routing_from_topk
 from suite.arms.muon import Muon
@@ -361,9 +362,11 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     """Swap the forward of every RMSNorm module of `model` for the suite's `rms_norm` and return
     how many. impl="auto": the suite's kernels in eager calls (`rms_norm`'s own "auto", which
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
-    (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
-    custom op would stop it, docs/arms/rmsnorm.md). impl="fused": the suite's
-    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
+    (without Triton's interpreter), under torch.compile, so inductor fuses the norm into its
+    neighbours as it would without us (our custom op would stop it, docs/arms/rmsnorm.md), and
+    in a dtype the kernels do not take (a float64 model, cast before or after). impl="fused":
+    the suite's kernels everywhere; a norm in another dtype than bf16, fp16 or fp32 is refused.
+    A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
     Helium's, Ergo's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
     another name, as most of transformers' models carry; a class its code shows is no norm
     (`_NOT_NORMS`) is left as it is. Every
@@ -378,6 +381,14 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
         known = ", ".join(name for _, name in _EXEMPLARS)
         raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows: its code is none of "
                                f"{known}'s, nor a copy of one; the model was left unchanged")
+    if impl == "fused":
+        for name, module in norms:
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.dtype not in FLOAT_DTYPES:
+                raise IntegrationError(
+                    f"apply_rms_norm(impl='fused'): {name} ({type(module).__name__}) is {weight.dtype}, and the suite's "
+                    f"kernels take bfloat16, float16 or float32: pass impl='auto', which leaves other dtypes to the "
+                    f"model's own norm, or cast the model; the model was left unchanged")
     for _, module in norms:
         # a partial of a module-level function, not a closure: a deepcopy (an EMA or reference
         # model) rebinds it to the copy, and pickle and torch.save can name it
@@ -391,9 +402,16 @@ def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
     impl = module._suite_rms_norm
     rule = module._suite_norm_rule
+    weight = getattr(module, "weight", None)
+    if x.dtype not in FLOAT_DTYPES or (weight is not None and weight.dtype not in FLOAT_DTYPES):
+        if impl == "fused":  # a model cast after apply_rms_norm, which refuses such a model
+            dtype = x.dtype if x.dtype not in FLOAT_DTYPES else weight.dtype
+            raise IntegrationError(f"apply_rms_norm(impl='fused'): {type(module).__name__} got {dtype}, and the "
+                                   "suite's kernels take bfloat16, float16 or float32: apply_rms_norm(model, "
+                                   "impl='auto') leaves other dtypes to the model's own norm")
+        return type(module).forward(module, x)  # float64, a debugging model's truth: the model's own
     if impl == "auto" and (torch.compiler.is_compiling() or not triton_support.runs_on(x)):
         return type(module).forward(module, x)
-    weight = getattr(module, "weight", None)
     if weight is None:  # an unweighted norm (Gemma 4's with_scale=False, DeepSeek-V4's): scale 1
         return rmsnorm.rms_norm(x, x.new_ones(x.shape[-1]), norm_eps(module, rule), 0.0, impl=impl)
     y = rmsnorm.rms_norm(x, weight, norm_eps(module, rule), rule.offset, impl=impl)

@@ -1,5 +1,5 @@
 """suite.integrations.transformers where a user's model is not the one it was written for
-(issue 61): experts stored [E, in, out] under Muon. Tiny models, random init, on the CPU."""
+(issue 61): experts stored [E, in, out] under Muon, a float64 model. Tiny models, random init, on the CPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ transformers = pytest.importorskip("transformers", minversion="5")
 
 from bitwise import assert_bitwise  # noqa: E402
 from hfmodels import tiny  # noqa: E402
-from suite.arms import moe  # noqa: E402
+from suite.arms import moe, rmsnorm  # noqa: E402
 from suite.arms.muon import Muon  # noqa: E402
 from suite.integrations import transformers as hf  # noqa: E402
+
+
+def loss_of(model, ids):
+    return model(input_ids=ids, labels=ids).loss.detach()
+
+
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
 
 
 # ---- Muon on experts, whatever their storage ----
@@ -63,3 +70,35 @@ def test_muon_steps_each_expert_as_a_separate_linear_whatever_the_storage(family
     for got, want in zip(as_linears(experts, [p.detach() for p in stacks]), linears):
         for i, (g, w) in enumerate(zip(got, want)):
             assert_bitwise(g, w.detach(), f"{family}: matrix {i}")
+
+
+# ---- apply_rms_norm and the dtypes its kernels take ----
+
+
+def test_auto_leaves_a_float64_models_norms_to_the_model(monkeypatch):
+    """A float64 model is a debugging step: impl="auto" patches it and runs the model's own
+    norms, before a cast and after one; float32 takes the kernels again (every forward had
+    raised "x must be bfloat16, float16 or float32")."""
+    stock = loss_of(tiny("llama").double(), IDS)
+    model = tiny("llama").double()
+    assert hf.apply_rms_norm(model) == 5
+    assert torch.equal(loss_of(model, IDS), stock)
+    cast_after = tiny("llama")
+    assert hf.apply_rms_norm(cast_after) == 5
+    assert torch.equal(loss_of(cast_after.double(), IDS), stock)
+    calls = []
+    monkeypatch.setattr(rmsnorm, "rms_norm", lambda x, *args, **kwargs: calls.append(x.dtype) or x)
+    cast_after.float().model.norm(torch.randn(3, 32))
+    assert calls == [torch.float32]
+
+
+def test_fused_refuses_a_float64_model_and_leaves_it_as_it_was():
+    model = tiny("llama").double()
+    with pytest.raises(hf.IntegrationError, match=r"apply_rms_norm\(impl='fused'\): model\.layers\.0\.input_layernorm "
+                                                  r"\(LlamaRMSNorm\) is torch\.float64.*impl='auto'.*left unchanged"):
+        hf.apply_rms_norm(model, impl="fused")
+    assert not any(hasattr(m, "_suite_rms_norm") for m in model.modules())
+    cast_after = tiny("llama")
+    hf.apply_rms_norm(cast_after, impl="fused")
+    with pytest.raises(hf.IntegrationError, match=r"LlamaRMSNorm got torch\.float64.*impl='auto'"):
+        loss_of(cast_after.double(), IDS)
