@@ -195,6 +195,15 @@ def rms_norm_in_float64(impl: str, cast_after: bool = False):
     return call
 
 
+def norm_with_its_own_norm_method(tmp: Path):
+    """A tiny Gemma whose one norm holds a _norm of its own, which its forward calls."""
+    from suite.integrations import transformers as hf
+
+    model = tiny_hf("gemma")
+    model.model.norm._norm = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5)
+    return hf.apply_rms_norm(model)
+
+
 def captured_optimizer(**options):
     def call(tmp: Path):
         from suite.arms.graph import CapturedOptimizer
@@ -925,6 +934,9 @@ CASES = [
          "5 norms patched; the forward gave torch.float64 logits"),
     Case("61.7", "apply_rms_norm(model), then the model cast to float64", rms_norm_in_float64("auto", cast_after=True),
          OK, "5 norms patched; the forward gave torch.float64 logits"),
+    Case("61.7", "apply_rms_norm of a norm whose instance holds its own _norm (it was patched without a word)",
+         norm_with_its_own_norm_method, COULD_NOT_RUN, "apply_rms_norm: model.norm (GemmaRMSNorm) holds its own _norm, "
+         "an instance attribute that runs in place of its class's"),
     Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
          lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
          COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),

@@ -349,10 +349,20 @@ def _exemplar_codes(root: str = "forward", not_norms: bool = False) -> dict[tupl
     return codes
 
 
+def _overridden(module: nn.Module) -> str | None:
+    """A method of the norm's code (its forward, or one forward calls) that the module holds an
+    instance attribute for (`self._norm = ...` in its __init__, accelerate's hooked forward):
+    that attribute runs, not the code the class is known by. apply_rms_norm's own forward aside."""
+    own = vars(module)
+    return next((name for name, _ in _code_of(type(module)) or ()
+                 if name in own and getattr(own[name], "func", None) is not _rms_norm_forward), None)
+
+
 def rms_norm_rule(module: nn.Module) -> NormRule | None:
     """How `apply_rms_norm` computes this norm: the rule of the known class whose code its class
-    has, word for word (names, docstrings and annotations aside); None for any other module."""
-    if not _is_rms_norm(module):
+    has, word for word (names, docstrings and annotations aside); None for any other module,
+    and for one whose instance overrides that code (`_overridden`)."""
+    if not _is_rms_norm(module) or _overridden(module) is not None:
         return None
     code = _code_of(type(module))
     return None if code is None else _exemplar_codes().get(code)
@@ -370,12 +380,18 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     Helium's, Ergo's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
     another name, as most of transformers' models carry; a class its code shows is no norm
     (`_NOT_NORMS`) is left as it is. Every
-    RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
-    and nothing of the model is patched. `restore_rms_norm` undoes it."""
+    RMSNorm module is checked first: a class this does not know, or a module whose instance
+    overrides its class's code (`self._norm = ...`), raises IntegrationError naming it, and
+    nothing of the model is patched. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
+    for name, module in norms:
+        if (attribute := _overridden(module)) is not None:
+            raise IntegrationError(f"apply_rms_norm: {name or 'the model'} ({type(module).__name__}) holds its own "
+                                   f"{attribute}, an instance attribute that runs in place of its class's: the code "
+                                   "the norm is known by is not the code that runs; the model was left unchanged")
     unknown = sorted({type(module).__name__ for _, module in norms if rms_norm_rule(module) is None})
     if unknown:
         known = ", ".join(name for _, name in _EXEMPLARS)

@@ -1,5 +1,6 @@
 """suite.integrations.transformers where a user's model is not the one it was written for
-(issue 61): experts stored [E, in, out] under Muon, a float64 model. Tiny models, random init, on the CPU."""
+(issue 61): experts stored [E, in, out] under Muon, a float64 model, a norm whose instance
+overrides its own code. Tiny models, random init, on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5")
+
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
 
 from bitwise import assert_bitwise  # noqa: E402
 from hfmodels import tiny  # noqa: E402
@@ -102,3 +105,40 @@ def test_fused_refuses_a_float64_model_and_leaves_it_as_it_was():
     hf.apply_rms_norm(cast_after, impl="fused")
     with pytest.raises(hf.IntegrationError, match=r"LlamaRMSNorm got torch\.float64.*impl='auto'"):
         loss_of(cast_after.double(), IDS)
+
+
+# ---- apply_rms_norm and a norm's instance ----
+
+
+class ShadowedRMSNorm(GemmaRMSNorm):
+    """Gemma's norm, word for word, whose instance holds a _norm of its own: forward calls that."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__(hidden_size, eps)
+        self._norm = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5)
+
+
+@pytest.mark.parametrize("attribute", ["_norm", "forward"])
+def test_a_norm_whose_instance_overrides_its_code_is_refused(attribute):
+    """The norm is known by its class's code, but the instance runs its own _norm (or forward,
+    as accelerate's hooks set it): patched, it computed the class's code instead, without a
+    word. Refused, naming the module and the attribute; nothing is patched."""
+    model = tiny("gemma")
+    if attribute == "_norm":
+        model.model.layers[1].post_attention_layernorm = ShadowedRMSNorm(32)
+    else:
+        norm = model.model.layers[1].post_attention_layernorm
+        norm.forward = lambda x: type(norm).forward(norm, x) * 2
+    stock = loss_of(model, IDS)
+    with pytest.raises(hf.IntegrationError, match=rf"apply_rms_norm: model\.layers\.1\.post_attention_layernorm "
+                                                  rf"\(\w+RMSNorm\) holds its own {attribute}.*left unchanged"):
+        hf.apply_rms_norm(model, impl="fused")
+    assert not any(hasattr(m, "_suite_rms_norm") for m in model.modules())
+    assert hf.rms_norm_rule(model.model.layers[1].post_attention_layernorm) is None  # capture passes it over too
+    assert torch.equal(loss_of(model, IDS), stock)
+
+
+def test_applying_twice_is_not_an_override():
+    model = tiny("gemma")
+    assert hf.apply_rms_norm(model, impl="fused") == hf.apply_rms_norm(model) == 5
+    assert hf.restore_rms_norm(model) == 5
