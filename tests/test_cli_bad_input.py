@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -202,6 +203,20 @@ def norm_with_its_own_norm_method(tmp: Path):
     model = tiny_hf("gemma")
     model.model.norm._norm = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5)
     return hf.apply_rms_norm(model)
+
+
+def rms_norm_of_cohere(tmp: Path):
+    """apply_rms_norm on a tiny Cohere model, whose norms are layer norms: what it returns and warns."""
+    import transformers
+
+    from suite.integrations import transformers as hf
+
+    config = transformers.CohereConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=48, bos_token_id=1, eos_token_id=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = hf.apply_rms_norm(transformers.CohereForCausalLM(config))
+    return f"{patched}; warned: {' | '.join(str(w.message) for w in caught)}"
 
 
 def captured_optimizer(**options):
@@ -937,6 +952,9 @@ CASES = [
     Case("61.7", "apply_rms_norm of a norm whose instance holds its own _norm (it was patched without a word)",
          norm_with_its_own_norm_method, COULD_NOT_RUN, "apply_rms_norm: model.norm (GemmaRMSNorm) holds its own _norm, "
          "an instance attribute that runs in place of its class's"),
+    Case("61.7", "apply_rms_norm of a Cohere model, whose norms are layer norms (it returned 0 without a word)",
+         rms_norm_of_cohere, OK, "0; warned: apply_rms_norm: CohereForCausalLM has no norm it takes, and was left as it "
+         "was: CohereLayerNorm is not named *RMSNorm"),
     Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
          lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
          COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),

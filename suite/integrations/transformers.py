@@ -22,6 +22,7 @@ import builtins
 import functools
 import inspect
 import textwrap
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -382,11 +383,14 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     (`_NOT_NORMS`) is left as it is. Every
     RMSNorm module is checked first: a class this does not know, or a module whose instance
     overrides its class's code (`self._norm = ...`), raises IntegrationError naming it, and
-    nothing of the model is patched. `restore_rms_norm` undoes it."""
+    nothing of the model is patched. A model with no norm it takes gets 0 and a warning naming
+    each norm class it holds and why it was passed over. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
+    if not norms:  # say so: 0 alone reads as success (Cohere's models hold layer norms)
+        warnings.warn(f"apply_rms_norm: {type(model).__name__} {_no_norm_taken(model)}", stacklevel=2)
     for name, module in norms:
         if (attribute := _overridden(module)) is not None:
             raise IntegrationError(f"apply_rms_norm: {name or 'the model'} ({type(module).__name__}) holds its own "
@@ -412,6 +416,18 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
         module._suite_rms_norm = impl
         module._suite_norm_rule = rms_norm_rule(module)  # found once: torch.compile reads it, never the code
     return len(norms)
+
+
+def _no_norm_taken(model: nn.Module) -> str:
+    """Why apply_rms_norm takes no module of `model`: each norm class it holds, passed over."""
+    seen = sorted({type(module).__name__ for module in model.modules() if "Norm" in type(module).__name__})
+    if not seen:
+        return "has no norm module; nothing was patched"
+    # a class named *RMSNorm gets here only when its code is one of _NOT_NORMS'
+    why = [f"{name}'s code is none of a norm's (it computes something else under the name)" if name.endswith("RMSNorm")
+           else f"{name} is not named *RMSNorm (a layer norm, or another the suite's kernels do not compute)"
+           for name in seen]
+    return f"has no norm it takes, and was left as it was: {'; '.join(why)}"
 
 
 def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

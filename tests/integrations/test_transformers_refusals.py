@@ -1,8 +1,10 @@
 """suite.integrations.transformers where a user's model is not the one it was written for
 (issue 61): experts stored [E, in, out] under Muon, a float64 model, a norm whose instance
-overrides its own code. Tiny models, random init, on the CPU."""
+overrides its own code, a model with no norm it takes. Tiny models, random init, on the CPU."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -142,3 +144,26 @@ def test_applying_twice_is_not_an_override():
     model = tiny("gemma")
     assert hf.apply_rms_norm(model, impl="fused") == hf.apply_rms_norm(model) == 5
     assert hf.restore_rms_norm(model) == 5
+
+
+# ---- apply_rms_norm on a model with no norm it takes ----
+
+
+def test_a_model_without_a_norm_it_takes_is_told_so():
+    """Cohere's norm is a layer norm (it subtracts the mean): 0 norms patched, and a warning
+    that names the norm classes seen and why each was not taken (it had returned 0 without a
+    word); a class named RMSNorm whose code is none (HY-V4's rstd alone) is named too."""
+    config = transformers.CohereConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=48, bos_token_id=1, eos_token_id=2)
+    cohere = transformers.CohereForCausalLM(config)
+    with pytest.warns(UserWarning, match=r"apply_rms_norm: CohereForCausalLM has no norm it takes, and was left as "
+                                         r"it was: CohereLayerNorm is not named \*RMSNorm"):
+        assert hf.apply_rms_norm(cohere) == 0
+    hy_v4 = pytest.importorskip("transformers.models.hy_v4.modeling_hy_v4")
+    with pytest.warns(UserWarning, match=r"HYV4UnweightedRMSNorm's code is none of a norm's"):
+        assert hf.apply_rms_norm(torch.nn.Sequential(hy_v4.HYV4UnweightedRMSNorm(eps=1e-6))) == 0
+    with pytest.warns(UserWarning, match=r"Linear has no norm module"):
+        assert hf.apply_rms_norm(torch.nn.Linear(2, 2)) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hf.apply_rms_norm(tiny("llama")) == 5
