@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from suite import triton_support
-from suite.triton_support import FLOAT_DTYPES
 from suite.arms import rmsnorm
 from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, gate_up_experts, routing_from_topk
 from suite.arms.muon import Muon
 from suite.errors import CouldNotRun
+from suite.triton_support import FLOAT_DTYPES
 
 EXPERTS_IMPLEMENTATION = "suite"
 _EXPERTS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
