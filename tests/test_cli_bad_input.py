@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -179,6 +180,43 @@ def integration(fn_name: str, *args, **kwargs):
         return getattr(hf, fn_name)(*args, **kwargs)
 
     return call
+
+
+def rms_norm_in_float64(impl: str, cast_after: bool = False):
+    """apply_rms_norm on a tiny float64 Llama (cast before the call, or after it), then a forward."""
+    def call(tmp: Path):
+        from suite.integrations import transformers as hf
+
+        model = tiny_hf("llama")
+        patched = hf.apply_rms_norm(model if cast_after else model.double(), impl=impl)
+        ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+        logits = model.double()(input_ids=ids).logits
+        return f"{patched} norms patched; the forward gave {logits.dtype} logits"
+
+    return call
+
+
+def norm_with_its_own_norm_method(tmp: Path):
+    """A tiny Gemma whose one norm holds a _norm of its own, which its forward calls."""
+    from suite.integrations import transformers as hf
+
+    model = tiny_hf("gemma")
+    model.model.norm._norm = lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.5)
+    return hf.apply_rms_norm(model)
+
+
+def rms_norm_of_cohere(tmp: Path):
+    """apply_rms_norm on a tiny Cohere model, whose norms are layer norms: what it returns and warns."""
+    import transformers
+
+    from suite.integrations import transformers as hf
+
+    config = transformers.CohereConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=48, bos_token_id=1, eos_token_id=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        patched = hf.apply_rms_norm(transformers.CohereForCausalLM(config))
+    return f"{patched}; warned: {' | '.join(str(w.message) for w in caught)}"
 
 
 def captured_optimizer(**options):
@@ -904,6 +942,19 @@ CASES = [
          "--gpus must be 'all' or a number from 1 to this host's GPUs (none), not 'all'"),
     Case("47", "suite run --gpus 2 with a preset no gate has", ("run", "--gpus", "2", "--preset", "nope", *CPU), USAGE,
          "no gate of this run has the preset(s) ['nope']"),
+    Case("61.7", "apply_rms_norm(model, impl='fused') of a float64 model (it patched it, and every forward raised)",
+         rms_norm_in_float64("fused"), COULD_NOT_RUN, "apply_rms_norm(impl='fused'): model.layers.0.input_layernorm "
+         "(LlamaRMSNorm) is torch.float64, and the suite's kernels take bfloat16, float16 or float32: pass impl='auto'"),
+    Case("61.7", "apply_rms_norm(model) of a float64 model (every forward raised)", rms_norm_in_float64("auto"), OK,
+         "5 norms patched; the forward gave torch.float64 logits"),
+    Case("61.7", "apply_rms_norm(model), then the model cast to float64", rms_norm_in_float64("auto", cast_after=True),
+         OK, "5 norms patched; the forward gave torch.float64 logits"),
+    Case("61.7", "apply_rms_norm of a norm whose instance holds its own _norm (it was patched without a word)",
+         norm_with_its_own_norm_method, COULD_NOT_RUN, "apply_rms_norm: model.norm (GemmaRMSNorm) holds its own _norm, "
+         "an instance attribute that runs in place of its class's"),
+    Case("61.7", "apply_rms_norm of a Cohere model, whose norms are layer norms (it returned 0 without a word)",
+         rms_norm_of_cohere, OK, "0; warned: apply_rms_norm: CohereForCausalLM has no norm it takes, and was left as it "
+         "was: CohereLayerNorm is not named *RMSNorm"),
     Case("44.8", "use_suite_experts on a CPU without Triton's interpreter",
          lambda tmp: integration("use_suite_experts", tiny_hf("olmoe"))(tmp),
          COULD_NOT_RUN, "set TRITON_INTERPRET=1 before triton is imported", experts_on_a_cpu_without_the_interpreter),
@@ -986,7 +1037,7 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
     assert covered == ({str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {f"44.{n}" for n in range(2, 9)}
-                       | {"47", "-"})
+                       | {"47", "61.7", "-"})
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:

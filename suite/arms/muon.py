@@ -38,6 +38,12 @@ as transformers 5 stores a MoE layer's experts: each is stepped as a separate 2-
 split_dim 0 its rows, 1 its columns), and the parameter gets the bits those n matrices, given in
 its place in order, would get. A group without use_muon leaves 3-D parameters to AdamW.
 
+Orientation. The spectral scale reads a matrix's rows as the layer's outputs, as a torch.nn.Linear
+weight stores them ([out, in]). A group with transposed=True holds matrices stored [in, out]
+(transformers' experts with is_transposed, gpt-oss's and Aria's; the suite's MoEExperts): each
+block is orthogonalised and scaled as its transpose, the layer's out x in, and gets the bits the
+layer's [out, in] matrix would (split_dim still counts the stored dims).
+
 Batches are capped at max_batch_elements: one Newton-Schulz stacks its matrices and keeps bf16
 temporaries of about their size, which for a MoE's experts would otherwise be a copy of most of
 the model. The cap splits a batch into consecutive runs of its members, the same for a fused
@@ -244,7 +250,8 @@ class Muon(torch.optim.Optimizer):
     Param-group options of the Muon groups: split_sizes (None, or two or more positive sizes that
     sum to each matrix's size along split_dim) and split_dim (0 or 1) orthogonalise and scale each
     block of a fused weight on its own; split_interleaved=True takes n equal blocks that alternate
-    (block k is every n-th row or column from k: gpt-oss's gate and up); batch_ns=False runs
+    (block k is every n-th row or column from k: gpt-oss's gate and up); transposed=True: the
+    matrices are stored [in, out], and each is stepped as the layer's [out, in]; batch_ns=False runs
     Newton-Schulz one matrix at a time. A Muon group may hold 3-D params, stacks of matrices each
     stepped on its own (module docstring).
 
@@ -262,7 +269,7 @@ class Muon(torch.optim.Optimizer):
     max_batch_elements = 1 << 27
     # Group values that say how this optimizer runs, not what it learned: a loaded checkpoint keeps
     # the loading optimizer's (a checkpoint of whole-matrix Muon resumes split, and the reverse).
-    kept_on_load = ("capturable", "split_sizes", "split_dim", "split_interleaved", "batch_ns")
+    kept_on_load = ("capturable", "split_sizes", "split_dim", "split_interleaved", "transposed", "batch_ns")
     # what a group may set besides its params and how they split (a constructor's defaults)
     group_options = ("lr", "momentum", "nesterov", "weight_decay", "scale", "ns_steps", "betas", "eps", "capturable",
                      "batch_ns")
@@ -272,7 +279,7 @@ class Muon(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, capturable: bool = False):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, scale=scale,
                         ns_steps=ns_steps, betas=betas, eps=eps, capturable=capturable,
-                        split_sizes=None, split_dim=0, split_interleaved=False, batch_ns=True)
+                        split_sizes=None, split_dim=0, split_interleaved=False, transposed=False, batch_ns=True)
         # Device copies of the live hyperparameters by group index; kept out of param_groups so
         # that state_dict never saves them and a load never restores stale ones.
         self._device_hyperparameters: dict[int, dict[str, torch.Tensor]] = {}
@@ -300,8 +307,9 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(group["use_muon"], bool):
             raise ValueError(f"{where}: use_muon must be True or False, not {group['use_muon']!r}")
         self._resolve_split(where, group)
-        if not isinstance(group["batch_ns"], bool):
-            raise ValueError(f"{where}: batch_ns must be True or False, not {group['batch_ns']!r}")
+        for key in ("batch_ns", "transposed"):
+            if not isinstance(group[key], bool):
+                raise ValueError(f"{where}: {key} must be True or False, not {group[key]!r}")
         if group["use_muon"]:
             for position, p in enumerate(params):
                 if p.dim() not in (2, 3):
@@ -490,21 +498,27 @@ class Muon(torch.optim.Optimizer):
         return grad.addcmul(buf, scalars.momentum) if group["nesterov"] else buf
 
     def split_blocks(self, update: torch.Tensor, group: dict) -> list[torch.Tensor]:
-        """The blocks of update (views) that are orthogonalised on their own, in order: the whole
-        matrix without a split; a 3-D update's matrices one after another, each split alike."""
+        """The blocks of update (views) that are orthogonalised on their own, in order, each as
+        the layer's [out, in]: the whole matrix without a split; a 3-D update's matrices one
+        after another, each split alike."""
         matrices = update.unbind(0) if update.dim() == 3 else (update,)
         sizes, dim = group["split_sizes"], group["split_dim"]
         if sizes is None:
-            return list(matrices)
-        if group["split_interleaved"]:  # block k: rows (columns) k, k + n, k + 2n, ...
+            blocks = list(matrices)
+        elif group["split_interleaved"]:  # block k: rows (columns) k, k + n, k + 2n, ...
             n = len(sizes)
-            return [matrix.unflatten(dim, (sizes[0], n)).select(dim + 1, k) for matrix in matrices for k in range(n)]
-        return [block for matrix in matrices for block in matrix.split(sizes, dim=dim)]
+            blocks = [matrix.unflatten(dim, (sizes[0], n)).select(dim + 1, k) for matrix in matrices for k in range(n)]
+        else:
+            blocks = [block for matrix in matrices for block in matrix.split(sizes, dim=dim)]
+        # stored [in, out]: the scale must read the layer's out x in
+        return [block.mT for block in blocks] if group["transposed"] else blocks
 
     def join_blocks(self, directions: list[torch.Tensor], update: torch.Tensor, group: dict) -> torch.Tensor:
         """split_blocks' inverse: the blocks' directions as one of update's shape."""
         if not directions:  # a stack of no matrices
             return torch.zeros_like(update)
+        if group["transposed"]:
+            directions = [direction.mT for direction in directions]
         if len(directions) == 1:
             return directions[0] if update.dim() == 2 else directions[0].unsqueeze(0)
         per_matrix = len(directions) // (update.shape[0] if update.dim() == 3 else 1)

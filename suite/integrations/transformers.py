@@ -22,6 +22,7 @@ import builtins
 import functools
 import inspect
 import textwrap
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -32,6 +33,7 @@ from suite.arms import rmsnorm
 from suite.arms.moe import GateUpLayout, GeGLU, MoEExperts, SwiGLU, gate_up_experts, routing_from_topk
 from suite.arms.muon import Muon
 from suite.errors import CouldNotRun
+from suite.triton_support import FLOAT_DTYPES
 
 EXPERTS_IMPLEMENTATION = "suite"
 _EXPERTS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -348,10 +350,20 @@ def _exemplar_codes(root: str = "forward", not_norms: bool = False) -> dict[tupl
     return codes
 
 
+def _overridden(module: nn.Module) -> str | None:
+    """A method of the norm's code (its forward, or one forward calls) that the module holds an
+    instance attribute for (`self._norm = ...` in its __init__, accelerate's hooked forward):
+    that attribute runs, not the code the class is known by. apply_rms_norm's own forward aside."""
+    own = vars(module)
+    return next((name for name, _ in _code_of(type(module)) or ()
+                 if name in own and getattr(own[name], "func", None) is not _rms_norm_forward), None)
+
+
 def rms_norm_rule(module: nn.Module) -> NormRule | None:
     """How `apply_rms_norm` computes this norm: the rule of the known class whose code its class
-    has, word for word (names, docstrings and annotations aside); None for any other module."""
-    if not _is_rms_norm(module):
+    has, word for word (names, docstrings and annotations aside); None for any other module,
+    and for one whose instance overrides that code (`_overridden`)."""
+    if not _is_rms_norm(module) or _overridden(module) is not None:
         return None
     code = _code_of(type(module))
     return None if code is None else _exemplar_codes().get(code)
@@ -361,23 +373,42 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     """Swap the forward of every RMSNorm module of `model` for the suite's `rms_norm` and return
     how many. impl="auto": the suite's kernels in eager calls (`rms_norm`'s own "auto", which
     leaves small CUDA tensors to torch's native kernel), the module's own forward on a CPU
-    (without Triton's interpreter) and under torch.compile, so inductor fuses the norm into its neighbours as it would without us (our
-    custom op would stop it, docs/arms/rmsnorm.md). impl="fused": the suite's
-    kernels everywhere. A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
+    (without Triton's interpreter), under torch.compile, so inductor fuses the norm into its
+    neighbours as it would without us (our custom op would stop it, docs/arms/rmsnorm.md), and
+    in a dtype the kernels do not take (a float64 model, cast before or after). impl="fused":
+    the suite's kernels everywhere; a norm in another dtype than bf16, fp16 or fp32 is refused.
+    A norm is known by its code (`rms_norm_rule`): Llama's, OLMo2's, Gemma's,
     Helium's, Ergo's, Gemma 4's, or DeepSeek-V4's or Inkling2's unweighted one, or a copy of one under
     another name, as most of transformers' models carry; a class its code shows is no norm
     (`_NOT_NORMS`) is left as it is. Every
-    RMSNorm class is checked first: one this does not know raises IntegrationError naming it,
-    and nothing of the model is patched. `restore_rms_norm` undoes it."""
+    RMSNorm module is checked first: a class this does not know, or a module whose instance
+    overrides its class's code (`self._norm = ...`), raises IntegrationError naming it, and
+    nothing of the model is patched. A model with no norm it takes gets 0 and a warning naming
+    each norm class it holds and why it was passed over. `restore_rms_norm` undoes it."""
     _require_module("apply_rms_norm", model)
     if impl not in RMS_NORM_IMPLS:
         raise ValueError(f"apply_rms_norm: impl must be one of {RMS_NORM_IMPLS}, not {impl!r}")
     norms = [(name, module) for name, module in model.named_modules() if _is_rms_norm(module)]
+    if not norms:  # say so: 0 alone reads as success (Cohere's models hold layer norms)
+        warnings.warn(f"apply_rms_norm: {type(model).__name__} {_no_norm_taken(model)}", stacklevel=2)
+    for name, module in norms:
+        if (attribute := _overridden(module)) is not None:
+            raise IntegrationError(f"apply_rms_norm: {name or 'the model'} ({type(module).__name__}) holds its own "
+                                   f"{attribute}, an instance attribute that runs in place of its class's: the code "
+                                   "the norm is known by is not the code that runs; the model was left unchanged")
     unknown = sorted({type(module).__name__ for _, module in norms if rms_norm_rule(module) is None})
     if unknown:
         known = ", ".join(name for _, name in _EXEMPLARS)
         raise IntegrationError(f"apply_rms_norm: {', '.join(unknown)} is not a norm this knows: its code is none of "
                                f"{known}'s, nor a copy of one; the model was left unchanged")
+    if impl == "fused":
+        for name, module in norms:
+            weight = getattr(module, "weight", None)
+            if weight is not None and weight.dtype not in FLOAT_DTYPES:
+                raise IntegrationError(
+                    f"apply_rms_norm(impl='fused'): {name} ({type(module).__name__}) is {weight.dtype}, and the suite's "
+                    f"kernels take bfloat16, float16 or float32: pass impl='auto', which leaves other dtypes to the "
+                    f"model's own norm, or cast the model; the model was left unchanged")
     for _, module in norms:
         # a partial of a module-level function, not a closure: a deepcopy (an EMA or reference
         # model) rebinds it to the copy, and pickle and torch.save can name it
@@ -387,13 +418,32 @@ def apply_rms_norm(model: nn.Module, impl: str = "auto") -> int:
     return len(norms)
 
 
+def _no_norm_taken(model: nn.Module) -> str:
+    """Why apply_rms_norm takes no module of `model`: each norm class it holds, passed over."""
+    seen = sorted({type(module).__name__ for module in model.modules() if "Norm" in type(module).__name__})
+    if not seen:
+        return "has no norm module; nothing was patched"
+    # a class named *RMSNorm gets here only when its code is one of _NOT_NORMS'
+    why = [f"{name}'s code is none of a norm's (it computes something else under the name)" if name.endswith("RMSNorm")
+           else f"{name} is not named *RMSNorm (a layer norm, or another the suite's kernels do not compute)"
+           for name in seen]
+    return f"has no norm it takes, and was left as it was: {'; '.join(why)}"
+
+
 def _rms_norm_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A patched norm's forward: the suite's `rms_norm` with the module's own weight and eps."""
     impl = module._suite_rms_norm
     rule = module._suite_norm_rule
+    weight = getattr(module, "weight", None)
+    if x.dtype not in FLOAT_DTYPES or (weight is not None and weight.dtype not in FLOAT_DTYPES):
+        if impl == "fused":  # a model cast after apply_rms_norm, which refuses such a model
+            dtype = x.dtype if x.dtype not in FLOAT_DTYPES else weight.dtype
+            raise IntegrationError(f"apply_rms_norm(impl='fused'): {type(module).__name__} got {dtype}, and the "
+                                   "suite's kernels take bfloat16, float16 or float32: apply_rms_norm(model, "
+                                   "impl='auto') leaves other dtypes to the model's own norm")
+        return type(module).forward(module, x)  # float64, a debugging model's truth: the model's own
     if impl == "auto" and (torch.compiler.is_compiling() or not triton_support.runs_on(x)):
         return type(module).forward(module, x)
-    weight = getattr(module, "weight", None)
     if weight is None:  # an unweighted norm (Gemma 4's with_scale=False, DeepSeek-V4's): scale 1
         return rmsnorm.rms_norm(x, x.new_ones(x.shape[-1]), norm_eps(module, rule), 0.0, impl=impl)
     y = rmsnorm.rms_norm(x, weight, norm_eps(module, rule), rule.offset, impl=impl)
@@ -433,16 +483,19 @@ EXPERTS_OPTIMIZERS = ("adamw", "muon")
 
 
 def _expert_weight_options(module: nn.Module, param: torch.Tensor) -> dict | None:
-    """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own,
-    gate_up_proj split into gate and up, halves or alternating as the module stores them); None
-    for an expert bias, which AdamW takes."""
+    """A Muon group's options for a 3-D expert weight (each expert's matrix stepped on its own
+    as the layer's [out, in], gate_up_proj split into gate and up, halves or alternating as the
+    module stores them); None for an expert bias, which AdamW takes."""
     if param.dim() != 3:
         return None
+    # stored [in, out] (is_transposed; MoEExperts always): Muon's scale must read it transposed
+    transposed = isinstance(module, MoEExperts) or bool(module.is_transposed)
     if param is not getattr(module, "gate_up_proj", None):  # down_proj, a gateless up_proj, MoEExperts' three
-        return {}
-    dim = 1 if module.is_transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
+        return {"transposed": transposed}
+    dim = 1 if transposed else 0  # each expert's matrix: [d, 2f] transposed, else [2f, d]
     half = param.shape[1 + dim] // 2
-    return {"split_sizes": (half, half), "split_dim": dim, "split_interleaved": not module.is_concatenated}
+    return {"split_sizes": (half, half), "split_dim": dim, "split_interleaved": not module.is_concatenated,
+            "transposed": transposed}
 
 
 def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -> list[dict]:
@@ -451,8 +504,9 @@ def muon_param_groups(model: nn.Module, experts: str = "adamw", **muon_kwargs) -
     decay), the output head, vectors (norms, biases, expert biases) and the 3-D expert weights
     to AdamW, with the optimizer's defaults. experts="muon" gives the expert weights (of the
     experts modules transformers' experts interface dispatches, and of `suite.arms.moe.MoEExperts`)
-    to Muon instead, each expert's matrix stepped on its own and gate_up_proj split into gate and
-    up (alternating ones too, gpt-oss's). A fused qkv_proj or gate_up_proj Linear gets
+    to Muon instead, each expert's matrix stepped on its own as the layer's [out, in] whatever
+    the storage (transposed=True where the module stores [in, out]) and gate_up_proj split into
+    gate and up (alternating ones too, gpt-oss's). A fused qkv_proj or gate_up_proj Linear gets
     split_sizes, so each block is orthogonalised on its own. Every group carries param_names;
     empty groups are left out.
 

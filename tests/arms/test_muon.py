@@ -413,7 +413,7 @@ def test_on_the_gpu_the_kept_update_rounds_as_the_eager_ops(dtype, skipped):
 
 def test_the_group_options_are_the_defaults_but_how_a_param_splits():
     """muon_param_groups refuses any option outside Muon.group_options: the list must be the
-    constructor's group defaults, less the split settings it sets per weight itself."""
+    constructor's group defaults, less the layout settings it sets per weight itself."""
     defaults = Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.02).defaults
-    splits = {"split_sizes", "split_dim", "split_interleaved"}
-    assert set(Muon.group_options) == set(defaults) - splits
+    layout = {"split_sizes", "split_dim", "split_interleaved", "transposed"}
+    assert set(Muon.group_options) == set(defaults) - layout

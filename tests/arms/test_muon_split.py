@@ -138,6 +138,7 @@ def test_capturable_with_splits_is_bitwise_plain():
     ({"split_dim": 2}, r"param group 0: split_dim must be 0 \(output rows\) or 1"),
     ({"split_dim": True}, r"split_dim must be 0"),
     ({"batch_ns": 1}, r"batch_ns must be True or False"),
+    ({"transposed": 1}, r"transposed must be True or False"),
 ])
 def test_bad_split_options_are_refused(group, message):
     with pytest.raises(ValueError, match=message):
@@ -229,6 +230,50 @@ def test_interleaved_blocks_are_bitwise_their_every_nth_rows_as_separate_params(
     contiguous = Muon([{"params": [p0.clone().requires_grad_()], "use_muon": True, "split_sizes": sizes,
                         "split_dim": dim}], lr=0.02)
     assert contiguous.param_groups[0]["split_interleaved"] is False  # the default: contiguous blocks
+
+
+# experts stored [E, in, out] (transformers' is_transposed ones, the suite's MoEExperts): (stack
+# shape, split_sizes along each matrix's columns, interleaved): a down_proj [E, f, d] whole,
+# a gate_up [E, d, 2f] in halves, gpt-oss's alternating
+TRANSPOSED = {"whole": ((3, 8, 12), None, False), "halves": ((3, 8, 12), (6, 6), False),
+              "interleaved": ((3, 8, 12), (6, 6), True)}
+
+
+@pytest.mark.parametrize("rule", ["spectral", "rms"])
+@pytest.mark.parametrize("case", TRANSPOSED)
+def test_a_transposed_stack_steps_as_its_layers_out_by_in_matrices(case, rule):
+    """transposed=True: each matrix stored [in, out] steps bit for bit as the layer's [out, in]
+    matrix (a torch.nn.Linear weight) given as a separate parameter, and as the same stack stored
+    [E, out, in]: scale and Newton-Schulz read the layer's out x in, not the storage's (the
+    spectral scale had been off by sqrt(in / out))."""
+    shape, sizes, interleaved = TRANSPOSED[case]
+
+    def layers(stored):  # each expert's blocks as the layer's [out, in] matrices
+        matrices = stored.unbind(0)
+        if sizes is None:
+            blocks = matrices
+        elif interleaved:
+            blocks = [m[:, k::len(sizes)] for m in matrices for k in range(len(sizes))]
+        else:
+            blocks = [b for m in matrices for b in m.split(sizes, 1)]
+        return [b.mT.contiguous() for b in blocks]
+
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    stored, upright = p0.clone().requires_grad_(), p0.mT.contiguous().requires_grad_()
+    separate = [b.requires_grad_() for b in layers(p0)]
+    split = {} if sizes is None else {"split_sizes": sizes, "split_interleaved": interleaved}
+    hyper = dict(lr=0.02, scale=rule, weight_decay=0.01)
+    optimizers = [Muon([{"params": [stored], "use_muon": True, "transposed": True, "split_dim": 1, **split}], **hyper),
+                  Muon([{"params": [upright], "use_muon": True, "split_dim": 0, **split}], **hyper),
+                  Muon([{"params": separate}], **hyper)]
+    for grad in grads_for(shape, 4):
+        stored.grad, upright.grad = grad.clone(), grad.mT.contiguous()
+        for p, block in zip(separate, layers(grad)):
+            p.grad = block
+        for optimizer in optimizers:
+            optimizer.step()
+    assert_bitwise(torch.stack(layers(stored.detach())), torch.stack([p.detach() for p in separate]), case)
+    assert_bitwise(stored.detach(), upright.detach().mT.contiguous(), "against the stack stored [E, out, in]")
 
 
 def test_interleaved_blocks_must_be_equal():
