@@ -942,6 +942,8 @@ CASES = [
          "--gpus must be 'all' or a number from 1 to this host's GPUs (none), not 'all'"),
     Case("47", "suite run --gpus 2 with a preset no gate has", ("run", "--gpus", "2", "--preset", "nope", *CPU), USAGE,
          "no gate of this run has the preset(s) ['nope']"),
+    Case("61.5", "--gpu-memory that is no size", ("gate", "rmsnorm", "--gpu-memory", "16GB", *CPU), USAGE,
+         "--gpu-memory must be a number of GiB above 0 (16 for the RTX card) or none, not '16GB'"),
     Case("61.7", "apply_rms_norm(model, impl='fused') of a float64 model (it patched it, and every forward raised)",
          rms_norm_in_float64("fused"), COULD_NOT_RUN, "apply_rms_norm(impl='fused'): model.layers.0.input_layernorm "
          "(LlamaRMSNorm) is torch.float64, and the suite's kernels take bfloat16, float16 or float32: pass impl='auto'"),
@@ -1037,7 +1039,7 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
     assert covered == ({str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {f"44.{n}" for n in range(2, 9)}
-                       | {"47", "61.7", "-"})
+                       | {"47", "61.5", "61.7", "-"})
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
