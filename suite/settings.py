@@ -100,7 +100,8 @@ def _cap_gpu_memory(gib: float | None, device: torch.device) -> int | None:
     if cap > total:
         raise UsageError(f"--gpu-memory {gib:g} GiB is more than this GPU's {total / 2**30:.1f} GiB; "
                          "give at most that, or none for the whole card")
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
     return cap
 
 

@@ -57,5 +57,5 @@ def test_on_the_gpu_the_cap_holds_allocations_and_sizes_which_presets_run():
         assert runner.too_large(big).endswith("free on this GPU within --gpu-memory 2 GiB")
         assert runner.too_large(Preset("small", {"n": 64}, where="cuda", memory_bytes=1 << 30)) is None
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
         torch.cuda.empty_cache()
