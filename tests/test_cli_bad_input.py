@@ -28,7 +28,15 @@ from typing import Callable
 import pytest
 import torch
 import toygate
-from factories import make_bench, make_fingerprint, make_report, make_tolerance_result, tolerance_check
+from factories import (
+    make_bench,
+    make_bitwise_result,
+    make_could_not_run_result,
+    make_fingerprint,
+    make_report,
+    make_tolerance_result,
+    tolerance_check,
+)
 from typer.testing import CliRunner
 
 import gates
@@ -315,9 +323,16 @@ def bench_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
 
 def report_passing_a_failure(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     """A report edited to say exit 0 over its results, one of which failed."""
-    report = make_report()
-    report.results[0].status = "failed"
+    report = make_report(results=[make_tolerance_result(parity_passed=False), make_bitwise_result(),
+                                  make_could_not_run_result()])
     (tmp / "edited.json").write_text(report.model_copy(update={"exit_code": 0}).model_dump_json())
+
+
+def report_with_parity_edited_to_fail(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A report whose first result's parity was edited to failed, its status left passed."""
+    data = json.loads(make_report().model_dump_json())
+    data["results"][0]["parity"]["passed"] = False
+    (tmp / "edited.json").write_text(json.dumps(data))
 
 
 def baseline_saved(edit: Callable[[Path], None]):
@@ -641,6 +656,9 @@ CASES = [
     Case("-", "a report whose exit code is not its results' (edited to pass a failed gate)",
          ("report", "{tmp}/edited.json"), USAGE, "{tmp}/edited.json is not a consistent run report: it says exit code "
          "0, but its results (1 failed, 1 passed, 1 could_not_run) give 1", report_passing_a_failure),
+    Case("61.7", "a report whose parity was edited to failed under a passed status", ("report", "{tmp}/edited.json"),
+         USAGE, "{tmp}/edited.json is not a valid run report: 1 problem(s): results.0.parity: passed is false, but it "
+         "lists no failure", report_with_parity_edited_to_fail),
     Case("-", "a reports directory where a run's is asked for", ("report", "{tmp}/reports"), USAGE,
          "{tmp}/reports is a reports directory, not a run's: pass one of its runs (the newest is {tmp}/reports/",
          bench_report),
@@ -986,7 +1004,7 @@ OTHER_ITEMS = {("5", 0), ("6", 0), ("7", 130), ("23.4", 0), ("23.5", 0),
 def test_every_numbered_item_has_a_test():
     covered = {c.item for c in CASES} | {item for item, _ in OTHER_ITEMS}
     assert covered == ({str(n) for n in range(1, 18)} | {f"23.{n}" for n in range(1, 8)} | {f"44.{n}" for n in range(2, 9)}
-                       | {"47", "-"})
+                       | {"47", "61.7", "-"})
 
 
 def _save_one(out: str, tensors: dict, seed: int, overwrite: bool, start) -> str:
