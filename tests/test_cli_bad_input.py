@@ -335,6 +335,13 @@ def report_with_parity_edited_to_fail(tmp: Path, mp: pytest.MonkeyPatch) -> None
     (tmp / "edited.json").write_text(json.dumps(data))
 
 
+def no_unit_may_run(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def ran(*args, **kwargs):
+        raise AssertionError("a unit ran before the bad input was refused")
+
+    mp.setattr(Runner, "_run_unit", ran)
+
+
 def baseline_saved(edit: Callable[[Path], None]):
     """A bench report under {tmp}/reports, its baseline under {tmp}/baselines, then `edit`ed."""
 
@@ -659,6 +666,8 @@ CASES = [
     Case("61.7", "a report whose parity was edited to failed under a passed status", ("report", "{tmp}/edited.json"),
          USAGE, "{tmp}/edited.json is not a valid run report: 1 problem(s): results.0.parity: passed is false, but it "
          "lists no failure", report_with_parity_edited_to_fail),
+    Case("61.7", "--buffers a directory that is not there", ("gate", "rmsnorm", "--buffers", "{tmp}/nowhere", *CPU),
+         COULD_NOT_RUN, "{tmp}/nowhere does not exist; pass a buffer directory", no_unit_may_run),
     Case("-", "a reports directory where a run's is asked for", ("report", "{tmp}/reports"), USAGE,
          "{tmp}/reports is a reports directory, not a run's: pass one of its runs (the newest is {tmp}/reports/",
          bench_report),

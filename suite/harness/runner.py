@@ -28,7 +28,7 @@ import torch
 from suite.device_profile import active_profile
 from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError
 from suite.harness import parity
-from suite.files.buffers import load_buffers
+from suite.files.buffers import load_buffers, read_manifest
 from suite.harness.fingerprint import fingerprint
 from suite.harness.gate import BenchCase, Buffers, Contender, Gate, Preset, Saboteur
 from suite.harness.results import (
@@ -229,6 +229,8 @@ class Runner:
         opts = self.options
         device = opts.device
         check_presets(gates, opts.presets)
+        if opts.buffers_dir is not None:
+            read_manifest(opts.buffers_dir)  # a recording that is not there: refused now, not after the saboteurs' unit
         units, skipped, refused = [], [], []
         for gate in gates:
             reason = None
