@@ -29,7 +29,15 @@ from typing import Callable
 import pytest
 import torch
 import toygate
-from factories import make_bench, make_fingerprint, make_report, make_tolerance_result, tolerance_check
+from factories import (
+    make_bench,
+    make_bitwise_result,
+    make_could_not_run_result,
+    make_fingerprint,
+    make_report,
+    make_tolerance_result,
+    tolerance_check,
+)
 from typer.testing import CliRunner
 
 import gates
@@ -353,9 +361,47 @@ def bench_report(tmp: Path, mp: pytest.MonkeyPatch) -> None:
 
 def report_passing_a_failure(tmp: Path, mp: pytest.MonkeyPatch) -> None:
     """A report edited to say exit 0 over its results, one of which failed."""
-    report = make_report()
-    report.results[0].status = "failed"
+    report = make_report(results=[make_tolerance_result(parity_passed=False), make_bitwise_result(),
+                                  make_could_not_run_result()])
     (tmp / "edited.json").write_text(report.model_copy(update={"exit_code": 0}).model_dump_json())
+
+
+def report_with_parity_edited_to_fail(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    """A report whose first result's parity was edited to failed, its status left passed."""
+    data = json.loads(make_report().model_dump_json())
+    data["results"][0]["parity"]["passed"] = False
+    (tmp / "edited.json").write_text(json.dumps(data))
+
+
+def overwrite_through_a_link(tmp: Path) -> Path:
+    """A `latest` symlink to a checkpoint, overwritten through the link."""
+    from suite.arms.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp / "runs" / "step-1", {"w": torch.ones(2)}, step=1)
+    (tmp / "latest").symlink_to(Path("runs", "step-1"))
+    return save_checkpoint(tmp / "latest", {"w": torch.zeros(2)}, step=2, overwrite=True)
+
+
+def link_kept_and_target_replaced(tmp: Path, outcome: Outcome) -> None:
+    from suite.arms.checkpoint import load_checkpoint
+
+    assert (tmp / "latest").is_symlink() and load_checkpoint(tmp / "runs" / "step-1").step == 2
+    assert sorted(p.name for p in tmp.iterdir()) == ["latest", "runs"] and not list((tmp / "runs").glob(".*"))
+
+
+def symlink_loop(tmp: Path):
+    from suite.arms.checkpoint import save_checkpoint
+
+    (tmp / "a").symlink_to("b")
+    (tmp / "b").symlink_to("a")
+    return save_checkpoint(tmp / "a", {"w": torch.ones(2)}, step=1, overwrite=True)
+
+
+def no_unit_may_run(tmp: Path, mp: pytest.MonkeyPatch) -> None:
+    def ran(*args, **kwargs):
+        raise AssertionError("a unit ran before the bad input was refused")
+
+    mp.setattr(Runner, "_run_unit", ran)
 
 
 def baseline_saved(edit: Callable[[Path], None]):
@@ -679,6 +725,18 @@ CASES = [
     Case("-", "a report whose exit code is not its results' (edited to pass a failed gate)",
          ("report", "{tmp}/edited.json"), USAGE, "{tmp}/edited.json is not a consistent run report: it says exit code "
          "0, but its results (1 failed, 1 passed, 1 could_not_run) give 1", report_passing_a_failure),
+    Case("61.7", "a report whose parity was edited to failed under a passed status", ("report", "{tmp}/edited.json"),
+         USAGE, "{tmp}/edited.json is not a valid run report: 1 problem(s): results.0.parity: passed is false, but it "
+         "lists no failure", report_with_parity_edited_to_fail),
+    Case("61.7", "--buffers a directory that is not there", ("gate", "rmsnorm", "--buffers", "{tmp}/nowhere", *CPU),
+         COULD_NOT_RUN, "{tmp}/nowhere does not exist; pass a buffer directory", no_unit_may_run),
+    Case("61.7", "save_checkpoint of a complex tensor", checkpoint_save(tensor=torch.ones(2, dtype=torch.complex64)),
+         USAGE, "save_checkpoint: state['w'] is torch.complex64, which safetensors does not store; save "
+         "torch.view_as_real() of it", check=absent("ckpt")),
+    Case("61.7", "save_checkpoint through a symlink that loops", symlink_loop, USAGE,
+         "save_checkpoint: {tmp}/a is a symlink that loops"),
+    Case("61.7", "save_checkpoint(link, overwrite=True) of a `latest` symlink to a checkpoint", overwrite_through_a_link,
+         OK, "{tmp}/latest", check=link_kept_and_target_replaced),
     Case("-", "a reports directory where a run's is asked for", ("report", "{tmp}/reports"), USAGE,
          "{tmp}/reports is a reports directory, not a run's: pass one of its runs (the newest is {tmp}/reports/",
          bench_report),

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from suite.arms.checkpoint_files import (
+    SAFETENSORS_DTYPES,
     CheckpointError,
     file_sha256,
     read_hashed,
@@ -74,6 +75,10 @@ def split_state(value: Any, path: str, tensors: dict[str, torch.Tensor], seen: d
         if t.layout != torch.strided:  # safetensors stores dense buffers alone
             raise UsageError(f"save_checkpoint: {path} is a {t.layout} tensor; store it dense (.to_dense()) or as its "
                              "index and value tensors")
+        if t.dtype not in SAFETENSORS_DTYPES:  # here, where its path in the state is known
+            hint = "torch.view_as_real() of it" if t.is_complex() else "it converted"
+            raise UsageError(f"save_checkpoint: {path} is {t.dtype}, which safetensors does not store; save {hint}, "
+                             f"as one of {sorted(map(str, SAFETENSORS_DTYPES))}")
         key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) if t.numel() else None
         if key in seen:  # the same tensor twice (tied weights): stored once
             return {"__tensor__": seen[key], "device": str(t.device)}
@@ -181,7 +186,7 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
                     at: Callable[[str], None] = lambda point: None) -> Path:
     """Write `state` as a checkpoint at `directory`, whole or not at all (see the module).
     An existing checkpoint there is replaced only with overwrite=True, and anything else is
-    never replaced. `at(point)` is called between the writer's steps (crash-injection tests)."""
+    never replaced; a symlink there stays, and what it points to is replaced. `at(point)` is called between the writer's steps (crash-injection tests)."""
     if not isinstance(state, dict):
         raise UsageError(f"save_checkpoint: state is a {type(state).__name__}; pass a dict")
     if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
@@ -191,6 +196,8 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
     if len(os.fsencode(final.name)) > _name_max(final.parent):
         raise UsageError(f"save_checkpoint: the name {final.name[:40]}... is {len(os.fsencode(final.name))} bytes, "
                          f"longer than this filesystem's {_name_max(final.parent)}; pass a shorter name")
+    # a link to a checkpoint (a `latest`) keeps pointing at it: the save replaces what it points to
+    final = _link_target(final) if final.is_symlink() else final
     if final.exists() and not final.is_dir():
         raise UsageError(f"save_checkpoint: {final} is a file, not a directory; pass a directory path")
     if final.exists() and any(final.iterdir()):
@@ -210,7 +217,16 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
             raise UsageError(f"save_checkpoint: another save published a checkpoint at {final} meanwhile; pass "
                              "overwrite=True to replace it") from None
         raise
-    return final
+    return Path(directory)
+
+
+def _link_target(link: Path) -> Path:
+    """Where a symlink leads, through a chain of them."""
+    target = Path(os.path.realpath(link))
+    if target.is_symlink():  # realpath stops where links loop
+        raise UsageError(f"save_checkpoint: {link} is a symlink that loops ({target} leads back to itself); point it "
+                         "at a directory")
+    return target
 
 
 def _name_max(parent: Path) -> int:

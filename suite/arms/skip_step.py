@@ -19,7 +19,8 @@ flaws of its version fixed:
 - z uses the unbiased standard deviation (Bessel's correction), as `torch.std_mean` does.
 - Fewer than `min_history` values in the window: only a non-finite value is skipped.
 - A value not set for a step is not judged (a loop that sets only the loss, or neither, steps as
-  without the wrapper), and it does not enter the window: each row counts its own values.
+  without the wrapper), and it does not enter the window: each row counts its own values. A loop
+  that sets neither for `min_history` steps in a row is warned once: it has forgotten the setters.
 
 The step decides (`decide`, and on a GPU the same decision and ring update as one Triton launch,
 tested against it); `StabilityMonitor` reads the same ring and what the step recorded of its
@@ -45,6 +46,7 @@ skipped before the guard sees it; without a skip the guard aborts the process at
 from __future__ import annotations
 
 import math
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, NamedTuple
 
@@ -282,6 +284,11 @@ class SkipStepOptimizer(OptimizerWrapper):
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         if self._how == "found_inf":
             inner.found_inf = self._found_inf
+        # on the host, where the setters run: whether either was called since the last step, and
+        # for how many steps in a row neither was (no device read needed to tell)
+        self._set_since_step = False
+        self._steps_unset = 0
+        self._warned_unset = False
         # torch.optim.Optimizer.__init__ would build groups and state of its own: only its step hooks
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
@@ -297,6 +304,7 @@ class SkipStepOptimizer(OptimizerWrapper):
     def latest_loss(self, value: torch.Tensor | float) -> None:
         _set(self._latest[LOSS], value, "latest_loss")
         self._judged[LOSS].fill_(True)
+        self._set_since_step = True
 
     @property
     def latest_grad_norm(self) -> torch.Tensor:
@@ -306,6 +314,7 @@ class SkipStepOptimizer(OptimizerWrapper):
     def latest_grad_norm(self, value: torch.Tensor | float) -> None:
         _set(self._latest[GRAD_NORM], value, "latest_grad_norm")
         self._judged[GRAD_NORM].fill_(True)
+        self._set_since_step = True
 
     def decision(self) -> Decision:
         """What the next step() will decide, from the window and the latest values."""
@@ -323,6 +332,7 @@ class SkipStepOptimizer(OptimizerWrapper):
                 loss = closure()
             if loss is not None:  # the step's loss is the closure's
                 self.latest_loss = loss
+        self._count_unset_steps()
         # the window is updated before the inner step: only the next decision reads it
         if self.fused_decision and self.values.is_cuda:
             self._decide_and_remember_fused()
@@ -343,6 +353,19 @@ class SkipStepOptimizer(OptimizerWrapper):
                 finite = torch.stack([torch.isfinite(m).all() for m in momenta]).all()
                 torch._assert_async(finite, "SkipStepOptimizer: a momentum holds NaN or Inf after the step")
         return loss
+
+    def _count_unset_steps(self) -> None:
+        """Warn once when min_history steps in a row ran with neither value set: by then a loop
+        that sets them is judged, and one that forgot steps with no protection at all."""
+        self._steps_unset = 0 if self._set_since_step else self._steps_unset + 1
+        self._set_since_step = False
+        if self._steps_unset == self.min_history and not self._warned_unset:
+            self._warned_unset = True
+            # stacklevel: this method, step(), torch's no_grad and step-hook wrappers, then the loop's call
+            warnings.warn(f"SkipStepOptimizer: {self._steps_unset} steps in a row with neither latest_loss nor "
+                          "latest_grad_norm set, so none was judged and none can be skipped; before each step() "
+                          "set opt.latest_loss = loss.detach() (and opt.latest_grad_norm = the norm "
+                          "clip_grad_norm_ returns)", stacklevel=5)
 
     def _step_restoring(self, skip: torch.Tensor) -> None:
         """The inner step, then every parameter and state tensor put back where skip is set;
@@ -431,7 +454,8 @@ class StabilityMonitor:
     """What the skip-step window says, read at log cadence (one host read per `report()`, never
     inside a step): the last decision (taken or not, its z-scores), the window's mean and std,
     and the skips. It reads the optimizer's own ring, counters and last decision, written by the
-    step from `decide`, so it reports what the step decided and cannot keep a threshold of its own."""
+    step from `decide`, so it reports what the step decided and cannot keep a threshold of its own.
+    A row no value has entered yet reports None for its mean and std."""
 
     def __init__(self, optimizer: SkipStepOptimizer) -> None:
         if not isinstance(optimizer, SkipStepOptimizer):
@@ -444,12 +468,18 @@ class StabilityMonitor:
         opt = self.optimizer
         n, mean, std = window_stats(opt.values, opt.count)
         # one transfer for everything: a single host sync
-        counts = torch.stack([n.max(), opt.skipped, opt.nonfinite, opt.consecutive]).double()
+        counts = torch.cat([n, torch.stack([opt.skipped, opt.nonfinite, opt.consecutive])]).double()
         packed = torch.cat([mean, std, counts, opt.step_factor().reshape(1).double(), opt.last_z]).tolist()
-        loss_mean, grad_mean, loss_std, grad_std, n, skipped, nonfinite, consecutive, factor, z_loss, z_grad = packed
+        (loss_mean, grad_mean, loss_std, grad_std, loss_n, grad_n, skipped, nonfinite, consecutive, factor, z_loss,
+         z_grad) = packed
+        # a row no value has entered yet has no mean or std (window_stats' 0.0 there is a placeholder)
+        if not loss_n:
+            loss_mean = loss_std = None
+        if not grad_n:
+            grad_mean = grad_std = None
         new_skips = int(skipped) - self._skipped_reported
         self._skipped_reported = int(skipped)
-        return {"window": int(n), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
+        return {"window": int(max(loss_n, grad_n)), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
                 "grad_norm_std": grad_std, "skipped": int(skipped), "spikes": int(skipped - nonfinite),
                 "nonfinite": int(nonfinite), "skipped_since_last_report": new_skips,
                 "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0,

@@ -195,15 +195,21 @@ def expect_buffer(gate: str, buffers: Mapping[str, torch.Tensor], name: str, sha
 
 
 def read_manifest(directory: str | os.PathLike) -> BufferManifest:
-    path = Path(directory) / MANIFEST
-    if Path(directory).is_file() and (Path(directory).parent / MANIFEST).is_file():
-        raise BadBuffers(f"{directory} is a file of a buffer recording; pass its directory, "
-                         f"{Path(directory).parent}")
-    if not path.is_file():
-        raise BadBuffers(
-            f"{directory} holds no {MANIFEST}; it is not a buffer directory. "
-            "Write one with `suite record GATE --preset P --out DIR` or suite.files.buffers.save_buffers."
-        )
+    directory = Path(directory)
+    path = directory / MANIFEST
+    try:
+        if not directory.exists():
+            raise BadBuffers(f"{directory} does not exist; pass a buffer directory (`suite record GATE --preset P "
+                             "--out DIR` or suite.files.buffers.save_buffers writes one)")
+        if directory.is_file() and (directory.parent / MANIFEST).is_file():
+            raise BadBuffers(f"{directory} is a file of a buffer recording; pass its directory, {directory.parent}")
+        if not path.is_file():
+            raise BadBuffers(
+                f"{directory} holds no {MANIFEST}; it is not a buffer directory. "
+                "Write one with `suite record GATE --preset P --out DIR` or suite.files.buffers.save_buffers."
+            )
+    except OSError as exc:  # a directory this user may not enter
+        raise BadBuffers(f"cannot read {directory}: {exc.strerror or exc}") from None
     try:
         return BufferManifest.model_validate(jsonfile.load(path))
     except jsonfile.NotJson as exc:

@@ -398,7 +398,7 @@ class _GateItem(_SuiteItem):
     bench, its whole result)."""
 
     def runtest(self) -> None:
-        from suite.harness.runner import status_of
+        from suite.harness.results import status_of
 
         runner = self.session_state.setup()
         # workers plan alike, without free memory: a default preset too large for this GPU is

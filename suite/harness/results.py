@@ -6,12 +6,13 @@ reverse.
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from suite.files import jsonfile
 from suite.errors import UsageError, combine
@@ -32,6 +33,17 @@ CeilingKind = Literal["copy", "gemm", "none"]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a time or ratio comparisons divide by
 Amount = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # a floor, a rate, a host time
 LogRatio = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _error_ratio(value: float) -> float:
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{value} is not an error ratio: a relative error is a number >= 0 (Infinity against an "
+                         "all-zero truth)")
+    return value
+
+
+# a relative error parity measured: infinite against an all-zero truth (parity.tolerance_check), never NaN or < 0
+ErrorRatio = Annotated[float, AfterValidator(_error_ratio)]
 
 
 class Record(BaseModel):
@@ -76,19 +88,19 @@ class TensorCheck(Record):
     first_index: list[int] | None = None
     max_ulp: int | None = None
     # tolerance mode: relative errors against the float64 truth, and the limits applied
-    k: float | None = None
-    floor: float | None = None
-    row_floor: float | None = None  # rows judged relative to at least this x the RMS row norm
+    k: Amount | None = None
+    floor: Amount | None = None
+    row_floor: Amount | None = None  # rows judged relative to at least this x the RMS row norm
     compared: int | None = None  # finite elements compared
-    arm_rel_l2: float | None = None
-    ref_rel_l2: float | None = None
-    limit_rel_l2: float | None = None
-    arm_rel_max: float | None = None  # the worst row's relative L2 error
-    ref_rel_max: float | None = None
-    limit_rel_max: float | None = None
+    arm_rel_l2: ErrorRatio | None = None
+    ref_rel_l2: ErrorRatio | None = None
+    limit_rel_l2: ErrorRatio | None = None
+    arm_rel_max: ErrorRatio | None = None  # the worst row's relative L2 error
+    ref_rel_max: ErrorRatio | None = None
+    limit_rel_max: ErrorRatio | None = None
     # the largest error norm of a row whose truth is all zero (those rows have no relative error)
-    arm_zero_rows: float | None = None
-    ref_zero_rows: float | None = None
+    arm_zero_rows: ErrorRatio | None = None
+    ref_zero_rows: ErrorRatio | None = None
     nonfinite_match: bool | None = None
     # elements NaN/Inf in both the reference and the arm where the truth is finite: the
     # buffers overflow the working dtype (not counted against the arm)
@@ -115,6 +127,15 @@ class ParityResult(Record):
     second_run_after_timing: bool = False
     first_divergence: str | None = None  # the first failing output, in the reference's order
     failures: list[Failure] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _passed_means_no_failure(self) -> ParityResult:
+        # judge_arm and second_run pass a verdict exactly when it lists no failure
+        if self.passed and self.failures:
+            raise ValueError(f"passed is true, but it lists {len(self.failures)} failure(s): {self.failures[0]}")
+        if not self.passed and not self.failures:
+            raise ValueError("passed is false, but it lists no failure")
+        return self
 
     def counts(self) -> tuple[int, int]:
         """(outputs checked, outputs passed), whether or not tensors was trimmed."""
@@ -215,7 +236,17 @@ class BenchResult(Record):
     ambiguous: bool
     host_probe: str | None = None  # the shape host_us was measured on
     recommendations: list[Recommendation] = Field(default_factory=list)
-    duration_s: float = 0.0
+    duration_s: Amount = 0.0
+
+    @model_validator(mode="after")
+    def _passed_follows_from_criteria(self) -> BenchResult:
+        # as timing.measure_bench sets it: a target (an aim) never fails a bench
+        decided = all(c.passed for c in self.criteria if not c.target) and not self.ambiguous
+        if self.passed != decided:
+            why = ("it is ambiguous" if self.ambiguous else
+                   "its criteria all passed" if decided else "a criterion failed")
+            raise ValueError(f"passed is {str(self.passed).lower()}, but {why}")
+        return self
 
 
 class CaseError(Record):
@@ -258,11 +289,41 @@ class GateResult(Record):
     bench_skipped: str | None = None
     traceback: str | None = None  # where the harness or the arm raised unexpectedly
     buffers: BufferProvenance | None = None
-    duration_s: float = 0.0
-    phases: dict[str, float] = Field(default_factory=dict)  # phase -> wall seconds
+    duration_s: Amount = 0.0
+    phases: dict[str, Amount] = Field(default_factory=dict)  # phase -> wall seconds
     peak_memory_bytes: int | None = None  # CUDA: the most the gate held at once, bench included
     # the machine that ran it, where a run spread its units over several devices (pytest --suite -n)
     fingerprint: Fingerprint | None = None
+
+    @property
+    def unit(self) -> str:
+        return f"{self.gate}/{self.preset}"
+
+    @field_validator("bench")
+    @classmethod
+    def _each_case_timed_once(cls, bench: list[BenchResult]) -> list[BenchResult]:
+        timed = [(b.case, b.mode) for b in bench]
+        twice = next((key for key in timed if timed.count(key) > 1), None)
+        if twice is not None:
+            raise ValueError(f"case {twice[0]} ({twice[1]}) is there twice; a unit times a case once in each mode")
+        return bench
+
+    @model_validator(mode="after")
+    def _status_follows_from_verdicts(self) -> GateResult:
+        # the renderings and the exit code read the status, a reader reads the verdicts beside it:
+        # a report where they disagree (edited, or half-copied) is refused instead of rendered
+        if self.parity is None:
+            if self.status == "passed":
+                raise ValueError(f"{self.unit} says passed, but holds no parity verdict")
+            return self
+        given, reason = status_of(self)
+        # over verdicts that pass (or stay ambiguous), a later step could not run: out of memory in
+        # a bench, nothing timed under --strict. Over a failure it would hide the failure's exit 1
+        later_step = self.status == "could_not_run" and given != "failed"
+        if self.status != given and not later_step:
+            raise ValueError(f"{self.unit} says {self.status}, but its verdicts give {given}"
+                             + (f" ({reason})" if given != "passed" and reason else ""))
+        return self
 
 
 class SkippedGate(Record):
@@ -302,7 +363,21 @@ class RunReport(Record):
     results: list[GateResult]
     skipped: list[SkippedGate] = Field(default_factory=list)
     exit_code: int
-    duration_s: float = 0.0
+    duration_s: Amount = 0.0
+
+    @field_validator("results")
+    @classmethod
+    def _each_unit_once(cls, results: list[GateResult]) -> list[GateResult]:
+        # a recording's preset and the gate's own of the same name (its saboteurs' unit) are two units
+        seen: dict[tuple, int] = {}
+        for i, r in enumerate(results):
+            source = (r.buffers.source, r.buffers.directory) if r.buffers else None
+            first = seen.setdefault((r.gate, r.preset, source), i)
+            if first != i:
+                buffers = f"{source[0]} buffers" + (f" {source[1]}" if source[1] else "") if source else "no buffers"
+                raise ValueError(f"{r.unit} ({buffers}) is there twice, as results {first} and {i}; a run judges "
+                                 "a gate at a preset once")
+        return results
 
 
 def slugify(text: str) -> str:
@@ -372,11 +447,37 @@ def read_versioned_json(
 
 def validation_summary(exc: ValidationError, limit: int = 5) -> str:
     problems = [
-        f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+        f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg'].removeprefix('Value error, ')}"
         for err in exc.errors()
     ]
     more = f" (and {len(problems) - limit} more)" if len(problems) > limit else ""
     return f"{len(problems)} problem(s): " + "; ".join(problems[:limit]) + more
+
+
+def status_of(result: GateResult) -> tuple[Status, str | None]:
+    """A judged result's status and its one-line reason, from its verdicts (parity, saboteurs,
+    benches): what the runner sets and what a loaded report must say."""
+    reasons = []
+    if not result.parity.passed:
+        reasons.append("parity: " + "; ".join(str(f) for f in result.parity.failures))
+    missed = [s.name for s in result.saboteurs if not s.caught]
+    if missed:
+        reasons.append(f"saboteurs not caught (the gate has no teeth for them): {missed}")
+    # a criterion that failed outright outranks another that stayed ambiguous
+    slow = [
+        f"{b.case} ({b.mode}): {c.detail}" for b in result.bench for c in b.criteria
+        if not c.passed and not c.ambiguous and not c.target
+    ]
+    if slow:
+        reasons.append("performance: " + "; ".join(slow))
+    if reasons:
+        return "failed", " | ".join(reasons)
+    if result.bench_errors:
+        return "could_not_run", "bench: " + "; ".join(f"{e.case} ({e.mode}): {e.message}" for e in result.bench_errors)
+    ambiguous = [f"{b.case} ({b.mode})" for b in result.bench if b.ambiguous]
+    if ambiguous:
+        return "ambiguous", f"timing stayed ambiguous against the noise floor for {ambiguous}"
+    return "passed", result.bench_skipped
 
 
 def run_exit_code(results: list[GateResult], skipped: list[SkippedGate], strict: bool) -> int:

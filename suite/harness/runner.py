@@ -28,7 +28,7 @@ import torch
 from suite.device_profile import active_profile
 from suite.errors import BadBuffers, CouldNotRun, SuiteError, UsageError
 from suite.harness import parity
-from suite.files.buffers import load_buffers
+from suite.files.buffers import load_buffers, read_manifest
 from suite.harness.fingerprint import fingerprint
 from suite.harness.gate import BenchCase, Buffers, Contender, Gate, Preset, Saboteur
 from suite.harness.results import (
@@ -42,6 +42,7 @@ from suite.harness.results import (
     SaboteurResult,
     SkippedGate,
     run_exit_code,
+    status_of,
 )
 from suite.harness.timers import CudaTimer, WallTimer
 from suite.harness.timing import (
@@ -239,6 +240,8 @@ class Runner:
         opts = self.options
         device = opts.device
         check_presets(gates, opts.presets)
+        if opts.buffers_dir is not None:
+            read_manifest(opts.buffers_dir)  # a recording that is not there: refused now, not after the saboteurs' unit
         units, skipped, refused = [], [], []
         for gate in gates:
             reason = None
@@ -352,8 +355,9 @@ class Runner:
         self._unit_peak = 0  # peaks seen before a contender's setup reset the counter
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        # it could not run until finish() judges it: a result holds no verdict yet
         run = UnitRun(unit, GateResult(gate=gate.name, arm=gate.arm_name, preset=preset.name,
-                                       preset_params=dict(preset.params), device=str(device), status="passed"),
+                                       preset_params=dict(preset.params), device=str(device), status="could_not_run"),
                       {}, time.perf_counter())
         with self._step(run):
             if preset.where == "cuda" and device.type != "cuda":
@@ -655,28 +659,3 @@ def host_probed(gate: Gate, case: BenchCase) -> bool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
-
-
-def status_of(result: GateResult) -> tuple[str, str | None]:
-    """A result's status and its one-line reason, from what it holds so far."""
-    reasons = []
-    if not result.parity.passed:
-        reasons.append("parity: " + "; ".join(str(f) for f in result.parity.failures))
-    missed = [s.name for s in result.saboteurs if not s.caught]
-    if missed:
-        reasons.append(f"saboteurs not caught (the gate has no teeth for them): {missed}")
-    # a criterion that failed outright outranks another that stayed ambiguous
-    slow = [
-        f"{b.case} ({b.mode}): {c.detail}" for b in result.bench for c in b.criteria
-        if not c.passed and not c.ambiguous and not c.target
-    ]
-    if slow:
-        reasons.append("performance: " + "; ".join(slow))
-    if reasons:
-        return "failed", " | ".join(reasons)
-    if result.bench_errors:
-        return "could_not_run", "bench: " + "; ".join(f"{e.case} ({e.mode}): {e.message}" for e in result.bench_errors)
-    ambiguous = [f"{b.case} ({b.mode})" for b in result.bench if b.ambiguous]
-    if ambiguous:
-        return "ambiguous", f"timing stayed ambiguous against the noise floor for {ambiguous}"
-    return "passed", result.bench_skipped

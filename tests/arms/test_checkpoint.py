@@ -170,3 +170,35 @@ def test_a_checkpoint_saved_on_a_gpu_names_map_location_on_a_machine_without_one
     with pytest.raises(UsageError, match="saved on cuda:0, which this machine lacks; pass map_location='cpu'"):
         load_checkpoint(root)
     assert load_checkpoint(root, map_location="cpu").state["w"].device.type == "cpu"
+
+
+def test_an_overwrite_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path):
+    """A `latest` link to a checkpoint had been replaced by a directory, and the link left behind
+    as a temporary; the link must stay and point at the new checkpoint, saved in its target's place."""
+    target = save_checkpoint(tmp_path / "runs" / "step-1", {"w": torch.ones(2)}, step=1)
+    link = tmp_path / "latest"
+    link.symlink_to(os.path.join("runs", "step-1"))
+    assert save_checkpoint(link, {"w": torch.zeros(2)}, step=2, overwrite=True) == link
+    assert link.is_symlink() and os.readlink(link) == os.path.join("runs", "step-1")
+    assert load_checkpoint(target).step == 2 and torch.equal(load_checkpoint(link).state["w"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "runs"]
+    assert [p.name for p in target.parent.iterdir()] == ["step-1"]  # no temporary beside the target either
+    with pytest.raises(UsageError, match="already holds something; pass overwrite=True"):
+        save_checkpoint(link, {"w": torch.ones(2)}, step=3)
+    assert link.is_symlink() and load_checkpoint(link).step == 2
+
+
+def test_a_tensor_safetensors_cannot_store_is_named_by_its_path_in_the_state(tmp_path):
+    state = {"model": {f"w{i}": torch.ones(2) for i in range(16)}, "complex": torch.ones(2, dtype=torch.complex64)}
+    with pytest.raises(UsageError, match=r"save_checkpoint: state\['complex'\] is torch.complex64, which safetensors "
+                                         r"does not store"):
+        save_checkpoint(tmp_path / "ckpt", state, step=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_symlink_that_loops_is_refused(tmp_path):
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    with pytest.raises(UsageError, match="is a symlink that loops"):
+        save_checkpoint(tmp_path / "a", {"w": torch.ones(2)}, step=1, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -331,11 +331,12 @@ def test_a_value_a_loop_never_sets_is_not_judged_and_the_other_still_is():
     values = scenario("loss-spike")
     params, plain_params = _tiny_params(), _tiny_params()
     opt, plain = SkipStepOptimizer(_adamw_fused(params)), _adamw_fused(plain_params)
-    for step in range(len(values)):
-        _grads(params, step)
-        _grads(plain_params, step)
-        opt.step()
-        plain.step()
+    with pytest.warns(UserWarning, match="neither latest_loss nor latest_grad_norm"):
+        for step in range(len(values)):
+            _grads(params, step)
+            _grads(plain_params, step)
+            opt.step()
+            plain.step()
     assert opt.skipped.item() == 0 and all(torch.equal(a, b) for a, b in zip(params, plain_params))
 
     params = _tiny_params()
@@ -345,8 +346,54 @@ def test_a_value_a_loop_never_sets_is_not_judged_and_the_other_still_is():
     report = monitor.report()
     assert report["skipped"] == 1 and report["spikes"] == 1 and report["nonfinite"] == 0
     assert report["window"] == 128 and math.isfinite(report["loss_mean"])
-    assert report["grad_norm_mean"] == 0.0 and report["grad_norm_std"] == 0.0  # no grad norm was ever set
+    assert report["grad_norm_mean"] is None and report["grad_norm_std"] is None  # no grad norm was ever set
     assert torch.isnan(opt.values[1]).all() and torch.isfinite(opt.values[0]).all()
+
+
+def test_the_monitor_says_none_for_a_row_with_no_value_yet():
+    opt = SkipStepOptimizer(_muon(_tiny_params()))
+    report = StabilityMonitor(opt).report()
+    assert report["window"] == 0
+    assert [report[k] for k in ("loss_mean", "loss_std", "grad_norm_mean", "grad_norm_std")] == [None] * 4
+    opt.latest_grad_norm = 2.5
+    opt.step()
+    report = StabilityMonitor(opt).report()
+    assert report["grad_norm_mean"] == 2.5 and report["loss_mean"] is None and report["loss_std"] is None
+
+
+def test_a_loop_that_sets_neither_value_is_warned_once_naming_the_setters(recwarn):
+    """It had stepped forever, judging nothing and skipping nothing, without a word."""
+    params = _tiny_params()
+    opt = SkipStepOptimizer(_muon(params), min_history=5)
+    for step in range(4):  # fewer unjudged steps than a window needs to judge: no warning yet
+        _grads(params, step)
+        opt.step()
+    assert not recwarn.list
+    _grads(params, 4)
+    with pytest.warns(UserWarning) as caught:
+        opt.step()
+    assert len(caught) == 1 and caught[0].filename == __file__  # pointed at the loop's step() call
+    message = str(caught[0].message)
+    assert "5 steps in a row with neither latest_loss nor latest_grad_norm set" in message
+    assert "opt.latest_loss = loss.detach()" in message
+    for step in range(5, 40):
+        _grads(params, step)
+        opt.step()
+    assert not recwarn.list  # once
+
+
+def test_a_loop_that_sets_one_value_or_starts_setting_them_late_is_not_warned(recwarn):
+    params = _tiny_params()
+    values = scenario("drift")
+    only_loss = SkipStepOptimizer(_muon(params), min_history=5)
+    _run(only_loss, params, values[:30], set_norm=False)
+    late_params = _tiny_params()
+    late = SkipStepOptimizer(_muon(late_params), min_history=5)
+    for step in range(4):  # a few steps before the loop sets values (a warm-up) is no mistake
+        _grads(late_params, step)
+        late.step()
+    _run(late, late_params, values[:30])
+    assert not recwarn.list
 
 
 def test_the_closures_loss_is_the_steps_loss():

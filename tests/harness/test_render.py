@@ -67,6 +67,90 @@ def test_load_report_takes_only_the_exit_code_its_results_give(tmp_path, exit_co
             load_report(path)
 
 
+def _parity_failed_but_listed_nothing(data):
+    data["results"][0]["parity"]["passed"] = False
+
+
+def _parity_failed_under_a_passed_status(data):
+    parity = data["results"][0]["parity"]
+    parity["passed"] = False
+    parity["failures"] = [{"check": "parity", "message": "y: relative error 9.5e-02 > limit 3.8e-03"}]
+
+
+def _status_failed_over_passing_verdicts(data):
+    data["results"][1]["status"] = "failed"
+    data["exit_code"] = 1
+
+
+def _bench_failed_under_a_passed_status(data):
+    data["results"][0]["bench"][0]["passed"] = False
+
+
+def _nan_error(data):
+    data["results"][0]["parity"]["tensors"][0]["arm_rel_l2"] = "NaN"
+
+
+def _negative_error(data):
+    data["results"][0]["parity"]["tensors"][0]["ref_rel_max"] = -1e-3
+
+
+def _negative_duration(data):
+    data["results"][0]["duration_s"] = -5.0
+
+
+def _negative_phase(data):
+    data["results"][0]["phases"] = {"parity": -0.5}
+
+
+def _nan_run_duration(data):
+    data["duration_s"] = "NaN"
+
+
+def _result_twice(data):
+    data["results"].append(data["results"][0])
+
+
+def _bench_case_twice(data):
+    data["results"][0]["bench"].append(data["results"][0]["bench"][0])
+
+
+CONTRADICTIONS = [
+    (_parity_failed_but_listed_nothing, "results.0.parity: passed is false, but it lists no failure"),
+    (_parity_failed_under_a_passed_status, "results.0: rmsnorm/medium says passed, but its verdicts give failed "
+                                           "(parity: parity: y: relative error 9.5e-02 > limit 3.8e-03)"),
+    (_status_failed_over_passing_verdicts, "results.1: muon/small says failed, but its verdicts give passed"),
+    (_bench_failed_under_a_passed_status, "results.0.bench.0: passed is false, but its criteria all passed"),
+    (_nan_error, "results.0.parity.tensors.0.arm_rel_l2: nan is not an error ratio"),
+    (_negative_error, "results.0.parity.tensors.0.ref_rel_max: -0.001 is not an error ratio"),
+    (_negative_duration, "results.0.duration_s: Input should be greater than or equal to 0"),
+    (_negative_phase, "results.0.phases.parity: Input should be greater than or equal to 0"),
+    (_nan_run_duration, "duration_s: Input should be a finite number"),
+    (_result_twice, "results: rmsnorm/medium (fresh buffers) is there twice, as results 0 and 3"),
+    (_bench_case_twice, "results.0.bench: case fwd (graph) is there twice"),
+]
+
+
+@pytest.mark.parametrize("edit, says", CONTRADICTIONS, ids=[edit.__name__[1:] for edit, _ in CONTRADICTIONS])
+def test_load_report_refuses_a_report_that_contradicts_itself(tmp_path, edit, says):
+    """An edited (or broken) report is refused with the one thing that is wrong, never rendered:
+    "status passed | parity FAILED" had exited 0."""
+    data = json.loads(to_json(make_report()))
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UsageError) as err:
+        load_report(path)
+    assert f"edited.json is not a valid run report: 1 problem(s): {says}" in str(err.value)
+
+
+def test_a_recording_and_the_gates_own_preset_of_one_name_are_two_results():
+    # `suite gate rmsnorm --buffers D` of a tiny recording also runs the saboteurs at the gate's own tiny preset
+    recorded = make_tolerance_result(preset="tiny", benches=[])
+    recorded.buffers = recorded.buffers.model_copy(update={"source": "loaded", "directory": "dumps/step1000"})
+    report = make_report(results=[recorded, make_tolerance_result(preset="tiny", benches=[])], skipped=[])
+    assert RunReport.model_validate_json(to_json(report)) == report
+
+
 def test_load_report_not_json_names_file_and_problem(tmp_path):
     path = tmp_path / "broken.json"
     path.write_text("{ not json")

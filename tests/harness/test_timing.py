@@ -984,13 +984,16 @@ def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch
     gate = SimpleNamespace(name="toy", host_probe="probe", preset=lambda name: SimpleNamespace(name=name),
                            make_buffers=lambda preset, seed, device: {})
     run = Runner(RunOptions(device=torch.device("cuda")))
-    case = SimpleNamespace(name="fwd")
+    case = SimpleNamespace(name="fwd", presets=None)
     first, later = {}, {}
     unit = Unit(gate=gate, preset=SimpleNamespace(name="big"))
     assert run._host_times(unit, case, contenders, first) == {"reference": 12.5, "arm": 12.5}
     assert list(first) == ["host probe fwd"]
     assert run._host_times(unit, case, contenders, later) == {"reference": 12.5, "arm": 12.5}
     assert later == {}
+    # a case timed only at other presets is never built at the probe's shape (moe-bwd's block)
+    only_big = SimpleNamespace(name="block", presets=("big",))
+    assert run._host_times(unit, only_big, contenders, later) == {} and later == {}
 
 
 @pytest.mark.cuda
