@@ -1,7 +1,8 @@
 """moe-bwd's block cases: the MoE block of a transformers model as a user runs it, with the model's
 router, its top-k and its experts module. Experts implementation "suite" (what
 `use_suite_experts` switches a model to) is timed against "grouped_mm" (transformers' stock), as
-eager calls of the block (`block`) and with the block under torch.compile (`block-compiled`).
+eager calls of the block (`block`) and with the block under torch.compile (`block-compiled`);
+beside them as a peer, Liger's experts (experts implementation "liger", gates/liger.py).
 
 The experts' weights come from the gate's buffers, put in the block's own layout (transformers 5's
 gate_up_proj [E, 2f, d] and down_proj [E, d, f]). The router's weight is drawn from a fixed
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gates import liger
 from gates.moe_peers import compiled, gate_up_layout, transformers5_missing
 from gates.moe_truth import experts_truth
 from suite.arms.moe import GateUpLayout, routing_from_topk
@@ -49,6 +51,12 @@ def block_missing(device: torch.device) -> str | None:
     """Both implementations go through transformers' experts interface; grouped_mm runs on any
     device (on cards without its CUTLASS kernels torch's fallback is what their users run)."""
     return transformers5_missing()
+
+
+def block_liger_missing(device: torch.device) -> str | None:
+    """The block with Liger's experts (experts implementation "liger"): transformers 5 and Liger's
+    fused MoE where it runs."""
+    return transformers5_missing() or liger.fused_moe_missing(device)
 
 
 def _parameters(buffers: Buffers, preset: Preset) -> list[nn.Parameter]:
@@ -93,6 +101,8 @@ def make_block(preset: Preset, buffers: Buffers, implementation: str,
         from suite.integrations.transformers import register
 
         register()
+    elif implementation == liger.EXPERTS_IMPLEMENTATION:
+        liger.register()
     import transformers
 
     module, prefix, ffn_name, experts_name = _FAMILIES.get(preset.name.removesuffix("-4k"), _FAMILIES["olmoe"])

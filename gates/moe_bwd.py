@@ -47,12 +47,14 @@ from gates.moe_block import (
     BLOCK_OUTPUTS,
     block_bytes,
     block_judged,
+    block_liger_missing,
     block_missing,
     block_outputs,
     block_truth,
     build_block,
 )
 from gates.moe_buffers import SKEWS, activation_of, buffer_params, make_buffers, routed_by_model
+from gates.liger import FULLGRAPH_BREAK, fused_moe_missing
 from gates.moe_truth import experts_truth, routing_truth
 from gates.moe_peers import (
     COMPILED_AT,
@@ -62,6 +64,7 @@ from gates.moe_peers import (
     grouped_mm_experts,
     grouped_mm_gate_up,
     grouped_mm_missing,
+    liger_experts,
     padded_bmm,
     sonicmoe_experts,
     sonicmoe_layout,
@@ -544,6 +547,12 @@ CONTENDERS = (
     Contender("sonicmoe", "peer", build_sonicmoe, unavailable=sonicmoe_missing, cases=("fwd+bwd",),
               note="SonicMoE 0.1.2 (Dao lab): CuTe DSL grouped GEMMs, its routing metadata kernel, on the same "
                    "routing and weights"),
+    # at the model presets (and interpreted on the CPU): its autotuner times up to 64 configs a
+    # kernel and shape on its first call, which `suite run` (top2-small) keeps out of its budget
+    Contender("liger fused_moe", "peer", _build(lambda routing, _: liger_experts(routing), gate_up_layout),
+              unavailable=fused_moe_missing, cases=EXPERT_CASES, note="Liger-Kernel's fused MoE (Triton; its routing "
+              "metadata kernels read the tile count on the host each call, its dprobs sums by atomics) from the top-k",
+              skip_presets=tuple(p.name for p in PRESETS if p.where == "cuda" and p.name not in COMPILED_AT)),
     Contender("arm compiled", "peer", _build_arm(compile_it=True), cases=("fwd+bwd",),
               note="the arm inside torch.compile(fullgraph=True): its custom ops as a compiled model calls them"),
     Contender("copy", "peer", _build_same_bytes_copy, cases=("combine-bwd",),
@@ -553,6 +562,10 @@ CONTENDERS = (
               cases=("block",), note="the model's MoE block, experts implementation grouped_mm (transformers' stock)"),
     Contender("block suite", "arm", build_block("suite"), unavailable=block_missing, cases=("block",),
               note="the same block after use_suite_experts: experts implementation suite"),
+    Contender("block liger", "peer", build_block("liger"), unavailable=block_liger_missing, cases=("block",),
+              note="the same block with Liger's experts (LigerExperts.forward, experts implementation liger)"),
+    Contender("block liger compiled", "peer", build_block("liger", compile_it=True), cases=("block-compiled",),
+              unavailable=lambda device: block_liger_missing(device) or FULLGRAPH_BREAK, note="Liger's block compiled"),
     Contender("block grouped_mm compiled", "reference", build_block("grouped_mm", compile_it=True),
               unavailable=block_missing, cases=("block-compiled",), note="the stock block under torch.compile"),
     Contender("block suite compiled", "arm", build_block("suite", compile_it=True), unavailable=block_missing,

@@ -1,7 +1,7 @@
 """The MoE experts a user would run instead of the arm, as gate moe-bwd times them beside it:
 torch._grouped_mm over the same expert-sorted rows (separate weights, or transformers 5's fused
-gate_up layout, eager or compiled), transformers' own grouped_mm experts, SonicMoE, and a
-padded batched matmul; each takes a routing made once at build time."""
+gate_up layout, eager or compiled), transformers' own grouped_mm experts, SonicMoE, Liger's fused
+MoE, and a padded batched matmul; each takes a routing made once at build time."""
 
 from __future__ import annotations
 
@@ -166,6 +166,23 @@ def sonicmoe_missing(device: torch.device) -> str | None:
                 "sonic-moe quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi "
                 "torch-c-dlpack-ext einops)")
     return None
+
+
+def liger_experts(routing) -> Callable:
+    """Liger-Kernel's fused MoE (LigerFusedMoEFunction: Triton grouped GEMMs after its own routing
+    metadata kernels, which read the tile count on the host each call) on the same routing,
+    given as LigerExperts gives it: the top-k ids in int32, their weights in x's dtype (a
+    transformers router's). Weights in transformers' layout (gate_up_layout), which is Liger's."""
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    if routing.capacity is not None:
+        raise ValueError("Liger's fused MoE takes no capacity factor: every routed slot is computed")
+    top_k_index = routing.expert_ids.to(torch.int32)
+
+    def run(x, routing, gate_up, down):
+        return LigerFusedMoEFunction.apply(x, gate_up, down, top_k_index, routing.probs.to(x.dtype))
+
+    return run
 
 
 def padded_bmm(routing) -> Callable:

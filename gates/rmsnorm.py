@@ -7,7 +7,6 @@ decades (so eps matters on the small ones), two outlier channels, and gradients 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 from functools import partial
@@ -16,6 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from gates.liger import liger_missing
 from suite.arms.rmsnorm import (
     reduce_dw_partials,
     rms_norm,
@@ -211,12 +211,6 @@ SABOTEURS = (
 # ---- bench: every contender declared once ----
 
 
-def _liger_missing(device: torch.device) -> str | None:
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install 'suite[peers]')"
-    return None
-
-
 def _liger(eps: float, offset: float) -> Callable:
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
@@ -278,7 +272,7 @@ CONTENDERS = (
               note="torch.compile of the eager reference"),
     Contender("arm compiled", "peer", _timed(_with(rms_norm, compiled=True, fullgraph=True)),
               note="the arm inside torch.compile(fullgraph=True): a compiled model using it"),
-    Contender("liger", "peer", _timed(_liger), unavailable=_liger_missing,
+    Contender("liger", "peer", _timed(_liger), unavailable=liger_missing,
               note="Liger-Kernel RMSNorm, gemma casting (fp32 math)"),
 )
 

@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import torch
 
+from gates.liger import fused_moe_missing, use_liger_experts
 from suite.errors import CouldNotRun
 from suite.harness.criteria import NotSlowerThan
 from suite.harness.gate import (
@@ -139,12 +140,13 @@ def buffer_params(buffers: Buffers) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Setup:
-    """The arms a contender switches on: RMSNorm ("auto" or "fused"), the fused experts, and the
-    optimizer ("adamw": torch's fused AdamW; "muon": suite's Muon over muon_param_groups; either
-    "-captured": in a CapturedOptimizer; "muon-experts": Muon with the expert weights in Muon too)."""
+    """The arms a contender switches on: RMSNorm ("auto" or "fused"), the experts ("suite": the fused
+    Triton experts; "liger": Liger's fused MoE, a peer), and the optimizer ("adamw": torch's fused
+    AdamW; "muon": suite's Muon over muon_param_groups; either "-captured": in a CapturedOptimizer;
+    "muon-experts": Muon with the expert weights in Muon too)."""
 
     rms_norm: str | None = None
-    experts: bool = False
+    experts: str | None = None
     optimizer: str = "adamw"
     # kernels switched on where the model has them (all arms on a dense model: no experts)
     where_present: bool = False
@@ -155,12 +157,13 @@ SETUPS = {
     "stock": Setup(),
     "rms_norm": Setup(rms_norm="auto"),
     "rms_norm fused": Setup(rms_norm="fused"),
-    "experts": Setup(experts=True),
+    "experts": Setup(experts="suite"),
     "adamw captured": Setup(optimizer="adamw-captured"),
-    "all arms": Setup(rms_norm="auto", experts=True, optimizer="adamw-captured", where_present=True),
+    "all arms": Setup(rms_norm="auto", experts="suite", optimizer="adamw-captured", where_present=True),
     "muon": Setup(optimizer="muon"),
     "muon captured": Setup(optimizer="muon-captured"),
     "muon experts": Setup(optimizer="muon-experts"),
+    "liger experts": Setup(experts="liger"),
 }
 
 
@@ -175,7 +178,8 @@ def prepare(setup: Setup, preset: Preset, buffers: Buffers) -> torch.nn.Module:
 
     model = build_model(preset, buffers, _dtype(preset))
     if setup.experts and (has_experts(model) or not setup.where_present):
-        hf.use_suite_experts(model)  # IntegrationError on a dense model: that contender is unavailable
+        # IntegrationError on a dense model: that contender is unavailable
+        (use_liger_experts if setup.experts == "liger" else hf.use_suite_experts)(model)
     if setup.rms_norm is not None:
         hf.apply_rms_norm(model, impl=setup.rms_norm)
     if setup.sabotage is not None:
@@ -424,10 +428,11 @@ def _build(name: str) -> Callable[[BenchCase, Buffers, Preset], Callable[[], Any
 
 
 def _contender(name: str, role: str, note: str, cases: tuple[str, ...] | None = None,
-               baseline: str | None = None, wide: bool = False) -> Contender:
+               baseline: str | None = None, wide: bool = False,
+               unavailable: Callable[[torch.device], str | None] = lambda device: None) -> Contender:
     """wide: timed at the wide presets too, where each contender holds a model of several GB."""
     return Contender(name, role, _build(name), note=note, cases=cases, baseline=baseline,
-                     skip_presets=() if wide else WIDE)
+                     skip_presets=() if wide else WIDE, unavailable=unavailable)
 
 
 EAGER_ONLY = ("step",)
@@ -451,6 +456,9 @@ CONTENDERS = (
     _contender("muon experts", "peer", "suite Muon with each expert's matrices stepped by Muon too "
                "(muon_param_groups(model, experts='muon')) against Muon with AdamW experts", cases=EAGER_ONLY,
                baseline="muon"),
+    # not at the wide presets: a fourth model there would pass one 80 GB card (_memory)
+    _contender("liger experts", "peer", "Liger-Kernel's fused MoE as the model's experts (LigerExperts.forward, "
+               "which Liger's apply_liger_kernel_to_* bind): gates/liger.py", unavailable=fused_moe_missing),
 )
 
 

@@ -194,3 +194,49 @@ def test_on_the_gpu_compiled_steps_have_no_graph_break_and_captured_optimizers_k
     result, outputs = parity.judge_arm(GATE, preset, buffers, expected, nondeterministic=GATE.nondeterministic)
     assert result.passed, result.failures
     assert {"adamw captured/params", "muon captured/params"} <= set(outputs)
+
+
+# ---- Liger-Kernel's fused MoE as the model's experts: a peer (the extra [peers]) ----
+
+
+def test_the_liger_peer_is_timed_beside_stock_and_says_why_it_cannot_run(monkeypatch):
+    import importlib.util
+
+    peer = next(c for c in GATE.contenders if c.name == "liger experts")
+    assert peer.role == "peer" and set(ts.WIDE) <= set(peer.skip_presets)  # a fourth wide model would not fit
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else found(name, *a))
+    assert peer.unavailable(torch.device("cpu")) == "liger-kernel is not installed (pip install 'suite[peers]')"
+
+
+def test_liger_experts_take_no_dense_model_nor_a_layout_they_cannot_read():
+    from gates.liger import use_liger_experts
+    from suite.integrations.transformers import IntegrationError
+
+    case = BenchCase("step", "one step", bytes=lambda p: 0)
+    dense = GATE.preset("tiny-llama")
+    with pytest.raises(IntegrationError, match="no experts module"):
+        ts._build("liger experts")(case, GATE.make_buffers(dense, 0, torch.device("cpu")), dense)
+    preset = GATE.preset("tiny-olmoe")
+    model = ts.build_model(preset, GATE.make_buffers(preset, 0, torch.device("cpu")), torch.float32)
+    model.model.layers[1].mlp.experts.is_transposed = True  # LigerExperts reads [E, 2f, d] alone
+    with pytest.raises(IntegrationError, match=r"layers\.1\.mlp\.experts: .*is_transposed=True"):
+        use_liger_experts(model)
+    assert model.config._experts_implementation != "liger"
+
+
+def test_a_step_with_liger_experts_passes_the_gates_tolerance_rule(olmoe):
+    """Where Liger runs (here interpreted, its autotuning pinned: gates/liger.py), the model with
+    its experts on Liger's fused MoE gives each step's per-token losses and the first gradients
+    within k x stock's own error against the float64 truth: judged as "all arms" is on the CPU."""
+    pytest.importorskip("liger_kernel")
+    preset, buffers, expected = olmoe
+    setup = ts.SETUPS["liger experts"]
+    assert ts.prepare(setup, preset, buffers).config._experts_implementation == "liger"
+
+    def liger(buffers, preset):
+        return ts._outputs("all arms", ts._run(setup, buffers, preset), bitwise=False)
+
+    result, outputs = parity.judge_arm(GATE, preset, buffers, expected, arm=liger, nondeterministic="atomics")
+    assert result.passed, result.failures
+    assert outputs["all arms/grad/model.layers.0.mlp.gate.weight"].abs().sum() > 0  # the router learns through it
