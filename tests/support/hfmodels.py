@@ -30,8 +30,10 @@ def tiny(family: str, **extra):
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **{**_SHAPE, "num_key_value_heads": 4})
         return transformers.DeepseekV3ForCausalLM(config)
     if family == "gemma4":  # Gemma 4's MoE (26B-A4B): GeGLU experts beside a dense MLP
+        # global_head_dim: its full-attention layer's heads, 512 by default: at Gemma 4's attention
+        # scaling of 1 their softmax is so sharp that the step's fp32 error grows up to 10x
         config = transformers.Gemma4TextConfig(
-            head_dim=8, intermediate_size=48, enable_moe_block=True, num_experts=4, top_k_experts=2,
+            head_dim=8, global_head_dim=8, intermediate_size=48, enable_moe_block=True, num_experts=4, top_k_experts=2,
             moe_intermediate_size=16, layer_types=["sliding_attention", "full_attention"], vocab_size_per_layer_input=64,
             hidden_size_per_layer_input=8, **_SHAPE)
         return transformers.Gemma4ForCausalLM(config)
