@@ -26,7 +26,7 @@ def loaded(monkeypatch):
     (["--case", "block", "--preset", "nope"], "gate 'moe-bwd' has no preset 'nope'; its presets are: tiny,"),
     (["--case", "block", "--preset", "tiny"], "case block is timed at ['olmoe', 'qwen3-30b-a3b', 'mixtral',"),
     (["--case", "block", "--preset", "mixtral-4k", "--contender", "arm"],
-     "['arm'] not timed in case block at mixtral-4k; its contenders: ['block grouped_mm', 'block suite']"),
+     "['arm'] not timed in case block at mixtral-4k; its contenders: ['block grouped_mm', 'block suite', 'block liger']"),
 ])
 def test_a_case_or_contender_not_timed_at_the_preset_is_a_usage_error(monkeypatch, capsys, argv, message):
     profile, profiled = loaded(monkeypatch)
