@@ -111,16 +111,9 @@ def experts_unsupported(module: nn.Module) -> str | None:
 def use_liger_experts(model: nn.Module) -> int:
     """Switch every experts module of a transformers model to Liger's fused MoE and return how
     many; a model with none, or one Liger cannot take, raises and is left as it was."""
-    from suite.integrations.transformers import IntegrationError, is_experts_module
+    from suite.integrations.transformers import checked_experts_modules
 
-    found = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
-    if not found:
-        raise IntegrationError(f"{type(model).__name__} has no experts module that transformers' experts interface "
-                               "dispatches (a class under @use_experts_implementation)")
-    for name, module in found:
-        reason = experts_unsupported(module)
-        if reason is not None:
-            raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
+    found = checked_experts_modules(model, experts_unsupported)
     register()
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return len(found)

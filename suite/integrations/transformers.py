@@ -23,7 +23,7 @@ import functools
 import inspect
 import textwrap
 import warnings
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -202,6 +202,21 @@ def _require_module(fn: str, model: object) -> None:
         raise TypeError(f"{fn}: model must be a torch.nn.Module (a transformers model), got {type(model).__name__}")
 
 
+def checked_experts_modules(model: nn.Module,
+                            unsupported: Callable[[nn.Module], str | None]) -> list[tuple[str, nn.Module]]:
+    """Every experts module of `model` (named), each one `unsupported` finds no reason against: a
+    model with none, or with one it refuses, raises IntegrationError naming the module."""
+    found = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
+    if not found:
+        raise IntegrationError(f"{type(model).__name__} has no experts module that transformers' experts interface "
+                               "dispatches (a class under @use_experts_implementation)")
+    for name, module in found:
+        reason = unsupported(module)
+        if reason is not None:
+            raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
+    return found
+
+
 def use_suite_experts(model: nn.Module) -> int:
     """Switch every experts module of `model` to the suite's kernels and return how many. Each
     is checked first: a model with none, or one the kernels cannot take, raises
@@ -209,14 +224,7 @@ def use_suite_experts(model: nn.Module) -> int:
     machine without CUDA the kernels run only under Triton's interpreter: without it, refused."""
     _require_module("use_suite_experts", model)
     register()
-    found = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
-    if not found:
-        raise IntegrationError(f"{type(model).__name__} has no experts module that transformers' experts interface "
-                               "dispatches (a class under @use_experts_implementation)")
-    for name, module in found:
-        reason = experts_unsupported(module)
-        if reason is not None:
-            raise IntegrationError(f"{name}: {reason}; the model was left unchanged")
+    found = checked_experts_modules(model, experts_unsupported)
     weights = found[0][1].gate_up_proj
     if not torch.cuda.is_available() and not triton_support.runs_on(weights):
         raise IntegrationError("use_suite_experts: this machine has no CUDA GPU, and the suite's Triton kernels run "
