@@ -240,13 +240,18 @@ class BenchResult(Record):
 
     @model_validator(mode="after")
     def _passed_follows_from_criteria(self) -> BenchResult:
-        # as timing.measure_bench sets it: a target (an aim) never fails a bench
-        decided = all(c.passed for c in self.criteria if not c.target) and not self.ambiguous
+        decided = bench_passed(self.criteria, self.ambiguous)
         if self.passed != decided:
             why = ("it is ambiguous" if self.ambiguous else
                    "its criteria all passed" if decided else "a criterion failed")
             raise ValueError(f"passed is {str(self.passed).lower()}, but {why}")
         return self
+
+
+def bench_passed(criteria: list[CriterionCheck], ambiguous: bool) -> bool:
+    """A bench's verdict from its criteria, as measure_bench sets it and a loaded report must
+    say: a target (an aim) never fails a bench, and an ambiguous one never passes."""
+    return all(c.passed for c in criteria if not c.target) and not ambiguous
 
 
 class CaseError(Record):

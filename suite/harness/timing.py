@@ -30,6 +30,7 @@ from suite.harness.results import (
     Recommendation,
     Role,
     TimingMode,
+    bench_passed,
 )
 
 
@@ -201,7 +202,7 @@ def measure_bench(
         calls_per_round=bench.calls_per_round, noise_floor=math.expm1(bench.floor_log),
         aa_log_ratios=bench.aa[bench.ref_name], peer_aa_log_ratios={name: bench.aa[name] for name in bench.judged},
         contenders=timings, comparisons=bench.comparisons, criteria=checks,
-        passed=all(c.passed for c in checks if not c.target) and not ambiguous, ambiguous=ambiguous,
+        passed=bench_passed(checks, ambiguous), ambiguous=ambiguous,
         host_probe=host_probe, recommendations=bench.recommendations() if case.recommend else [],
         duration_s=time.perf_counter() - bench.started)
 
