@@ -515,6 +515,7 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 # The native fused op itself, which torch.rms_norm reaches through one more dispatch (its
 # composite's checks): the same kernels and autograd node, so the same bits, for less host time.
 _native_rms_norm = torch._fused_rms_norm
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
 
 
 def _checked_scalars(eps, offset, fn: str = "rms_norm") -> tuple[float, float]:
@@ -540,9 +541,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         # Inside a CUDA-graph capture (and torch.compile) the host's cost is paid once: ours, the
         # faster kernels, everywhere.
         try:
-            needs_grad = _grad_enabled() and (x.requires_grad or weight.requires_grad)
-            native = (routes_to_native(x.numel(), x.is_cuda, x.dtype is weight.dtype, needs_grad)
-                      and x.dtype in FLOAT_DTYPES and weight.dim() == 1 and not _compiling() and not _capturing())
+            # routes_to_native written out (a test holds them equal): on this path each call and
+            # attribute read is host time F.rms_norm does not pay, and grad state is read only
+            # for the size class where it decides
+            dtype = x.dtype
+            native = (x.is_cuda and dtype is weight.dtype and _KERNELS_COMPILED
+                      and ((numel := x.numel()) < NATIVE_BELOW
+                           or numel < NATIVE_BELOW_WITH_GRAD and _grad_enabled()
+                           and (x.requires_grad or weight.requires_grad))
+                      and dtype in _FLOAT_DTYPE_SET and weight.dim() == 1 and not _compiling() and not _capturing())
         except AttributeError:
             native = False  # not tensors: _validate below names which
         if native:
