@@ -42,3 +42,23 @@ def test_a_case_other_than_fwd_bwd_profiles_its_own_contenders(monkeypatch, tmp_
     want = [c.name for c in profile.GATE.contenders_for(next(c for c in profile.GATE.benches if c.name == "combine-bwd"),
                                                         profile.GATE.preset("tiny"))]
     assert sorted(timed) == sorted(f"tiny/{name}" for name in want) and len(profiled) == len(want) >= 2
+
+
+def test_gaps_count_idle_device_time_once_and_name_the_kernel_each_held_back():
+    profile = load_script("moe_peer_profile")
+    # two overlapping kernels, a 30 us gap, one kernel, a 5 us gap, one more
+    span, busy, idle, gaps = profile.gaps_of([(0, 10, "a"), (5, 20, "b"), (50, 60, "c"), (65, 70, "d")])
+    assert (span, busy, idle) == (70, 35, 35)
+    assert gaps == [(30, "c"), (5, "d")]
+
+
+def test_timeline_runs_each_mode_of_the_case(monkeypatch, tmp_path):
+    profile, profiled = loaded(monkeypatch)
+    seen = []
+    monkeypatch.setattr(profile, "timeline", lambda call, calls, mode, path: seen.append((mode, path)) or dict(
+        span_ms=1.0, busy_ms=0.5, idle_ms=0.5, kernels=3.0, gaps=[(500.0, "k")], stalls={"cudaMalloc": 1.0}))
+    profile.main(["--timeline", "--case", "bwd", "--preset", "tiny", "--contender", "arm",
+                  "--json", str(tmp_path / "p.json")], CPU)
+    assert [mode for mode, _ in seen] == ["graph", "eager"] and not profiled
+    assert all(path.endswith(f"trace-tiny_arm-{mode}.json") for mode, path in seen)
+    assert json.loads((tmp_path / "p.json").read_text())["tiny/arm"]["eager"]["stalls"] == {"cudaMalloc": 1.0}
