@@ -500,14 +500,6 @@ NATIVE_BELOW_WITH_GRAD = 1 << 27  # 134 M elements, a forward that a backward fo
 IMPLS = ("auto", "fused")
 
 
-def routes_to_native(numel: int, on_cuda: bool, same_dtype: bool, needs_grad: bool) -> bool:
-    """Whether impl="auto" takes torch's native kernel: a compiled CUDA launch (not the
-    interpreter) of the size class where ours loses on the host (larger when a backward
-    follows), x and weight of one dtype (the native kernel's own rule)."""
-    return (on_cuda and _KERNELS_COMPILED and same_dtype
-            and numel < (NATIVE_BELOW_WITH_GRAD if needs_grad else NATIVE_BELOW))
-
-
 # Bound once: on the routed path every attribute lookup is host time the native op does not pay.
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
@@ -533,7 +525,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
     """RMSNorm over x's last dim; y in x's dtype, dx in x's dtype, dw in weight's dtype.
 
     impl="fused": our Triton kernels. impl="auto" (the default): the same, except where an eager
-    loop runs faster on torch's native kernel (`routes_to_native`: small CUDA tensors, outside
+    loop runs faster on torch's native kernel (small CUDA tensors, outside
     torch.compile and CUDA-graph capture), which then computes it."""
     if not (type(eps) is float and 0.0 <= eps < math.inf and type(offset) is float and math.isfinite(offset)):
         eps, offset = _checked_scalars(eps, offset)  # the plain floats above are the hot path
@@ -541,9 +533,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
         # Inside a CUDA-graph capture (and torch.compile) the host's cost is paid once: ours, the
         # faster kernels, everywhere.
         try:
-            # routes_to_native written out (a test holds them equal): on this path each call and
-            # attribute read is host time F.rms_norm does not pay, and grad state is read only
-            # for the size class where it decides
+            # A compiled CUDA launch (not the interpreter), x and weight of one dtype (the native
+            # op's own rule), of the size class where ours loses on the host: larger when a
+            # backward follows. Written inline, as each call here is host time F.rms_norm does
+            # not pay; grad state is read only in the class where it decides.
             dtype = x.dtype
             native = (x.is_cuda and dtype is weight.dtype and _KERNELS_COMPILED
                       and ((numel := x.numel()) < NATIVE_BELOW

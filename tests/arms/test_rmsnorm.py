@@ -499,22 +499,6 @@ def test_compiled_kernels_fit_rtx_shared_memory(monkeypatch, n):
     assert_fit_rtx(recorded)
 
 
-def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch):
-    monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
-    small, between, with_grad, large = 4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536
-    for needs_grad in (False, True):
-        assert arm.routes_to_native(small, True, True, needs_grad)
-        assert arm.routes_to_native(between, True, True, needs_grad)
-        assert not arm.routes_to_native(large, True, True, needs_grad)
-        assert not arm.routes_to_native(small, False, True, needs_grad)
-        assert not arm.routes_to_native(small, True, False, needs_grad)
-    # the class a backward widens: the native op when differentiated, ours for a forward alone
-    assert arm.routes_to_native(with_grad, True, True, needs_grad=True)
-    assert not arm.routes_to_native(with_grad, True, True, needs_grad=False)
-    monkeypatch.setattr(arm, "_KERNELS_COMPILED", False)  # the interpreter runs our kernels
-    assert not arm.routes_to_native(small, True, True, True)
-
-
 class _FakeTensor:
     """What rms_norm's routing reads of a tensor, on a machine without CUDA."""
 
@@ -529,32 +513,59 @@ class _FakeTensor:
         return self._dims
 
 
-@pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536])
-@pytest.mark.parametrize("training", [False, True])
-@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
-def test_rms_norm_routes_by_routes_to_native(monkeypatch, numel, training, weight_dtype):
-    """rms_norm's impl="auto" decides as routes_to_native does for every size class, grad state
-    and dtype pair (a routed call reaches the native op; the rest go on to our validation,
-    which the fakes fail)."""
+@pytest.fixture
+def routes(monkeypatch):
+    """routes(x, weight): whether rms_norm's impl="auto" takes the native op for these fakes, as a
+    compiled CUDA launch outside a capture (a routed call reaches the native op; the rest go on
+    to our validation, which the fakes fail)."""
     monkeypatch.setattr(arm, "_KERNELS_COMPILED", True)
     monkeypatch.setattr(arm, "_capturing", lambda: False)
     routed = []
     monkeypatch.setattr(arm, "_native_rms_norm", lambda *args: routed.append(args) or ["native"])
 
-    def routes(x, weight) -> bool:
+    def call(x, weight) -> bool:
         routed.clear()
         with contextlib.suppress(Exception):
             arm.rms_norm(x, weight)
         return bool(routed)
 
+    return call
+
+
+def test_auto_routes_only_small_compiled_cuda_launches_of_one_dtype(monkeypatch, routes):
+    small, between, with_grad, large = 4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536
+    bf16 = _FakeTensor(4096, torch.bfloat16)
+    for needs_grad in (False, True):
+        assert routes(_FakeTensor(small, torch.bfloat16, needs_grad), bf16)
+        assert routes(_FakeTensor(between, torch.bfloat16, needs_grad), bf16)
+        assert not routes(_FakeTensor(large, torch.bfloat16, needs_grad), bf16)
+        assert not routes(_FakeTensor(small, torch.bfloat16, needs_grad, is_cuda=False), bf16)
+        assert not routes(_FakeTensor(small, torch.bfloat16, needs_grad), _FakeTensor(4096, torch.float32))
+    # the class a backward widens: the native op when differentiated, ours for a forward alone
+    assert routes(_FakeTensor(with_grad, torch.bfloat16, requires_grad=True), bf16)
+    assert not routes(_FakeTensor(with_grad, torch.bfloat16, requires_grad=False), bf16)
+    monkeypatch.setattr(arm, "_KERNELS_COMPILED", False)  # the interpreter runs our kernels
+    assert not routes(_FakeTensor(small, torch.bfloat16, requires_grad=True), bf16)
+
+
+@pytest.mark.parametrize("numel", [4096 * 2048, 8192 * 2880, 16384 * 4096, 4096 * 65536])
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_routes_by_size_class_grad_state_and_dtypes(monkeypatch, routes, numel, training, weight_dtype):
+    """rms_norm's impl="auto" takes the native op for x and weight of one dtype below
+    NATIVE_BELOW, or NATIVE_BELOW_WITH_GRAD when a backward follows, for every size class, grad
+    state and dtype pair."""
+
+    def expected(needs_grad: bool) -> bool:
+        return weight_dtype is torch.bfloat16 and numel < (arm.NATIVE_BELOW_WITH_GRAD if needs_grad
+                                                           else arm.NATIVE_BELOW)
+
     x = _FakeTensor(numel, torch.bfloat16, requires_grad=training)
     weight = _FakeTensor(4096, weight_dtype)
-    same_dtype = weight_dtype is torch.bfloat16
-    assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype, needs_grad=training)
+    assert routes(x, weight) == expected(needs_grad=training)
     with torch.no_grad():  # no backward will follow: a forward alone's class
-        assert routes(x, weight) == arm.routes_to_native(numel, True, same_dtype, needs_grad=False)
-    cpu = _FakeTensor(numel, torch.bfloat16, training, is_cuda=False)
-    assert routes(cpu, weight) == arm.routes_to_native(numel, False, same_dtype, training) is False
+        assert routes(x, weight) == expected(needs_grad=False)
+    assert routes(_FakeTensor(numel, torch.bfloat16, training, is_cuda=False), weight) is False
     # the checks beside the rule: never a dtype ours refuses, a weight that is not 1-D, nor
     # inside torch.compile or a CUDA-graph capture
     assert not routes(_FakeTensor(numel, torch.float64, training), _FakeTensor(4096, torch.float64))
