@@ -29,7 +29,6 @@ class Settings:
     device: torch.device
     profile_choice: str  # what was asked for: auto, rtx or none
     interpret: bool  # Triton kernels run under its CPU interpreter
-    gpu_memory_cap: int | None = None  # bytes this process may allocate on the GPU (None: the card's)
 
     @property
     def profile(self) -> str:
@@ -90,11 +89,11 @@ def resolve_gpu_memory(option: str | None) -> float | None:
     return gib
 
 
-def _cap_gpu_memory(gib: float | None, device: torch.device) -> int | None:
+def _cap_gpu_memory(gib: float | None, device: torch.device) -> None:
     """Hold this process's CUDA allocations to `gib` (torch's per-process fraction: past it an
-    allocation raises OutOfMemoryError, as on a card of that size); the cap in bytes."""
+    allocation raises OutOfMemoryError, as on a card of that size)."""
     if gib is None or device.type != "cuda":
-        return None
+        return
     total = torch.cuda.get_device_properties(device).total_memory
     cap = int(gib * 2**30)
     if cap > total:
@@ -102,7 +101,6 @@ def _cap_gpu_memory(gib: float | None, device: torch.device) -> int | None:
                          "give at most that, or none for the whole card")
     index = device.index if device.index is not None else torch.cuda.current_device()  # it takes no bare "cuda"
     torch.cuda.set_per_process_memory_fraction(cap / total, index)
-    return cap
 
 
 def gpu_memory_cap(device: torch.device) -> int | None:
@@ -116,8 +114,7 @@ def configure(device: str = "auto", profile: str | None = None, gpu_memory: str 
     choice = resolve_profile(profile)
     gib = resolve_gpu_memory(gpu_memory)
     resolved = resolve_device(device)
-    cap = _cap_gpu_memory(gib, resolved)
+    _cap_gpu_memory(gib, resolved)
     os.environ["SUITE_PROFILE"] = choice
     os.environ["SUITE_GPU_MEMORY"] = "" if gib is None else f"{gib:g}"
-    return Settings(device=resolved, profile_choice=choice, interpret=_choose_triton_mode(resolved),
-                    gpu_memory_cap=cap)
+    return Settings(device=resolved, profile_choice=choice, interpret=_choose_triton_mode(resolved))

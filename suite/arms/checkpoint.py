@@ -186,7 +186,8 @@ def save_checkpoint(directory: str | Path, state: dict[str, Any], step: int, ove
                     at: Callable[[str], None] = lambda point: None) -> Path:
     """Write `state` as a checkpoint at `directory`, whole or not at all (see the module).
     An existing checkpoint there is replaced only with overwrite=True, and anything else is
-    never replaced; a symlink there stays, and what it points to is replaced. `at(point)` is called between the writer's steps (crash-injection tests)."""
+    never replaced; a symlink there stays, and what it points to is replaced. `at(point)` is
+    called between the writer's steps (crash-injection tests)."""
     if not isinstance(state, dict):
         raise UsageError(f"save_checkpoint: state is a {type(state).__name__}; pass a dict")
     if not isinstance(step, numbers.Integral) or isinstance(step, bool) or step < 0:
