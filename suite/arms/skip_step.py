@@ -479,7 +479,8 @@ class StabilityMonitor:
             grad_mean = grad_std = None
         new_skips = int(skipped) - self._skipped_reported
         self._skipped_reported = int(skipped)
-        return {"window": int(max(loss_n, grad_n)), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean, "loss_std": loss_std, "grad_norm_mean": grad_mean,
+        return {"window": int(max(loss_n, grad_n)), "sigma_factor": opt.sigma_factor, "loss_mean": loss_mean,
+                "loss_std": loss_std, "grad_norm_mean": grad_mean,
                 "grad_norm_std": grad_std, "skipped": int(skipped), "spikes": int(skipped - nonfinite),
                 "nonfinite": int(nonfinite), "skipped_since_last_report": new_skips,
                 "consecutive_skips": int(consecutive), "last_step_taken": factor == 1.0,

@@ -183,7 +183,8 @@ class Runner:
         free = self._free_memory() if free is None else free
         if free is None or self.options.presets or preset.memory_bytes <= free:
             return None
-        return f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the {_mib(free)} free on this GPU{_capped()}"
+        return (f"preset {preset.name} needs about {_mib(preset.memory_bytes)}, more than the {_mib(free)} free on "
+                f"this GPU{_capped()}")
 
     def _free_memory(self, planning: bool = False) -> int | None:
         """Free GPU memory, within the process's --gpu-memory cap where one is set (what a
