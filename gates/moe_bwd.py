@@ -425,8 +425,9 @@ def _on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
     """fn() on a CUDA stream of its own. Autograd runs each backward op on its forward op's
     stream: a backward whose forward ran on the legacy default stream cannot be captured (the
     H200 refused the bwd case so), one whose forward ran on a side stream joins the capture
-    through the engine's stream waits."""
-    if device.type != "cuda":
+    through the engine's stream waits. Called on a stream other than the default one, fn()
+    runs there: that stream can join a capture as it is."""
+    if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return fn()
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))

@@ -17,11 +17,15 @@ call runs as the bench's eager timer runs it (behind an untimed lead-in call) an
 case's graph mode, captured and replayed; printed a call: the span on the device, its busy
 time, the idle gaps (the largest with the kernel each held back), the kernel count and the
 CUDA runtime calls that can stall (syncs, copies, allocations); each chrome trace goes to $OUT.
+--one-stream: every build and call on one stream of its own, not the default stream, so the bwd
+case's forward (its build) and eager backward share a stream, as in a user's loop (the bench
+runs that forward on a side stream so its backward can be captured).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -115,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", action="store_true",
                         help="eager calls against graph replays: gaps, stalls and chrome traces (see above)")
+    parser.add_argument("--one-stream", action="store_true",
+                        help="build and call on one non-default stream (see above)")
     args = parser.parse_args(argv)
     bench = next(c for c in GATE.benches if c.name == args.case)
     args.names = {}
@@ -153,29 +159,39 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> N
     device = device or torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == args.case)
     figures = {}
-    for preset_name, names in args.names.items():
-        preset = GATE.preset(preset_name)
-        contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
-        buffers = GATE.make_buffers(preset, 0, device)
-        for name in names:
-            missing = contenders[name].unavailable(device)
-            if missing:
-                print(f"\n{preset_name} / {name}: unavailable ({missing})")
-                continue
-            call = contenders[name].build(bench, buffers, preset)
-            if args.timeline:
-                figures[f"{preset_name}/{name}"] = timelines(call, bench, f"{preset_name}/{name}", args.calls)
-                continue
-            times = kernel_times(call, args.calls)
-            figures[f"{preset_name}/{name}"] = times
-            rows = [(k[:90], f"{ms:.4f}", f"{100 * ms / sum(times.values()):.1f}%") for k, ms in list(times.items())[:args.top]]
-            print(f"\n{preset_name} / {name}: {sum(times.values()):.4f} ms of kernels a call, {len(times)} kernel names")
-            print(tabulate(rows, headers=("kernel", "ms/call", "share")))
-        del buffers
+    one_stream = args.one_stream and device.type == "cuda"
+    with torch.cuda.stream(torch.cuda.Stream(device)) if one_stream else contextlib.nullcontext():
+        for preset_name, names in args.names.items():
+            figures.update(profile_preset(args, bench, preset_name, names, device, " (one stream)" * one_stream))
     path = args.json or os.path.join(os.environ.get("OUT", "."), "moe_peer_profile.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(figures, fh, indent=1)
+
+
+def profile_preset(args, bench, preset_name: str, names: list[str], device: torch.device, suffix: str) -> dict:
+    """Each named contender of the preset profiled (or its timelines), printed; -> its figures,
+    keyed "preset/contender" and the suffix."""
+    figures = {}
+    preset = GATE.preset(preset_name)
+    contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
+    buffers = GATE.make_buffers(preset, 0, device)
+    for name in names:
+        label = f"{preset_name}/{name}{suffix}"
+        missing = contenders[name].unavailable(device)
+        if missing:
+            print(f"\n{label}: unavailable ({missing})")
+            continue
+        call = contenders[name].build(bench, buffers, preset)
+        if args.timeline:
+            figures[label] = timelines(call, bench, label, args.calls)
+            continue
+        times = kernel_times(call, args.calls)
+        figures[label] = times
+        rows = [(k[:90], f"{ms:.4f}", f"{100 * ms / sum(times.values()):.1f}%") for k, ms in list(times.items())[:args.top]]
+        print(f"\n{label}: {sum(times.values()):.4f} ms of kernels a call, {len(times)} kernel names")
+        print(tabulate(rows, headers=("kernel", "ms/call", "share")))
+    return figures
 
 
 if __name__ == "__main__":

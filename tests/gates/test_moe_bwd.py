@@ -258,6 +258,32 @@ def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
         del call, outputs, replay
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_bwd_case_built_on_a_stream_of_its_own_keeps_its_forward_there_and_captures():
+    """scripts/moe_peer_profile.py --one-stream: built on a non-default stream, the bwd case's
+    forward runs on that stream (no side stream of its own), eager backwards cross no streams,
+    and the call still captures and replays what an eager call computes."""
+    from suite.harness.timers import CudaTimer
+
+    cuda = torch.device("cuda")
+    own = torch.cuda.Stream(cuda)
+    assert moe_bwd._on_side_stream(torch.cuda.current_stream, cuda) != torch.cuda.current_stream(cuda)
+    with torch.cuda.stream(own):
+        assert moe_bwd._on_side_stream(torch.cuda.current_stream, cuda) == own
+        bench = next(c for c in GATE.benches if c.name == "bwd")
+        preset = GATE.preset("top2-small")
+        arm = next(c for c in GATE.contenders if c.name == "arm")
+        call = arm.build(bench, GATE.make_buffers(preset, 1, cuda), preset)
+        want = [t.clone() for t in call()]
+        outputs = []
+        replay = CudaTimer(cuda).capture(lambda: outputs.append(call()))
+        replay()
+        own.synchronize()
+    for got, expected in zip(outputs[-1], want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_grouped_mm_peer_computes_the_experts():
     from gates.moe_bwd import grouped_mm_experts
 
