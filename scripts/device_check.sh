@@ -9,7 +9,7 @@
 #   bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe   (a probe script)
 #   bash scripts/device_check.sh plan scripts/gpu-check.plan     (the check every change needs)
 # A plan installs once, then runs its lines in order, each "SECONDS MODE ARGS..." under its own
-# timeout (# starts a comment), and prints one line per step last: a call that runs out of time
+# timeout (# starts a comment; ARGS quoted as in a shell), and prints one line per step last: a call that runs out of time
 # still returns every step that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,8 +53,8 @@ case "$mode" in
       [[ -z "$limit" || "$limit" == \#* ]] && continue
       start=$SECONDS
       echo "== plan step: $step (at most ${limit} s)"
-      # shellcheck disable=SC2086  # a step's arguments split as written in the plan
-      timeout "$limit" bash "$0" $step
+      eval "args=($step)"  # split as a shell splits it: a quoted contender name stays one argument
+      timeout "$limit" bash "$0" "${args[@]}"
       status=$?
       [ $status -eq 124 ] && verdict="timed out" || verdict="exit $status"
       summary+=("$(printf '%-9s %5d s  %s' "$verdict" $((SECONDS - start)) "$step")")

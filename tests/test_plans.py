@@ -7,6 +7,7 @@ checked alike."""
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,10 @@ def steps(plan: Path) -> list[tuple[int | None, str, list[str]]]:
     for line in plan.read_text().splitlines():
         later = LATER.match(line)
         if later:
-            mode, *args = later.group(1).split()
+            mode, *args = shlex.split(later.group(1))
             found.append((None, mode, args))
         elif line.strip() and not line.startswith("#"):
-            limit, mode, *args = line.split()
+            limit, mode, *args = shlex.split(line)  # as device_check.sh splits it
             found.append((int(limit), mode, args))
     return found
 
@@ -91,5 +92,7 @@ def test_a_typo_in_a_step_is_caught(tmp_path):
     with pytest.raises(AssertionError):
         check_tests(["tests/arms/moe/test_nothing.py"])
     plan = tmp_path / "x.plan"
-    plan.write_text("700 suite run\n#   suite bench moe-bwd --preset olmoe   (a later call)\n")
-    assert steps(plan) == [(700, "suite", ["run"]), (None, "suite", ["bench", "moe-bwd", "--preset", "olmoe"])]
+    plan.write_text("700 suite run\n#   suite bench moe-bwd --preset olmoe   (a later call)\n"
+                    "9 python s.py --contender 'block suite compiled'\n")
+    assert steps(plan) == [(700, "suite", ["run"]), (None, "suite", ["bench", "moe-bwd", "--preset", "olmoe"]),
+                           (9, "python", ["s.py", "--contender", "block suite compiled"])]
