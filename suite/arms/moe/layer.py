@@ -330,12 +330,17 @@ def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.T
                          act: int, limit: float, want_dx: bool, want_gate_up: bool,
                          want_down: bool) -> list[torch.Tensor]:
     """-> [dx, dprobs, the weights' gradients, in their shapes]; an empty tensor for each one
-    not wanted (an op's list holds no None)."""
+    not wanted (an op's list holds no None).
+
+    a, gu and y_rows are the forward's saved activations; where the running backward keeps no
+    graph (read here, at run time: a compiled backward cannot trace the query) nothing reads
+    them after this op, and its temporaries go into them as the eager backward's do. Called
+    outside a backward (opcheck), the query says kept, and no input is written."""
     layout, activation = _layout_of(weights, transposed, concatenated), activation_of(act, limit)
     wanted = (want_dx, want_gate_up, want_down)
     dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row, activation), grad_out, x,
                                               probs, weights, layout, activation, a, gu, y_rows, token_of_row, offsets,
-                                              row_id_map, wanted=wanted)
+                                              row_id_map, reuse_saved=not _graph_kept(), wanted=wanted)
     return [t if t is not None else x.new_empty(0) for t in (dx, grad_probs, *grads)]
 
 

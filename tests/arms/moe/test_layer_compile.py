@@ -108,6 +108,44 @@ def test_a_models_fused_weights_compile_to_the_eager_bits_in_their_layout(transp
     assert got[2].stride() == gate_up.stride() and got[3].stride() == down.stride()
 
 
+def test_a_compiled_backward_reuses_the_saved_activations_only_where_no_graph_is_kept(monkeypatch):
+    """The backward op's temporaries go into the forward's a, gu and y_rows where the running
+    backward keeps no graph (the eager node's rule, read at run time inside the op); a kept graph
+    (retain_graph, with AOT's donated buffers off, else it refuses) keeps them intact: a second
+    backward through it gives the first one's bits, and both the eager ones."""
+    import torch._functorch.config as functorch_config
+
+    from suite.arms.moe import layer as moe_layer
+
+    reused = []
+    backward = moe_layer._experts_backward
+
+    def spy(*args, reuse_saved=False, **kwargs):
+        reused.append(reuse_saved)
+        return backward(*args, reuse_saved=reuse_saved, **kwargs)
+
+    monkeypatch.setattr(moe_layer, "_experts_backward", spy)
+    module = layer()
+    x, dy = inputs(9)
+    expected = out_and_grads(module, module, x, dy)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    reused.clear()
+    assert_same_bits(out_and_grads(compiled, module, x, dy), expected)
+    assert reused == [True]
+    params = [p for _, p in sorted(module.named_parameters())]
+    with functorch_config.patch(donated_buffer=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+        x_leaf = x.detach().requires_grad_()
+        out = compiled(x_leaf)
+        reused.clear()
+        kept = torch.autograd.grad(out, [x_leaf, *params], dy, retain_graph=True)
+        again = torch.autograd.grad(out, [x_leaf, *params], dy)
+    assert reused == [False, True]
+    assert_same_bits(list(kept), expected[1:])
+    assert_same_bits(list(again), expected[1:])
+
+
 def test_dynamic_token_counts_compile_once():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -267,6 +305,31 @@ def test_reduce_overhead_replays_cuda_graphs_with_the_eager_bits():
         x, dy = inputs(1000, torch.bfloat16, "cuda", hidden=256, seed=step)
         got = out_and_grads(compiled, module, x, dy)
         assert_same_bits(got, out_and_grads(module, module, x, dy))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_inductors_step_peaks_no_higher_than_the_eager_one():
+    """The compiled backward reuses the saved activations as the eager one does, so a compiled
+    forward + backward holds no buffer of gu's size ([2, R, f]) beyond the eager step's peak
+    (without the reuse: dgu and dx_rows, twice that)."""
+    tokens, hidden, ffn, k = 8192, 1024, 512, 2
+    module = layer(None, torch.bfloat16, "cuda", hidden=hidden, ffn=ffn, experts=8, k=k)
+    x, dy = inputs(tokens, torch.bfloat16, "cuda", hidden=hidden)
+    compiled = torch.compile(module, fullgraph=True)
+
+    def peak(fn):
+        out_and_grads(fn, module, x, dy)  # compiles, plans and autotunes outside the measure
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out_and_grads(fn, module, x, dy)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    gu_bytes = 2 * tokens * k * ffn * x.element_size()
+    eager, inductor = peak(module), peak(compiled)
+    assert inductor - eager < gu_bytes, (inductor, eager, gu_bytes)
 
 
 def test_the_z_loss_layer_traces_without_a_break():
