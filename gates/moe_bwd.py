@@ -188,6 +188,10 @@ PRESETS = (
     *(_gpu(f"{name}-4k", 4096, *widths, standard=False, note="the model's layer at 4096 tokens", weights="model")
       for name, widths in (("olmoe", (2048, 1024, 64, 8)), ("qwen3-30b-a3b", (2048, 768, 128, 8)),
                            ("mixtral", (4096, 14336, 8, 2)))),
+    # Qwen3-30B-A3B's layer at the 32768 tokens SonicMoE's paper measures it at: the arm's
+    # forward + backward TF/s beside grouped_mm's and SonicMoE's, on request (no compiled peers)
+    _gpu("qwen3-30b-a3b-32k", 32768, 2048, 768, 128, 8, standard=False, weights="model",
+         note="Qwen3-30B-A3B's layer at 32768 tokens, as SonicMoE measures it"),
     # `suite run` benches this one alone: the model presets take 0.5-1.5 min each on the H200
     _gpu("top2-small", 8192, 1024, 2816, 16, 2, in_all=True),
     # the edge cases on the GPU: parity on request (--preset), they time nothing new
