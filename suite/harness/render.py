@@ -276,6 +276,7 @@ def _bench_section(bench: BenchResult) -> list[str]:
                 c.note or None,
                 None if c.setup_s is None else f"setup {c.setup_s:.1f} s" + (
                     "" if c.setup_peak_bytes is None else f", {c.setup_peak_bytes / 2**30:.2f} GiB held at its peak"),
+                None if c.call_peak_bytes is None else f"a call holds {c.call_peak_bytes / 2**30:.3f} GiB at its peak",
                 None if c.gpu_busy_ms is None else f"GPU busy {c.gpu_busy_ms:.4f} ms of the step",
                 None if c.idle_start_tail_ms is None else
                 f"timed from an idle device (no lead-in call; {c.idle_start_tail_ms:.3f} ms queued at return)",
@@ -508,6 +509,7 @@ def render_baseline(baseline: Baseline, source: str) -> str:
             of_case = [e for e in entries if e.case == case]
             modes = list(dict.fromkeys(e.mode for e in of_case))
             setup = any(e.setup_s is not None for e in of_case)
+            held = any(e.call_peak_bytes is not None for e in of_case)
             recommended = any(e.recommendation is not None for e in of_case)
             rows = []
             for contender in dict.fromkeys(e.contender for e in of_case):
@@ -516,7 +518,7 @@ def render_baseline(baseline: Baseline, source: str) -> str:
                 lead = next(v for v in by_mode.values() if v)
                 medians = [e.median_ms for e in lead]
                 apart = max(medians) / min(medians) - 1 if len(medians) > 1 else None
-                peak = _center(lead, "setup_peak_bytes")
+                peak, call_peak = _center(lead, "setup_peak_bytes"), _center(mine, "call_peak_bytes")
                 rows.append([
                     contender, lead[0].role,
                     *[_f(_center(by_mode[m], "median_ms"), ".4f") if by_mode[m] else _DASH for m in modes],
@@ -524,12 +526,14 @@ def render_baseline(baseline: Baseline, source: str) -> str:
                     _pct(_center(lead, "ceiling_fraction")), _f(_center(mine, "host_us"), ".1f"),
                     *([_f(_center(lead, "setup_s"), ".1f"), _f(None if peak is None else peak / 2**30, ".2f")]
                       if setup else []),
+                    *([_f(None if call_peak is None else call_peak / 2**30, ".3f")] if held else []),
                     *([_advice(lead[-1].recommendation)] if recommended else []),
                     str(len(lead)), _pct(apart),
                 ])
             headers = ["contender", "role", *[f"{m} ms" for m in modes], f"TFLOP/s ({modes[0]})",
                        f"GB/s ({modes[0]})", "of ceiling", "host us/call",
                        *(["setup s (compile, capture)", "setup peak GiB"] if setup else []),
+                       *(["GiB a call holds (eager)"] if held else []),
                        *(["against its baseline (newest run) [95% CI]: advice"] if recommended else []),
                        "runs", "apart"]
             lines += [f"### {case}", "", markdown_table(headers, rows), ""]

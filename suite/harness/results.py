@@ -176,6 +176,9 @@ class ContenderTiming(Record):
     # most device memory it held above what was allocated before it
     setup_s: Amount | None = None
     setup_peak_bytes: int | None = None
+    # eager benches on CUDA: the most device memory one warm call held above what was allocated
+    # before it (its outputs and temporaries), beside every contender's
+    call_peak_bytes: int | None = None
     note: str = ""  # what the contender's setup saw (graph breaks, say)
 
 

@@ -58,6 +58,8 @@ class CudaTimer:
         if self.device.type != "cuda":
             raise ValueError(f"CudaTimer needs a CUDA device, got {self.device}")
         self._flush: torch.Tensor | None = None
+        # the device's peak before peak_bytes reset its counter, for a caller that tracks a run's
+        self.peak_before_reset = 0
 
     def _flush_buffer(self) -> torch.Tensor:
         if self._flush is None:
@@ -142,6 +144,18 @@ class CudaTimer:
                 torch.cuda.synchronize()
                 tails.append((time.perf_counter() - returned) * 1e3)
         return statistics.median(tails)
+
+    def peak_bytes(self, fn: Callable[[], Any]) -> int:
+        """The most device memory one call held above what was allocated when it began (its
+        outputs and temporaries; those of a call before it freed), from a drained queue."""
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            self.peak_before_reset = max(self.peak_before_reset, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - before
 
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost

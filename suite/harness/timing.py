@@ -181,7 +181,8 @@ def measure_bench(
 
     `progress` gets short status lines ("round 3/10"); the caller adds which bench it is.
     The steps, in order: cold calls, capture (graph mode), warm-up, the device's busy time
-    (cases that ask for it), rounds until every criterion is decided, the figures, the checks.
+    (cases that ask for it), each contender's memory a call (eager mode, on CUDA), rounds until
+    every criterion is decided, the figures, the checks.
     """
     bench = _Bench(case, mode, contenders, preset, criteria, policy, timer, progress or (lambda message: None),
                    ceilings, graph)
@@ -190,6 +191,7 @@ def measure_bench(
         bench.capture()
     bench.warm_up()
     bench.measure_busy()
+    bench.measure_peaks()
     bench.rounds()
     timings = bench.figures()
     checks = bench.checks()
@@ -239,6 +241,7 @@ class _Bench:
         self.cold: dict[str, float] = {}
         self.methods = {name: "" for name in self.fns}
         self.busy: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
 
     def _drop(self, name: str, what: str, exc: Exception) -> None:
         if self.roles[name] != "peer":
@@ -387,6 +390,14 @@ class _Bench:
                 self.say(f"device busy time of {name}")
                 self.busy[name] = self.timer.busy_ms(fn, self.windows[name])
 
+    def measure_peaks(self) -> None:
+        """Eager mode: the device memory each contender's warm call holds at its peak (a graph
+        replay's comes from the graph's own pool, allocated at capture)."""
+        if self.mode == "eager" and hasattr(self.timer, "peak_bytes"):
+            for name, fn in self.fns.items():
+                self.say(f"memory of a call of {name}")
+                self.peaks[name] = self.timer.peak_bytes(fn)
+
     def figures(self) -> list[ContenderTiming]:
         """Each contender's figures (median over rounds, throughput, share of the ceiling), and
         the GPU's busy time per call where the case asks for it."""
@@ -404,7 +415,8 @@ class _Bench:
                 round_medians_ms=list(self.series[c.name]), gbps=gbps, tflops=tflops,
                 ceiling_fraction=fraction, host_us=c.host_us, window=self.windows[c.name],
                 idle_start_tail_ms=self.idle_start.get(c.name), setup_s=c.setup_s,
-                setup_peak_bytes=c.setup_peak_bytes, note=c.note, gpu_busy_ms=self.busy.get(c.name)))
+                setup_peak_bytes=c.setup_peak_bytes, call_peak_bytes=self.peaks.get(c.name), note=c.note,
+                gpu_busy_ms=self.busy.get(c.name)))
         return timings
 
     # ---- the criteria, each decided by its CI against the floor --------------------------

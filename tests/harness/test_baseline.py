@@ -224,6 +224,20 @@ def test_save_keeps_each_contenders_host_time_per_call(tmp_path):
     assert {e.contender: e.host_us for e in entries} == {"reference": 12.5, "arm": 40.25}
 
 
+def test_save_keeps_the_memory_each_contenders_call_holds_and_the_page_gives_it(tmp_path):
+    from suite.harness.render import render_baseline
+
+    report = preset_run("small", "first")
+    for c in report.results[0].bench[0].contenders:
+        c.call_peak_bytes = {"reference": 3 << 30, "arm": 3 << 29}.get(c.name)
+    save_baseline(report, tmp_path)
+    baseline = load_baseline(tmp_path / "nvidia-h200" / "rmsnorm.json")
+    assert {e.contender: e.call_peak_bytes for e in baseline.entries} == {"reference": 3 << 30, "arm": 3 << 29}
+    page = render_baseline(baseline, "rmsnorm.json")
+    assert "GiB a call holds (eager)" in page
+    assert next(line for line in page.splitlines() if line.startswith("| arm ")).split("|")[-4].strip() == "1.500"
+
+
 def test_save_never_merges_across_machine_classes_or_into_an_unreadable_file(tmp_path):
     save_baseline(preset_run("small", "first", torch="2.11.0+cu130"), tmp_path)
     path = tmp_path / "nvidia-h200" / "rmsnorm.json"

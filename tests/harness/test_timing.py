@@ -629,6 +629,34 @@ class BusyTimer(FakeTimer):
         return self.busy[fn.name]
 
 
+class PeakTimer(FakeTimer):
+    held = {"reference": 3 << 30, "arm": 1 << 30, "peer": 2 << 30}
+
+    def peak_bytes(self, fn):
+        self.log.append(("peak", fn.name))
+        return self.held[fn.name]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_each_contenders_memory_a_call_is_measured_in_eager_mode_and_reported(mode):
+    """Beside its time, the memory a warm call of each contender holds (its outputs and
+    temporaries): eager mode only, where a call allocates (a replay's memory is its graph's pool)."""
+    log = []
+    timer = PeakTimer({"reference": (2.0, 0.01), "arm": (1.0, 0.01), "peer": (1.5, 0.01)}, log)
+    result = measure_bench(make_case(), mode, make_contenders("peer"), PRESET, NOT_SLOWER, None, POLICY, timer)
+    held = {c.name: c.call_peak_bytes for c in result.contenders}
+    text = "\n".join(render._bench_section(result))
+    if mode == "graph":
+        assert held == dict.fromkeys(held) and not [e for e in log if e[0] == "peak"]
+        assert "at its peak" not in text
+        return
+    assert held == PeakTimer.held
+    peaks = [i for i, e in enumerate(log) if e[0] == "peak"]
+    warm_up = [i for i, e in enumerate(log) if e[0] == "calls"]
+    assert len(peaks) == 3 and min(peaks) > warm_up[0]  # after the warm-up, not on a cold call
+    assert "a call holds 1.000 GiB at its peak" in text and "a call holds 3.000 GiB at its peak" in text
+
+
 def test_a_busy_bound_without_a_busy_time_fails_rather_than_divides_by_zero():
     case = make_case(modes=("eager",), gpu_busy=True, l2="warm")
     criterion = (BusyBound(1.05, presets=(PRESET.name,), cases=("fwd",)),)
@@ -1017,6 +1045,17 @@ def test_cuda_tail_is_the_device_work_a_call_leaves_queued():
 
     assert timer.tail_ms(lambda: torch.cuda._sleep(spin)) > 5.0  # returned at once, all of it queued
     assert timer.tail_ms(synced) < 1.0  # the host waited: nothing left
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peak_is_what_a_call_holds_above_what_it_found_and_keeps_the_peak_before():
+    timer = CudaTimer("cuda")
+    kept = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del kept  # a peak of 64 MiB before the measure, which the timer keeps for its caller
+    held = timer.peak_bytes(lambda: torch.empty(32 << 20, dtype=torch.uint8, device="cuda").fill_(1))
+    assert 32 << 20 <= held < 34 << 20
+    assert timer.peak_before_reset >= 64 << 20
 
 
 # ---- recommendations (BenchCase.recommend) -----------------------------------------------
