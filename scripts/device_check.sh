@@ -53,7 +53,12 @@ case "$mode" in
       [[ -z "$limit" || "$limit" == \#* ]] && continue
       start=$SECONDS
       echo "== plan step: $step (at most ${limit} s)"
-      eval "args=($step)"  # split as a shell splits it: a quoted contender name stays one argument
+      # split as tests/test_plans.py splits it (shlex): a quoted contender name stays one argument
+      mapfile -d '' -t args < <(python3 -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$step")
+      if [ ${#args[@]} -eq 0 ]; then
+        summary+=("not run: its quotes do not close: $step")
+        continue
+      fi
       timeout "$limit" bash "$0" "${args[@]}"
       status=$?
       [ $status -eq 124 ] && verdict="timed out" || verdict="exit $status"

@@ -18,8 +18,9 @@ case's graph mode, captured and replayed; printed a call: the span on the device
 time, the idle gaps (the largest with the kernel each held back), the kernel count and the
 CUDA runtime calls that can stall (syncs, copies, allocations); each chrome trace goes to $OUT.
 --one-stream: every build and call on one stream of its own, not the default stream, so the bwd
-case's forward (its build) and eager backward share a stream, as in a user's loop (the bench
-runs that forward on a side stream so its backward can be captured).
+case's forward (its build) and eager backward share a stream, as a loop's do (on its default
+stream, which the bench cannot use there: it runs that forward on a side stream so that its
+backward can be captured, and each eager backward then crosses from the caller's stream).
 """
 
 from __future__ import annotations

@@ -590,14 +590,14 @@ class Runner:
             policy = dataclasses.replace(policy, max_rounds=case.max_rounds,
                                          min_rounds=min(policy.min_rounds, case.max_rounds))
         timer = WallTimer(device) if mode == "wall" else CudaTimer(device)
-        result = measure_bench(
-            case, mode, timed, preset, gate.criteria, self._ceilings, policy, timer,
-            progress=self.progress.detail, rotation=len(sets),
-            host_probe=self._probe_name(gate) if host_us else None, graph=graph if mode == "eager" else None,
-        )
-        # the memory a call holds is measured from a reset counter: the peak before it stays the gate's
-        self._unit_peak = max(self._unit_peak, getattr(timer, "peak_before_reset", 0))
-        return result
+        try:
+            return measure_bench(
+                case, mode, timed, preset, gate.criteria, self._ceilings, policy, timer,
+                progress=self.progress.detail, rotation=len(sets),
+                host_probe=self._probe_name(gate) if host_us else None, graph=graph if mode == "eager" else None,
+            )
+        finally:  # the memory a call holds is measured from a reset counter: the peak before it stays the gate's
+            self._unit_peak = max(self._unit_peak, getattr(timer, "peak_before_reset", 0))
 
     @contextlib.contextmanager
     def _setup_measured(self, device: torch.device, into: dict | None) -> Iterator[None]:

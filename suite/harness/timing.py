@@ -394,9 +394,12 @@ class _Bench:
         """Eager mode: the device memory each contender's warm call holds at its peak (a graph
         replay's comes from the graph's own pool, allocated at capture)."""
         if self.mode == "eager" and hasattr(self.timer, "peak_bytes"):
-            for name, fn in self.fns.items():
+            for name, fn in list(self.fns.items()):
                 self.say(f"memory of a call of {name}")
-                self.peaks[name] = self.timer.peak_bytes(fn)
+                try:
+                    self.peaks[name] = self.timer.peak_bytes(fn)
+                except Exception as exc:  # a peer whose call fails here is reported, as at its first call
+                    self._drop(name, "a call measured for its memory", exc)
 
     def figures(self) -> list[ContenderTiming]:
         """Each contender's figures (median over rounds, throughput, share of the ceiling), and

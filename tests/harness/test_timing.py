@@ -651,10 +651,28 @@ def test_each_contenders_memory_a_call_is_measured_in_eager_mode_and_reported(mo
         assert "at its peak" not in text
         return
     assert held == PeakTimer.held
+    # one block after every warm-up, before the rounds: each round times every contender again
     peaks = [i for i, e in enumerate(log) if e[0] == "peak"]
-    warm_up = [i for i, e in enumerate(log) if e[0] == "calls"]
-    assert len(peaks) == 3 and min(peaks) > warm_up[0]  # after the warm-up, not on a cold call
+    assert peaks == list(range(peaks[0], peaks[0] + 3))
+    warmed = [e[1] for e in log[:peaks[0]] if e[0] == "calls"]
+    assert all(warmed.count(name) >= 2 for name in held)  # the sizing call, then a warm-up batch
+    rounds = [e[1] for e in log[peaks[-1] + 1:] if e[0] == "calls"]
+    assert len(rounds) >= result.rounds * result.calls_per_round * 3
     assert "a call holds 1.000 GiB at its peak" in text and "a call holds 3.000 GiB at its peak" in text
+
+
+def test_a_peer_whose_call_fails_when_its_memory_is_measured_is_dropped_with_the_error():
+    class FailingPeer(PeakTimer):
+        def peak_bytes(self, fn):
+            if fn.name == "peer":
+                raise RuntimeError("CUDA out of memory")
+            return super().peak_bytes(fn)
+
+    timer = FailingPeer({"reference": (2.0, 0.01), "arm": (1.0, 0.01), "peer": (1.5, 0.01)})
+    result = measure_bench(make_case(), "eager", make_contenders("peer"), PRESET, NOT_SLOWER, None, POLICY, timer)
+    peer = next(c for c in result.contenders if c.name == "peer")
+    assert peer.unavailable == "a call measured for its memory failed: RuntimeError: CUDA out of memory"
+    assert result.passed
 
 
 def test_a_busy_bound_without_a_busy_time_fails_rather_than_divides_by_zero():

@@ -198,7 +198,7 @@ class _ExpertsFunction(torch.autograd.Function):
         if ctx.compiled:
             ctx.plan = None
             out, *saved = _experts_op(x, probs, list(weights), token_of_row, offsets, row_id_map, *_flags(layout),
-                                      activation.mode, activation.kernel_limit)
+                                      activation.mode, activation.kernel_limit, torch.empty(0, device=x.device))
         else:
             ctx.plan = _plan(x, probs, weights, layout, token_of_row, activation)  # the backward's too: one lookup
             out, *saved = _experts_forward(ctx.plan, x, probs, weights, layout, activation, token_of_row, offsets,
@@ -308,14 +308,17 @@ def _layout_of(weights, transposed: bool, concatenated: bool) -> GateUpLayout | 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
 def _experts_op(x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor], token_of_row: torch.Tensor,
                 offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool, act: int,
-                limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                limit: float, call_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """call_token: an empty tensor of the call's own, never read. AOTAutograd's CSE merges pure
+    calls on the same inputs (a layer called twice on one x); the token keeps them two (CSE
+    leaves aten.empty alone), so each backward writes into its own call's saved buffers."""
     layout, activation = _layout_of(weights, transposed, concatenated), activation_of(act, limit)
     return _experts_forward(_plan(x, probs, weights, layout, token_of_row, activation), x, probs, weights, layout,
                             activation, token_of_row, offsets, row_id_map)
 
 
 @_experts_op.register_fake
-def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated, act, limit):
+def _(x, probs, weights, token_of_row, offsets, row_id_map, transposed, concatenated, act, limit, call_token):
     layout = _layout_of(weights, transposed, concatenated)
     rows = token_of_row.shape[0]
     _, d, f = (weights[0] if layout is None else layout.gate_up_views(weights[0])[0]).shape
@@ -332,16 +335,23 @@ def _experts_backward_op(grad_out: torch.Tensor, x: torch.Tensor, probs: torch.T
     """-> [dx, dprobs, the weights' gradients, in their shapes]; an empty tensor for each one
     not wanted (an op's list holds no None).
 
-    a, gu and y_rows are the forward's saved activations; where the running backward keeps no
-    graph (read here, at run time: a compiled backward cannot trace the query) nothing reads
-    them after this op, and its temporaries go into them as the eager backward's do. Called
-    outside a backward (opcheck), the query says kept, and no input is written."""
+    a, gu and y_rows are the forward's saved activations, its call's own (`_experts_op`'s
+    call_token); where the running backward keeps no graph (read here, at run time: a compiled
+    backward cannot trace the query) nothing reads them after this op, and its temporaries go
+    into them as the eager backward's do. Not while a CUDA graph captures it: a replay repeats
+    the choice made at capture, whatever graph it then runs in. Called outside a backward
+    (opcheck), the query says kept, and no input is written."""
     layout, activation = _layout_of(weights, transposed, concatenated), activation_of(act, limit)
     wanted = (want_dx, want_gate_up, want_down)
     dx, grad_probs, grads = _experts_backward(_plan(x, probs, weights, layout, token_of_row, activation), grad_out, x,
                                               probs, weights, layout, activation, a, gu, y_rows, token_of_row, offsets,
-                                              row_id_map, reuse_saved=not _graph_kept(), wanted=wanted)
+                                              row_id_map, reuse_saved=_dies_here(x), wanted=wanted)
     return [t if t is not None else x.new_empty(0) for t in (dx, grad_probs, *grads)]
+
+
+def _dies_here(x: torch.Tensor) -> bool:
+    """Whether the compiled backward running now is the last reader of its saved activations."""
+    return not _graph_kept() and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 @_experts_backward_op.register_fake

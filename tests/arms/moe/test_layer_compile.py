@@ -146,6 +146,29 @@ def test_a_compiled_backward_reuses_the_saved_activations_only_where_no_graph_is
     assert_same_bits(list(again), expected[1:])
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_one_layer_called_twice_on_one_input_keeps_two_sets_of_saved_activations(backend):
+    """AOTAutograd's CSE merges pure calls on the same inputs: without the call's own token the
+    two forwards become one, and the first backward's temporaries land in the activations the
+    second one reads (gradients off by whole units)."""
+    module = layer()
+    x, dy = inputs(9)
+    other = torch.randn(dy.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 1e-2
+
+    def twice(x):
+        return module(x), module(x)
+
+    def grads(fn):
+        x_leaf = x.detach().requires_grad_()
+        params = [p for _, p in sorted(module.named_parameters())]
+        return torch.autograd.grad(fn(x_leaf), [x_leaf, *params], (dy, other))
+
+    expected = grads(twice)
+    got = grads(torch.compile(twice, fullgraph=True, backend=backend))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-7)
+
+
 def test_dynamic_token_counts_compile_once():
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -221,8 +244,9 @@ def test_opcheck_passes_for_each_op():
             for transposed in (False, True) for concatenated in (True, False))):
         # plain SwiGLU; the clamped ones and GeGLU (the activation's mode, limit) on the three weights alone
         for act in ((0, 0.0), (1, 0.6), (2, 0.3), (3, 0.0))[:4 if given is weights else 1]:
-            torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, given, *layout, *flags, *act))
-            out, a, gu, y_rows = torch.ops.suite.moe_experts(x, probs, given, *layout, *flags, *act)
+            token = torch.empty(0, device=DEVICE)
+            torch.library.opcheck(torch.ops.suite.moe_experts, (x, probs, given, *layout, *flags, *act, token))
+            out, a, gu, y_rows = torch.ops.suite.moe_experts(x, probs, given, *layout, *flags, *act, token)
             grad_out = torch.randn_like(out)
             for wanted in ((True, True, True), (True, False, False), (False, False, True)):  # all, frozen, x too
                 torch.library.opcheck(torch.ops.suite.moe_experts_backward,
