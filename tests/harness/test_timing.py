@@ -1042,6 +1042,36 @@ def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch
     assert run._host_times(unit, only_big, contenders, later) == {} and later == {}
 
 
+def test_the_gates_peak_keeps_what_came_before_a_memory_measure_even_when_the_case_raises(monkeypatch):
+    """A call measured for its memory resets the device's peak counter; the runner folds the
+    peak before it into the gate's, after the bench and when the bench raises (an OOM in a
+    round), so the gate's peak (parity's, usually the largest) is never lost."""
+    from types import SimpleNamespace
+
+    from suite.harness import runner as runner_module
+    from suite.harness.runner import RunOptions, Runner
+
+    class ResetTimer:
+        def __init__(self, device):
+            self.peak_before_reset = 7 << 30
+
+    def raising(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(runner_module, "CudaTimer", ResetTimer)
+    gate = SimpleNamespace(name="toy", host_probe=None, criteria=())
+    case = make_case(l2="warm")
+    run = Runner(RunOptions(device=torch.device("cuda")))
+    for bench_returns in (lambda *a, **k: "timed", raising):
+        monkeypatch.setattr(runner_module, "measure_bench", bench_returns)
+        run._unit_peak = 1 << 30
+        try:
+            assert run._time_case(gate, case, "eager", [], {}, PRESET, {}) == "timed"
+        except torch.cuda.OutOfMemoryError:
+            assert bench_returns is raising
+        assert run._unit_peak == 7 << 30
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("flush_l2, lead_in, calls", [(False, True, 1 + 3 * 2), (False, False, 3 * 2), (True, True, 3 * 2)])
