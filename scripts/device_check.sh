@@ -9,8 +9,8 @@
 #   bash scripts/device_check.sh python scripts/moe_tune.py --preset olmoe   (a probe script)
 #   bash scripts/device_check.sh plan scripts/gpu-check.plan     (the check every change needs)
 # A plan installs once, then runs its lines in order, each "SECONDS MODE ARGS..." under its own
-# timeout (# starts a comment; ARGS quoted as in a shell), and prints one line per step last: a call that runs out of time
-# still returns every step that finished.
+# timeout (# starts a comment; ARGS quoted as in a shell), and prints one line per step last:
+# a call that runs out of time still returns every step that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -54,7 +54,8 @@ case "$mode" in
       start=$SECONDS
       echo "== plan step: $step (at most ${limit} s)"
       # split as tests/test_plans.py splits it (shlex): a quoted contender name stays one argument
-      mapfile -d '' -t args < <(python3 -c 'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$step")
+      mapfile -d '' -t args < <(python3 -c \
+        'import shlex, sys; sys.stdout.write("\0".join(shlex.split(sys.argv[1])))' "$step")
       if [ ${#args[@]} -eq 0 ]; then
         summary+=("not run: its quotes do not close: $step")
         continue

@@ -218,7 +218,8 @@ def _entries_of(result: GateResult, run_id: str) -> list[BaselineEntry]:
             run_id=run_id, median_ms=c.median_ms, round_medians_ms=c.round_medians_ms, gbps=c.gbps,
             tflops=c.tflops, ceiling_fraction=c.ceiling_fraction, noise_floor=bench.noise_floor,
             host_us=c.host_us, setup_s=c.setup_s, setup_peak_bytes=c.setup_peak_bytes,
-            call_peak_bytes=c.call_peak_bytes, recommendation=next((r for r in bench.recommendations if r.contender == c.name), None),
+            call_peak_bytes=c.call_peak_bytes,
+            recommendation=next((r for r in bench.recommendations if r.contender == c.name), None),
         )
         for bench in result.bench
         for c in bench.contenders

@@ -44,7 +44,7 @@ from suite.harness.results import (
     run_exit_code,
     status_of,
 )
-from suite.harness.timers import CudaTimer, WallTimer
+from suite.harness.timers import CudaTimer, WallTimer, memory_held
 from suite.harness.timing import (
     Rotation,
     Timed,
@@ -596,7 +596,7 @@ class Runner:
                 progress=self.progress.detail, rotation=len(sets),
                 host_probe=self._probe_name(gate) if host_us else None, graph=graph if mode == "eager" else None,
             )
-        finally:  # the memory a call holds is measured from a reset counter: the peak before it stays the gate's
+        finally:  # a call's memory is measured from a reset counter: the peak before it stays the gate's
             self._unit_peak = max(self._unit_peak, getattr(timer, "peak_before_reset", 0))
 
     @contextlib.contextmanager
@@ -607,18 +607,16 @@ class Runner:
         if into is None:
             yield
             return
-        cuda = device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(device)
-            self._unit_peak = max(self._unit_peak, torch.cuda.max_memory_allocated(device))
-            torch.cuda.reset_peak_memory_stats(device)
-            before = torch.cuda.memory_allocated(device)
-        started = time.perf_counter()
-        yield
-        if cuda:
-            torch.cuda.synchronize(device)
-            into["setup_peak_bytes"] = torch.cuda.max_memory_allocated(device) - before
-        into["setup_s"] = time.perf_counter() - started
+        if device.type != "cuda":
+            started = time.perf_counter()
+            yield
+            into["setup_s"] = time.perf_counter() - started
+            return
+        with memory_held(device) as found:
+            self._unit_peak = max(self._unit_peak, found.prior_peak)
+            started = time.perf_counter()
+            yield
+        into["setup_s"], into["setup_peak_bytes"] = time.perf_counter() - started, found.held
 
     def _probe_name(self, gate: Gate) -> str:
         probe = gate.preset(gate.host_probe)

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -48,6 +49,30 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@dataclass
+class HeldMemory:
+    """What `memory_held` saw: the device's peak before it reset the counter, and the most memory
+    held inside above what was allocated when it began."""
+
+    prior_peak: int = 0
+    held: int = 0
+
+
+@contextlib.contextmanager
+def memory_held(device: torch.device) -> Iterator[HeldMemory]:
+    """The device memory the work inside holds at its peak, from a drained queue and a reset
+    peak counter; the peak before the reset is in `prior_peak` at once, for a caller that
+    tracks a whole run's."""
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        found = HeldMemory(prior_peak=torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        yield found
+        torch.cuda.synchronize()
+        found.held = torch.cuda.max_memory_allocated() - before
 
 
 class CudaTimer:
@@ -148,14 +173,10 @@ class CudaTimer:
     def peak_bytes(self, fn: Callable[[], Any]) -> int:
         """The most device memory one call held above what was allocated when it began (its
         outputs and temporaries; those of a call before it freed), from a drained queue."""
-        with torch.cuda.device(self.device):
-            torch.cuda.synchronize()
-            self.peak_before_reset = max(self.peak_before_reset, torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+        with memory_held(self.device) as found:
+            self.peak_before_reset = max(self.peak_before_reset, found.prior_peak)
             fn()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - before
+        return found.held
 
     def time_cold(self, fn: Callable[[], Any]) -> float:
         # wall clock, not events: compile and autotune are host work, the first call's cost

@@ -308,7 +308,8 @@ def _layout_of(weights, transposed: bool, concatenated: bool) -> GateUpLayout | 
 @torch.library.custom_op("suite::moe_experts", mutates_args=())
 def _experts_op(x: torch.Tensor, probs: torch.Tensor, weights: list[torch.Tensor], token_of_row: torch.Tensor,
                 offsets: torch.Tensor, row_id_map: torch.Tensor, transposed: bool, concatenated: bool, act: int,
-                limit: float, call_token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                limit: float, call_token: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """call_token: an empty tensor of the call's own, never read. AOTAutograd's CSE merges pure
     calls on the same inputs (a layer called twice on one x); the token keeps them two (CSE
     leaves aten.empty alone), so each backward writes into its own call's saved buffers."""
