@@ -312,8 +312,9 @@ def build_sonicmoe(case: BenchCase, buffers: Buffers, preset: Preset) -> Callabl
 def _on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
     """fn() off the legacy default stream. Autograd runs each backward op on its forward op's
     stream: a backward whose forward ran on the default stream cannot be captured (the H200
-    refused the bwd case so), one whose forward ran on another stream (a side stream of its
-    own, or the caller's when not the default) joins the capture through the engine's waits."""
+    refused the bwd case so), one whose forward ran on another stream (the caller's when not the
+    default, as the bench's own stream for this case is; else a side stream of its own) joins
+    the capture through the engine's waits."""
     if device.type != "cuda" or torch.cuda.current_stream(device) != torch.cuda.default_stream(device):
         return fn()
     side = torch.cuda.Stream(device)
@@ -501,8 +502,8 @@ BENCHES = (
     # three GEMMs forward (6 T k d f), six backward (12 T k d f)
     BenchCase("fwd+bwd", "forward, then the backward for x, the weights and probs", bytes=_fwd_bwd_bytes,
               flops=_gemm_flops(18), ceiling="gemm"),
-    BenchCase("bwd", "the backward alone, on a forward run at build time (on a side stream, see "
-              "_on_side_stream)", bytes=_bwd_bytes, flops=_gemm_flops(12), ceiling="gemm"),
+    BenchCase("bwd", "the backward alone, on a forward run at build time (on the case's own stream, where "
+              "each backward runs too)", bytes=_bwd_bytes, flops=_gemm_flops(12), ceiling="gemm", own_stream=True),
     BenchCase("combine-bwd", "the combine's backward: grad_rows and grad_probs", bytes=_combine_bwd_bytes),
     # the whole layer as a model calls it, eager calls only: the reference finds each expert's
     # rows per call (a sync), so it cannot be captured, and host time is half of what is asked

@@ -16,11 +16,9 @@ $OUT/moe_peer_profile.json (or --json) too.
 call runs as the bench's eager timer runs it (behind an untimed lead-in call) and, in the
 case's graph mode, captured and replayed; printed a call: the span on the device, its busy
 time, the idle gaps (the largest with the kernel each held back), the kernel count and the
-CUDA runtime calls that can stall (syncs, copies, allocations); each chrome trace goes to $OUT.
---one-stream: every build and call on one stream of its own, not the default stream, so the bwd
-case's forward (its build) and eager backward share a stream, as a loop's do (on its default
-stream, which the bench cannot use there: it runs that forward on a side stream so that its
-backward can be captured, and each eager backward then crosses from the caller's stream).
+CUDA runtime calls that can stall (syncs, copies, allocations); each chrome trace goes to $OUT,
+named by case, preset and contender. A case the bench builds and times on a stream of its own
+(BenchCase.own_stream: the bwd case) is built and run on one here too.
 """
 
 from __future__ import annotations
@@ -120,8 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None)
     parser.add_argument("--timeline", action="store_true",
                         help="eager calls against graph replays: gaps, stalls and chrome traces (see above)")
-    parser.add_argument("--one-stream", action="store_true",
-                        help="build and call on one non-default stream (see above)")
     args = parser.parse_args(argv)
     bench = next(c for c in GATE.benches if c.name == args.case)
     args.names = {}
@@ -160,25 +156,25 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> N
     device = device or torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == args.case)
     figures = {}
-    one_stream = args.one_stream and device.type == "cuda"
-    with torch.cuda.stream(torch.cuda.Stream(device)) if one_stream else contextlib.nullcontext():
+    own_stream = bench.own_stream and device.type == "cuda"  # as the bench runs the case
+    with torch.cuda.stream(torch.cuda.Stream(device)) if own_stream else contextlib.nullcontext():
         for preset_name, names in args.names.items():
-            figures.update(profile_preset(args, bench, preset_name, names, device, " (one stream)" * one_stream))
+            figures.update(profile_preset(args, bench, preset_name, names, device))
     path = args.json or os.path.join(os.environ.get("OUT", "."), "moe_peer_profile.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump(figures, fh, indent=1)
 
 
-def profile_preset(args, bench, preset_name: str, names: list[str], device: torch.device, suffix: str) -> dict:
+def profile_preset(args, bench, preset_name: str, names: list[str], device: torch.device) -> dict:
     """Each named contender of the preset profiled (or its timelines), printed; -> its figures,
-    keyed "preset/contender" and the suffix."""
+    keyed "case preset/contender"."""
     figures = {}
     preset = GATE.preset(preset_name)
     contenders = {c.name: c for c in GATE.contenders_for(bench, preset)}
     buffers = GATE.make_buffers(preset, 0, device)
     for name in names:
-        label = f"{preset_name}/{name}{suffix}"
+        label = f"{bench.name} {preset_name}/{name}"
         missing = contenders[name].unavailable(device)
         if missing:
             print(f"\n{label}: unavailable ({missing})")

@@ -112,6 +112,11 @@ class BenchCase:
     # a recommendation per contender: faster than its baseline beyond the noise floor, or not
     recommend: bool = False
     presets: tuple[str, ...] | None = None  # the presets it is timed at (None: every one)
+    # built and timed on a CUDA stream of its own: a backward whose forward ran at build time runs
+    # on that forward's stream, so building it there keeps each eager backward on the stream its
+    # timing's events are on, as a user's loop keeps it (crossing from the legacy default stream
+    # each call left the device idle between kernels: docs/judging.md, "A stream of its own")
+    own_stream: bool = False
 
 
 @dataclass(frozen=True)

@@ -567,6 +567,30 @@ class Runner:
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             count = rotation_sets(sum(t.nbytes for t in buffers.values()), l2)
             sets += [{n: t.clone() for n, t in buffers.items()} for _ in range(count - 1)]
+        with self._case_stream(case, device):
+            return self._build_and_time(gate, case, mode, contenders, sets, preset, host_us, graph)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _case_stream(case: BenchCase, device: torch.device) -> Iterator[None]:
+        """The case's builds and timings on a stream of its own where it asks for one (see
+        BenchCase.own_stream), after what the default stream has queued (its buffers); the
+        default stream waits for it in turn, however the case ends."""
+        if not (case.own_stream and device.type == "cuda"):
+            yield
+            return
+        caller = torch.cuda.current_stream(device)
+        own = torch.cuda.Stream(device)
+        own.wait_stream(caller)
+        try:
+            with torch.cuda.stream(own):
+                yield
+        finally:
+            caller.wait_stream(own)
+
+    def _build_and_time(self, gate: Gate, case: BenchCase, mode: str, contenders: list[Contender], sets: list[Buffers],
+                        preset: Preset, host_us: dict[str, float | None], graph: BenchResult | None) -> BenchResult:
+        device = self.options.device
         timed = []
         for contender in contenders:
             reason = contender.unavailable(device)

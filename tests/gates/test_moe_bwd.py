@@ -233,17 +233,19 @@ def test_every_contenders_timed_call_can_be_captured_and_replayed(case):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_bwd_case_built_on_a_stream_of_its_own_keeps_its_forward_there_and_captures():
-    """scripts/moe_peer_profile.py --one-stream: built on a non-default stream, the bwd case's
-    forward runs on that stream (no side stream of its own), eager backwards cross no streams,
-    and the call still captures and replays what an eager call computes."""
+    """The bwd case asks for a stream of its own (the bench and scripts/moe_peer_profile.py build
+    and time it there): built on a non-default stream, its forward runs on that stream (no side
+    stream of its own), eager backwards cross no streams, and the call still captures and
+    replays what an eager call computes."""
     from suite.harness.timers import CudaTimer
 
     cuda = torch.device("cuda")
     own = torch.cuda.Stream(cuda)
     assert moe_bwd._on_side_stream(torch.cuda.current_stream, cuda) != torch.cuda.current_stream(cuda)
+    bench = next(c for c in GATE.benches if c.name == "bwd")
+    assert bench.own_stream
     with torch.cuda.stream(own):
         assert moe_bwd._on_side_stream(torch.cuda.current_stream, cuda) == own
-        bench = next(c for c in GATE.benches if c.name == "bwd")
         preset = GATE.preset("top2-small")
         arm = next(c for c in GATE.contenders if c.name == "arm")
         call = arm.build(bench, GATE.make_buffers(preset, 1, cuda), preset)

@@ -127,3 +127,43 @@ def test_a_case_that_raises_is_its_own_error_and_the_other_cases_keep_their_figu
     assert (error.case, error.mode) == ("broken", "wall") and "compiled peers" in error.message and error.traceback
     assert result.status == "could_not_run"
     assert result.reason == "bench: broken (wall): RuntimeError while running: compiled peers are timed at olmoe only"
+
+
+def _stream_seen(device: torch.device):
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _own_stream_gate(seen: list, device: torch.device):
+    """toygate's bench gate with each case on a stream of its own, its arm noting the stream
+    each build and each call ran on."""
+    arm = next(c for c in toygate.BENCH_GATE.contenders if c.role == "arm")
+
+    def build(case, buffers, preset):
+        seen.append(("build", _stream_seen(device)))
+        call = arm.build(case, buffers, preset)
+        return lambda: seen.append(("call", _stream_seen(device))) or call()
+
+    return dataclasses.replace(
+        toygate.BENCH_GATE, benches=tuple(dataclasses.replace(b, own_stream=True) for b in toygate.BENCH_GATE.benches),
+        contenders=tuple(dataclasses.replace(c, build=build) if c is arm else c for c in toygate.BENCH_GATE.contenders))
+
+
+def test_a_case_on_a_stream_of_its_own_is_timed_as_any_other_off_cuda():
+    seen = []
+    result = runner()._run_unit(Unit(_own_stream_gate(seen, torch.device("cpu")), toygate.PRESET, bench=True))
+    assert result.bench and all(b.contenders for b in result.bench) and not result.bench_errors
+    assert {what for what, _ in seen} == {"build", "call"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_case_on_a_stream_of_its_own_builds_and_calls_there_and_leaves_the_default_stream_current():
+    """BenchCase.own_stream: every build and timed call of the case on one stream, not the
+    legacy default one (moe-bwd's bwd case: its backward runs where its build's forward ran)."""
+    cuda = torch.device("cuda")
+    seen = []
+    result = Runner(RunOptions(device=cuda))._run_unit(Unit(_own_stream_gate(seen, cuda), toygate.PRESET, bench=True))
+    assert result.bench and not result.bench_errors
+    streams = {stream for _, stream in seen}
+    assert len(streams) == 1 and streams != {torch.cuda.default_stream(cuda)}
+    assert torch.cuda.current_stream(cuda) == torch.cuda.default_stream(cuda)
