@@ -44,7 +44,10 @@ if [ ! -d /tmp/quack-cache ] && ls .sonic/jit/quack-cache.tgz.* >/dev/null 2>&1;
 fi
 mode=${1:-tests}; shift || true
 case "$mode" in
-  tests) python3 -m pytest -q -m cuda "$@" 2>&1 | tee -a "$out/cuda-tests.log"; rc=${PIPESTATUS[0]} ;;
+  # each test's name and verdict into the log as it ends, so a step cut off by its timeout
+  # still says which tests finished; the console gets the log's tail
+  tests) python3 -m pytest -v -m cuda "$@" >>"$out/cuda-tests.log" 2>&1; rc=$?
+    grep -E "FAILED|ERROR|passed|failed" "$out/cuda-tests.log" | tail -40 ;;
   suite) python3 -m cli "$@" --reports "$out/reports"; rc=$? ;;
   python) python3 "$@"; rc=$? ;;
   plan)
