@@ -24,7 +24,6 @@ named by case, preset and contender. A case the bench builds and times on a stre
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gzip
 import json
 import os
@@ -37,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from gates.moe_bwd import GATE
 from suite.errors import UsageError
+from suite.harness.runner import case_stream
 from suite.harness.timers import CudaTimer
 
 DEFAULT_CONTENDERS = ("arm", "sonicmoe", "grouped_mm gate|up compiled")
@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None, device: torch.device | None = None) -> N
     device = device or torch.device("cuda")
     bench = next(c for c in GATE.benches if c.name == args.case)
     figures = {}
-    own_stream = bench.own_stream and device.type == "cuda"  # as the bench runs the case
-    with torch.cuda.stream(torch.cuda.Stream(device)) if own_stream else contextlib.nullcontext():
+    with case_stream(bench, device):  # as the bench runs the case
         for preset_name, names in args.names.items():
             figures.update(profile_preset(args, bench, preset_name, names, device))
     path = args.json or os.path.join(os.environ.get("OUT", "."), "moe_peer_profile.json")

@@ -567,26 +567,8 @@ class Runner:
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             count = rotation_sets(sum(t.nbytes for t in buffers.values()), l2)
             sets += [{n: t.clone() for n, t in buffers.items()} for _ in range(count - 1)]
-        with self._case_stream(case, device):
+        with case_stream(case, device):
             return self._build_and_time(gate, case, mode, contenders, sets, preset, host_us, graph)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _case_stream(case: BenchCase, device: torch.device) -> Iterator[None]:
-        """The case's builds and timings on a stream of its own where it asks for one (see
-        BenchCase.own_stream), after what the default stream has queued (its buffers); the
-        default stream waits for it in turn, however the case ends."""
-        if not (case.own_stream and device.type == "cuda"):
-            yield
-            return
-        caller = torch.cuda.current_stream(device)
-        own = torch.cuda.Stream(device)
-        own.wait_stream(caller)
-        try:
-            with torch.cuda.stream(own):
-                yield
-        finally:
-            caller.wait_stream(own)
 
     def _build_and_time(self, gate: Gate, case: BenchCase, mode: str, contenders: list[Contender], sets: list[Buffers],
                         preset: Preset, host_us: dict[str, float | None], graph: BenchResult | None) -> BenchResult:
@@ -669,11 +651,30 @@ class Runner:
             us = None
             if contender.unavailable(device) is None:
                 try:
-                    us = timer.host_us(contender.build(case, buffers, probe))
+                    with case_stream(case, device):  # the calls the bench times, on the stream it times them
+                        us = timer.host_us(contender.build(case, buffers, probe))
                 except Exception:  # a peer that cannot run on the probe shape has no figure
                     if contender.role != "peer":
                         raise
             self._host_us[(gate.name, case.name, contender.name)] = us
+
+
+@contextlib.contextmanager
+def case_stream(case: BenchCase, device: torch.device) -> Iterator[None]:
+    """A case's builds and calls on a stream of its own where it asks for one (see
+    BenchCase.own_stream), after what the caller's stream has queued (its buffers); the caller's
+    stream waits for it in turn, however the case ends."""
+    if not (case.own_stream and device.type == "cuda"):
+        yield
+        return
+    caller = torch.cuda.current_stream(device)
+    own = torch.cuda.Stream(device)
+    own.wait_stream(caller)
+    try:
+        with torch.cuda.stream(own):
+            yield
+    finally:
+        caller.wait_stream(own)
 
 
 def host_probed(gate: Gate, case: BenchCase) -> bool:

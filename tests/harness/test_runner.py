@@ -158,12 +158,15 @@ def test_a_case_on_a_stream_of_its_own_is_timed_as_any_other_off_cuda():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_case_on_a_stream_of_its_own_builds_and_calls_there_and_leaves_the_default_stream_current():
-    """BenchCase.own_stream: every build and timed call of the case on one stream, not the
-    legacy default one (moe-bwd's bwd case: its backward runs where its build's forward ran)."""
+    """BenchCase.own_stream: every build and call of the case, the host probe's too, on one
+    stream, not the legacy default one (moe-bwd's bwd case: its backward runs where its build's
+    forward ran)."""
     cuda = torch.device("cuda")
     seen = []
-    result = Runner(RunOptions(device=cuda))._run_unit(Unit(_own_stream_gate(seen, cuda), toygate.PRESET, bench=True))
+    gate = dataclasses.replace(_own_stream_gate(seen, cuda), host_probe=toygate.PRESET.name)
+    result = Runner(RunOptions(device=cuda))._run_unit(Unit(gate, toygate.PRESET, bench=True))
     assert result.bench and not result.bench_errors
+    assert all(c.host_us is not None for b in result.bench for c in b.contenders if not c.unavailable)
     streams = {stream for _, stream in seen}
     assert len(streams) == 1 and streams != {torch.cuda.default_stream(cuda)}
     assert torch.cuda.current_stream(cuda) == torch.cuda.default_stream(cuda)
