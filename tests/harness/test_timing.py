@@ -1030,7 +1030,7 @@ def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch
     gate = SimpleNamespace(name="toy", host_probe="probe", preset=lambda name: SimpleNamespace(name=name),
                            make_buffers=lambda preset, seed, device: {})
     run = Runner(RunOptions(device=torch.device("cuda")))
-    case = SimpleNamespace(name="fwd", presets=None)
+    case = SimpleNamespace(name="fwd", presets=None, own_stream=False)
     first, later = {}, {}
     unit = Unit(gate=gate, preset=SimpleNamespace(name="big"))
     assert run._host_times(unit, case, contenders, first) == {"reference": 12.5, "arm": 12.5}
@@ -1038,7 +1038,7 @@ def test_the_host_probe_is_a_phase_of_the_first_preset_that_needs_it(monkeypatch
     assert run._host_times(unit, case, contenders, later) == {"reference": 12.5, "arm": 12.5}
     assert later == {}
     # a case timed only at other presets is never built at the probe's shape (moe-bwd's block)
-    only_big = SimpleNamespace(name="block", presets=("big",))
+    only_big = SimpleNamespace(name="block", presets=("big",), own_stream=False)
     assert run._host_times(unit, only_big, contenders, later) == {} and later == {}
 
 
